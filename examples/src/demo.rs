@@ -1,0 +1,273 @@
+//! `payments demo`: publish a burst with duplicates and bad messages, consume it,
+//! and check the ledger against what was meant to happen.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use diesel::prelude::*;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemq::{Runtime, StatsSnapshot};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use crate::{accounts, apply_payment, ledger, topology, PaymentRequested, QUEUE};
+
+/// How big a burst to send.
+#[derive(Debug, Clone, Copy)]
+pub struct DemoConfig {
+    /// Distinct payments.
+    pub payments: usize,
+    /// Every n-th payment is published twice.
+    pub duplicate_every: usize,
+    /// Accounts the payments spread over.
+    pub accounts: usize,
+    /// Deliveries processed at once.
+    pub concurrency: usize,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            payments: 2_000,
+            duplicate_every: 10,
+            accounts: 10,
+            concurrency: 16,
+        }
+    }
+}
+
+/// What the demo saw.
+#[derive(Debug)]
+pub struct DemoReport {
+    /// Messages published (payments, their duplicates, bad ones).
+    pub published: usize,
+    /// The runtime's counters.
+    pub stats: StatsSnapshot,
+    /// Time from the consumer's start to the last settled delivery.
+    pub consume_time: Duration,
+    /// Whether the ledger and balances equal the expected sums.
+    pub ledger_ok: bool,
+    /// Lines explaining any mismatch.
+    pub mismatches: Vec<String>,
+}
+
+type DemoError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Runs the demo against `amqp_url` and `database_url` (migrations included).
+///
+/// # Errors
+/// When a service is unreachable or the burst is not consumed within two minutes.
+pub async fn run(
+    amqp_url: &str,
+    database_url: &str,
+    config: DemoConfig,
+) -> Result<DemoReport, DemoError> {
+    crate::migrate(database_url).await?;
+    let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+
+    let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    topology().declare(&channel).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+
+    // The burst: distinct payments, some published twice, and a few bad messages.
+    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+    let mut bodies: Vec<Vec<u8>> = Vec::new();
+    for i in 0..config.payments {
+        let account = format!("demo-{run_id}-acct-{}", i % config.accounts.max(1));
+        let amount_cents = 100 + (i as i64 * 37) % 9_900;
+        let payment = PaymentRequested {
+            payment_id: format!("demo-{run_id}-pay-{i}"),
+            account,
+            amount_cents,
+        };
+        *expected.entry(payment.account.clone()).or_default() += amount_cents;
+        let body = serde_json::to_vec(&payment)?;
+        if config.duplicate_every > 0 && i % config.duplicate_every == 0 {
+            bodies.push(body.clone());
+        }
+        bodies.push(body);
+    }
+    let bad: [&[u8]; 5] = [
+        b"this is not json",
+        br#"{"account": "x", "amount_cents": 1}"#,
+        br#"{"payment_id": "", "account": "x", "amount_cents": 1}"#,
+        br#"{"payment_id": "p", "account": "x", "amount_cents": "ten"}"#,
+        br#"{"payment_id": null, "account": "x", "amount_cents": 1}"#,
+    ];
+    bodies.extend(bad.iter().map(|b| b.to_vec()));
+    // Same key, different payload: a client bug, dead-lettered as a conflict.
+    let first = PaymentRequested {
+        payment_id: format!("demo-{run_id}-pay-0"),
+        account: format!("demo-{run_id}-acct-0"),
+        amount_cents: 1,
+    };
+    bodies.push(serde_json::to_vec(&first)?);
+
+    let props = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into());
+    let mut confirms = Vec::with_capacity(bodies.len());
+    for body in &bodies {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        };
+        confirms.push(
+            channel
+                .basic_publish("".into(), QUEUE.into(), options, body, props.clone())
+                .await?,
+        );
+    }
+    for confirm in confirms {
+        match confirm.await? {
+            Confirmation::Ack(None) => {}
+            other => return Err(format!("publish not confirmed: {other:?}").into()),
+        }
+    }
+    let _ = connection.close(200, "published".into()).await;
+    let published = bodies.len();
+
+    let runtime = Runtime::builder()
+        .amqp_url(amqp_url)
+        .database_url(database_url)
+        .topology(topology())
+        .consume(QUEUE, apply_payment)
+        .concurrency(config.concurrency)
+        .build()?;
+    let stats = runtime.stats();
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let consumer = tokio::spawn(runtime.run(shutdown.clone()));
+
+    let deadline = started + Duration::from_secs(120);
+    let settled = |s: StatsSnapshot| s.applied + s.duplicates + s.dead_lettered;
+    while settled(stats.snapshot()) < published as u64 {
+        if Instant::now() > deadline || consumer.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let consume_time = started.elapsed();
+    shutdown.cancel();
+    consumer.await??;
+    let stats = stats.snapshot();
+    if settled(stats) < published as u64 {
+        return Err(format!(
+            "only {} of {published} messages were settled within two minutes",
+            settled(stats)
+        )
+        .into());
+    }
+
+    let mismatches = check_ledger(database_url, &run_id, &expected, config.payments).await?;
+    Ok(DemoReport {
+        published,
+        stats,
+        consume_time,
+        ledger_ok: mismatches.is_empty(),
+        mismatches,
+    })
+}
+
+/// Compares this run's ledger rows and balances with the expected sums.
+async fn check_ledger(
+    database_url: &str,
+    run_id: &str,
+    expected: &BTreeMap<String, i64>,
+    payments: usize,
+) -> Result<Vec<String>, DemoError> {
+    let mut conn = AsyncPgConnection::establish(database_url).await?;
+    let pattern = format!("demo-{run_id}-%");
+    let rows: i64 = ledger::table
+        .filter(ledger::payment_id.like(&pattern))
+        .count()
+        .get_result(&mut conn)
+        .await?;
+    let mut mismatches = Vec::new();
+    if rows != payments as i64 {
+        mismatches.push(format!(
+            "ledger has {rows} rows for this run, expected {payments} (one per payment)"
+        ));
+    }
+    let sums: Vec<(String, Option<diesel::data_types::PgNumeric>)> = ledger::table
+        .filter(ledger::payment_id.like(&pattern))
+        .group_by(ledger::account)
+        .select((ledger::account, diesel::dsl::sum(ledger::amount_cents)))
+        .load(&mut conn)
+        .await?;
+    let ledger_sums: BTreeMap<String, i64> = sums
+        .into_iter()
+        .map(|(account, sum)| (account, sum.map_or(0, |n| numeric_to_i64(&n))))
+        .collect();
+    let balances: BTreeMap<String, i64> = accounts::table
+        .filter(accounts::account.like(&pattern))
+        .load::<(String, i64)>(&mut conn)
+        .await?
+        .into_iter()
+        .collect();
+    for (account, want) in expected {
+        let in_ledger = ledger_sums.get(account).copied().unwrap_or(0);
+        let balance = balances.get(account).copied().unwrap_or(0);
+        if in_ledger != *want || balance != *want {
+            mismatches.push(format!(
+                "{account}: expected {want}, ledger {in_ledger}, balance {balance}"
+            ));
+        }
+    }
+    Ok(mismatches)
+}
+
+/// PostgreSQL's `sum(bigint)` is numeric; the demo's sums are whole numbers.
+fn numeric_to_i64(n: &diesel::data_types::PgNumeric) -> i64 {
+    use diesel::data_types::PgNumeric;
+    let (negative, weight, digits) = match n {
+        PgNumeric::Positive { weight, digits, .. } => (false, *weight, digits),
+        PgNumeric::Negative { weight, digits, .. } => (true, *weight, digits),
+        PgNumeric::NaN => return 0,
+    };
+    let mut value: i64 = 0;
+    for i in 0..=i32::from(weight) {
+        let digit = digits.get(i as usize).copied().unwrap_or(0);
+        value = value * 10_000 + i64::from(digit);
+    }
+    if negative {
+        -value
+    } else {
+        value
+    }
+}
+
+impl std::fmt::Display for DemoReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.stats;
+        let secs = self.consume_time.as_secs_f64();
+        let total = s.applied + s.duplicates + s.dead_lettered;
+        writeln!(f, "published:           {}", self.published)?;
+        writeln!(f, "applied:             {}", s.applied)?;
+        writeln!(f, "duplicates skipped:  {}", s.duplicates)?;
+        writeln!(
+            f,
+            "dead-lettered:       {}  (see queue payments.dlq)",
+            s.dead_lettered
+        )?;
+        writeln!(f, "handler retries:     {}", s.retried)?;
+        writeln!(
+            f,
+            "consumed in:         {secs:.2} s ({:.0} msg/s)",
+            total as f64 / secs.max(1e-9)
+        )?;
+        if self.ledger_ok {
+            write!(f, "ledger check:        OK (every payment applied exactly once; balances equal the sums)")
+        } else {
+            writeln!(f, "ledger check:        MISMATCH")?;
+            for line in &self.mismatches {
+                writeln!(f, "  {line}")?;
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The `payments` demo: exactly-once ledger updates from RabbitMQ.
+//!
+//! Run with: `cargo run --release -p idemq-example-payments -- demo`
+//!
+//! A `payments` queue (quorum, dead-letter queue `payments.dlq`) carries
+//! `{"payment_id": string, "account": string, "amount_cents": integer}`. The handler
+//! inserts a `ledger` row and adds the amount to `accounts`, in the transaction that
+//! also records the dedup row for `payment_id`. `ledger` has no unique constraint on
+//! `payment_id` on purpose: it is the witness that idemq, not the schema, prevents
+//! doubles.
+
+use diesel::prelude::*;
+use diesel::upsert::excluded;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemq::{idempotent_handler, Queue, Topology};
+use serde::{Deserialize, Serialize};
+
+pub mod demo;
+
+/// The queue the demo consumes.
+pub const QUEUE: &str = "payments";
+/// The demo's default database (created if missing).
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/idemq_demo";
+
+diesel::table! {
+    /// Every applied payment, one row each; deliberately no unique constraint.
+    ledger (id) {
+        /// Row id.
+        id -> Int8,
+        /// The payment's idempotency key.
+        payment_id -> Text,
+        /// The account credited.
+        account -> Text,
+        /// The amount, in cents.
+        amount_cents -> Int8,
+    }
+}
+
+diesel::table! {
+    /// Balances, the sum of each account's applied payments.
+    accounts (account) {
+        /// The account.
+        account -> Text,
+        /// The balance, in cents.
+        balance_cents -> Int8,
+    }
+}
+
+/// A payment to apply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PaymentRequested {
+    /// The idempotency key.
+    pub payment_id: String,
+    /// The account credited.
+    pub account: String,
+    /// The amount, in cents.
+    pub amount_cents: i64,
+}
+
+/// Applies a payment: one ledger row, one balance update. Runs inside idemq's
+/// dedup transaction, so a redelivered payment is never applied twice.
+#[idempotent_handler(key = "payment_id")]
+pub async fn apply_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    diesel::insert_into(ledger::table)
+        .values((
+            ledger::payment_id.eq(&msg.payment_id),
+            ledger::account.eq(&msg.account),
+            ledger::amount_cents.eq(msg.amount_cents),
+        ))
+        .execute(conn)
+        .await?;
+    diesel::insert_into(accounts::table)
+        .values((
+            accounts::account.eq(&msg.account),
+            accounts::balance_cents.eq(msg.amount_cents),
+        ))
+        .on_conflict(accounts::account)
+        .do_update()
+        .set(
+            accounts::balance_cents.eq(accounts::balance_cents + excluded(accounts::balance_cents)),
+        )
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The demo's topology: the `payments` quorum queue and its `payments.dlq`.
+pub fn topology() -> Topology {
+    Topology::new().queue(Queue::new(QUEUE))
+}
+
+/// The demo's own tables.
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS ledger (
+    id           bigserial PRIMARY KEY,
+    payment_id   text   NOT NULL,
+    account      text   NOT NULL,
+    amount_cents bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS accounts (
+    account       text PRIMARY KEY,
+    balance_cents bigint NOT NULL
+);
+";
+
+/// Errors of the demo's own set-up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// idemq's migrations or connection failed.
+    #[error(transparent)]
+    Idemq(#[from] idemq::Error),
+    /// A database statement failed.
+    #[error("{context}: {source}")]
+    Database {
+        /// What was being done.
+        context: String,
+        /// The error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) -> SetupError {
+    let context = context.into();
+    move |err| SetupError::Database {
+        context,
+        source: Box::new(err),
+    }
+}
+
+/// Creates the database if missing, applies idemq's migrations and the demo's tables.
+///
+/// # Errors
+/// When PostgreSQL is unreachable or refuses a statement.
+pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
+    ensure_database(database_url).await?;
+    idemq::migrate(database_url).await?;
+    let mut conn = AsyncPgConnection::establish(database_url)
+        .await
+        .map_err(|err| SetupError::Database {
+            context: format!("connect to {database_url}"),
+            source: Box::new(err),
+        })?;
+    diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, SCHEMA)
+        .await
+        .map_err(db_error("create the demo tables"))?;
+    Ok(())
+}
+
+/// Creates the database named in `database_url` if it does not exist.
+async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
+    let Some((server, name)) = database_url.rsplit_once('/') else {
+        return Ok(());
+    };
+    let name = name.split('?').next().unwrap_or(name);
+    if name.is_empty() || name == "postgres" {
+        return Ok(());
+    }
+    let admin_url = format!("{server}/postgres");
+    let mut admin = AsyncPgConnection::establish(&admin_url)
+        .await
+        .map_err(|err| SetupError::Database {
+            context: format!("connect to {admin_url}"),
+            source: Box::new(err),
+        })?;
+    #[derive(QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        exists: bool,
+    }
+    let found: Exists =
+        diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
+            .bind::<diesel::sql_types::Text, _>(name)
+            .get_result(&mut admin)
+            .await
+            .map_err(db_error("look up the database"))?;
+    if !found.exists {
+        let quoted = name.replace('"', "\"\"");
+        match diesel::sql_query(format!("CREATE DATABASE \"{quoted}\""))
+            .execute(&mut admin)
+            .await
+        {
+            Ok(_) => {}
+            // Another process created it between our look-up and CREATE.
+            Err(diesel::result::Error::DatabaseError(_, info))
+                if info.message().contains("already exists") => {}
+            Err(err) => return Err(db_error(format!("create database {name}"))(err)),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,18 @@
+//! Procedural macros for [idemq](https://docs.rs/idemq). Use them through the `idemq`
+//! crate, which re-exports them; this crate is an implementation detail.
+//!
+//! The pipeline is parse ([`attr`], [`handler`]) → validate → expand ([`expand`]);
+//! on error the user's fn is emitted unchanged next to the `compile_error!`s, so
+//! IDEs and later diagnostics keep working.
+
+mod attr;
+mod expand;
+mod handler;
+
+use proc_macro::TokenStream;
+
+/// Turns an async fn into an idempotent message handler. See `idemq::idempotent_handler`.
+#[proc_macro_attribute]
+pub fn idempotent_handler(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand::idempotent_handler(attr.into(), item.into()).into()
+}

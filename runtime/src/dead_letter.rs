@@ -1,0 +1,197 @@
+//! Publishing a dead letter: the original body byte for byte, its properties, and
+//! headers that explain it. Published persistent, `mandatory`, with a publisher
+//! confirm; only a confirmed, routed copy lets the original be acked.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use lapin::message::Delivery;
+use lapin::options::BasicPublishOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation};
+
+use crate::outcome::FailureKind;
+
+/// Longest `x-idemq-error` value, in bytes.
+pub const MAX_ERROR_HEADER_BYTES: usize = 1024;
+
+/// Header names idemq writes on dead letters.
+pub mod headers {
+    /// Human-readable error, at most 1 KiB.
+    pub const ERROR: &str = "x-idemq-error";
+    /// One of `FailureKind::as_str`.
+    pub const ERROR_KIND: &str = "x-idemq-error-kind";
+    /// Attempts made (deliveries including this one).
+    pub const ATTEMPTS: &str = "x-idemq-attempts";
+    /// The handler that consumed it.
+    pub const HANDLER: &str = "x-idemq-handler";
+    /// The exchange it was first published to.
+    pub const ORIGINAL_EXCHANGE: &str = "x-idemq-original-exchange";
+    /// The routing key it was first published with.
+    pub const ORIGINAL_ROUTING_KEY: &str = "x-idemq-original-routing-key";
+    /// When it first failed (RFC 3339, UTC).
+    pub const FIRST_FAILURE: &str = "x-idemq-first-failure";
+    /// When it last failed (RFC 3339, UTC).
+    pub const LAST_FAILURE: &str = "x-idemq-last-failure";
+    /// The broker's delivery counter on quorum queues; stripped from copies.
+    pub const DELIVERY_COUNT: &str = "x-delivery-count";
+}
+
+/// Why a dead letter could not be published. The original stays unacked.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PublishError {
+    #[error("publishing to '{queue}' failed: {source}")]
+    Amqp { queue: String, source: lapin::Error },
+    #[error("the broker returned the dead letter as unroutable: does queue '{queue}' exist?")]
+    Unroutable { queue: String },
+    #[error("the broker nacked the dead letter for '{queue}'")]
+    Nacked { queue: String },
+}
+
+/// What to say about the failure.
+pub(crate) struct Letter<'a> {
+    pub(crate) kind: FailureKind,
+    pub(crate) error: &'a str,
+    pub(crate) handler: &'a str,
+    pub(crate) attempts: u32,
+}
+
+/// Publishes `delivery` to `queue` (default exchange) with the failure headers.
+pub(crate) async fn publish(
+    channel: &Channel,
+    queue: &str,
+    delivery: &Delivery,
+    letter: &Letter<'_>,
+) -> Result<(), PublishError> {
+    let properties = annotate(delivery, letter);
+    let options = BasicPublishOptions {
+        mandatory: true,
+        ..Default::default()
+    };
+    let amqp = |source| PublishError::Amqp {
+        queue: queue.to_owned(),
+        source,
+    };
+    let confirm = channel
+        .basic_publish("".into(), queue.into(), options, &delivery.data, properties)
+        .await
+        .map_err(amqp)?
+        .await
+        .map_err(amqp)?;
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
+            queue: queue.to_owned(),
+        }),
+        Confirmation::Nack(_) | Confirmation::NotRequested => Err(PublishError::Nacked {
+            queue: queue.to_owned(),
+        }),
+    }
+}
+
+/// The original's properties, persistent, with idemq's headers set and the broker's
+/// delivery count removed.
+fn annotate(delivery: &Delivery, letter: &Letter<'_>) -> BasicProperties {
+    let original = delivery.properties.headers().clone().unwrap_or_default();
+    let mut headers = FieldTable::default();
+    for (name, value) in original.inner() {
+        if name.as_str() != headers::DELIVERY_COUNT {
+            headers.insert(name.clone(), value.clone());
+        }
+    }
+    let now = rfc3339(SystemTime::now());
+    let set = |headers: &mut FieldTable, name: &str, value: &str| {
+        headers.insert(
+            ShortString::from(name),
+            AMQPValue::LongString(LongString::from(value)),
+        );
+    };
+    let set_if_absent = |headers: &mut FieldTable, name: &str, value: &str| {
+        if !headers.contains_key(name) {
+            set(headers, name, value);
+        }
+    };
+    set_if_absent(
+        &mut headers,
+        headers::ORIGINAL_EXCHANGE,
+        delivery.exchange.as_str(),
+    );
+    set_if_absent(
+        &mut headers,
+        headers::ORIGINAL_ROUTING_KEY,
+        delivery.routing_key.as_str(),
+    );
+    set_if_absent(&mut headers, headers::FIRST_FAILURE, &now);
+    set(&mut headers, headers::LAST_FAILURE, &now);
+    set(
+        &mut headers,
+        headers::ERROR,
+        truncate_utf8(letter.error, MAX_ERROR_HEADER_BYTES),
+    );
+    set(&mut headers, headers::ERROR_KIND, letter.kind.as_str());
+    set(&mut headers, headers::HANDLER, letter.handler);
+    headers.insert(
+        headers::ATTEMPTS.into(),
+        AMQPValue::LongLongInt(i64::from(letter.attempts)),
+    );
+    delivery
+        .properties
+        .clone()
+        .with_headers(headers)
+        .with_delivery_mode(2)
+}
+
+/// The longest prefix of `s` that is at most `max` bytes and ends on a char boundary.
+pub(crate) fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// `YYYY-MM-DDTHH:MM:SS.mmmZ` for a UTC instant (Howard Hinnant's civil-from-days).
+fn rfc3339(time: SystemTime) -> String {
+    let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3_600,
+        rem % 3_600 / 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(super::rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_millis(1_796_036_645_123);
+        assert_eq!(super::rfc3339(t), "2026-11-30T11:04:05.123Z");
+        let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
+        assert_eq!(super::rfc3339(leap), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn truncation_keeps_whole_chars() {
+        assert_eq!(super::truncate_utf8("héllo", 2), "h");
+        assert_eq!(super::truncate_utf8("abc", 10), "abc");
+        assert_eq!(super::truncate_utf8(&"é".repeat(600), 1024).len(), 1024);
+    }
+}

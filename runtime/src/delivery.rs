@@ -1,0 +1,481 @@
+//! The life of one delivery, start to finish. This module is the heart of idemq.
+//!
+//! ```text
+//!            ┌────────── too large / not JSON / bad shape / bad key ──────────┐
+//!            │                                                                ▼
+//! delivery ─ decode ─ key ─ BEGIN ─ INSERT dedup row ─┬─ new ─ handler ─ COMMIT ─ ack
+//!                                   ON CONFLICT       │          │   └ unknown ─┐
+//!                                   DO NOTHING        │          │              │
+//!                                   RETURNING         │          │ error        ▼
+//!                                                     │          ▼        retry in-process on a
+//!                                                     │      ROLLBACK     fresh connection: the
+//!                                                     │   transient: nack  dedup row decides
+//!                                                     │   (requeue) until  (infrastructure fault,
+//!                                                     │   attempts run out never an attempt)
+//!                                                     │   permanent ─────────────┐
+//!                                                     ├─ exists, same body ─ ack (duplicate)
+//!                                                     ├─ exists, other body ─────┤ (conflict)
+//!                                                     └─ new, delivered ≥ limit ─┤ (poison)
+//!                                                                                ▼
+//!                      dead-letter: publish (mandatory, confirmed) the original bytes with
+//!                      x-idemq-* headers to the DLQ, then ack; if that fails, nack (requeue)
+//! ```
+//!
+//! Invariants:
+//! - The ack is sent only after COMMIT returned Ok, or after a dead letter was
+//!   confirmed and routed. Never before.
+//! - The dedup row and the handler's writes share one transaction on one connection:
+//!   both commit or neither does. Concurrent duplicates block on the unique index and
+//!   then see the committed row; nothing checks first and acts later.
+//! - A database fault (lost connection, failed COMMIT or ROLLBACK, pool timeout) is
+//!   not a handler failure: the delivery stays unacked and the transaction is retried
+//!   on a fresh connection with backoff; such a connection is never reused.
+//! - A timed-out handler's connection is dropped, never returned to the pool (a
+//!   cancelled transaction would stay open there, holding its locks).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel::prelude::*;
+use diesel_async::pooled_connection::deadpool::{Object, Pool};
+use diesel_async::pooled_connection::PoolableConnection;
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::types::AMQPValue;
+use lapin::Channel;
+use tokio_util::sync::CancellationToken;
+
+use crate::dead_letter::{self, headers, Letter};
+use crate::handler::{ErrorClass, HandlerError};
+use crate::key::hex;
+use crate::outcome::{FailureKind, Outcome, Settled, Stats};
+use crate::prepare::{ErasedHandler, InputLimits, Prepared};
+
+diesel::table! {
+    idemq_dedup (handler, key) {
+        handler -> Text,
+        key -> Text,
+        fingerprint -> Nullable<Bytea>,
+    }
+}
+
+/// What to do with a known key that arrives with a different payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnConflict {
+    /// Dead-letter it (kind `conflict`): reusing a key for another payload is a
+    /// client bug, the idempotency-key rule.
+    #[default]
+    DeadLetter,
+    /// Ack it as a duplicate and log a warning.
+    Ignore,
+}
+
+/// Everything one consumer's deliveries need; shared by its delivery tasks.
+pub(crate) struct Consumer {
+    pub(crate) queue: String,
+    pub(crate) dead_letter_queue: String,
+    pub(crate) delivery_limit: u32,
+    pub(crate) handler: Box<dyn ErasedHandler>,
+    pub(crate) channel: Channel,
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// What every consumer of a runtime shares.
+pub(crate) struct Shared {
+    pub(crate) pool: Pool<AsyncPgConnection>,
+    pub(crate) publisher: Channel,
+    pub(crate) limits: InputLimits,
+    pub(crate) max_attempts: u32,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) on_conflict: OnConflict,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) observer: Option<crate::runtime::Observer>,
+    /// Cancelled when undecided deliveries must give up (shutdown deadline).
+    pub(crate) abandon: CancellationToken,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fault_hook: Option<crate::fault::FaultHook>,
+}
+
+/// The decision for one delivery, before it is settled with the broker.
+struct Decision {
+    outcome: Outcome,
+    key: Option<String>,
+    began_at: Option<Instant>,
+}
+
+impl Consumer {
+    /// Processes one delivery to its end: decided, then settled with the broker.
+    pub(crate) async fn process(&self, delivery: Delivery) {
+        let received_at = Instant::now();
+        let delivery_count = delivery_count(&delivery);
+        let decision = self.decide(&delivery, delivery_count).await;
+        let settled_with_broker = self.settle(&delivery, &decision, delivery_count).await;
+        let settled = Settled {
+            queue: self.queue.clone(),
+            handler: self.handler.name(),
+            key: decision.key,
+            outcome: decision.outcome,
+            settled_with_broker,
+            delivery_count,
+            received_at,
+            began_at: decision.began_at,
+            settled_at: Instant::now(),
+        };
+        self.shared.stats.record(&settled);
+        if let Some(observer) = &self.shared.observer {
+            observer(&settled);
+        }
+    }
+
+    /// decode → key → transaction (retried in-process on infrastructure faults).
+    async fn decide(&self, delivery: &Delivery, delivery_count: u32) -> Decision {
+        let content_type = delivery
+            .properties
+            .content_type()
+            .as_ref()
+            .map(|ct| ct.as_str());
+        let mut backoff = Backoff::default();
+        loop {
+            let prepared =
+                match self
+                    .handler
+                    .prepare(&delivery.data, content_type, self.shared.limits)
+                {
+                    Ok(prepared) => prepared,
+                    Err(rejection) => {
+                        let outcome = Outcome::DeadLettered {
+                            kind: rejection.kind,
+                            error: rejection.message,
+                        };
+                        return Decision {
+                            outcome,
+                            key: None,
+                            began_at: None,
+                        };
+                    }
+                };
+            let key = Some(prepared.key.as_str().to_owned());
+            let began_at = Some(Instant::now());
+            let fault = match self.transact(prepared, delivery_count).await {
+                Ok(outcome) => {
+                    return Decision {
+                        outcome,
+                        key,
+                        began_at,
+                    }
+                }
+                Err(fault) => fault,
+            };
+            self.shared.stats.infrastructure_retry();
+            backoff.log(&self.queue, &fault);
+            tokio::select! {
+                () = self.shared.abandon.cancelled() => {
+                    return Decision { outcome: Outcome::Abandoned, key, began_at };
+                }
+                () = backoff.wait() => {}
+            }
+        }
+    }
+
+    /// One attempt at the transaction. `Err` is an infrastructure fault: the outcome
+    /// is unknown and the attempt must be repeated on a fresh connection.
+    async fn transact(
+        &self,
+        prepared: Prepared,
+        delivery_count: u32,
+    ) -> Result<Outcome, InfraFault> {
+        let mut conn = self
+            .shared
+            .pool
+            .get()
+            .await
+            .map_err(|err| InfraFault::Pool(err.to_string()))?;
+        let result = self.transact_on(&mut conn, prepared, delivery_count).await;
+        if result.is_err() || PoolableConnection::is_broken(&mut *conn) {
+            // Never return a connection in an unknown state to the pool.
+            drop(Object::take(conn));
+        }
+        result
+    }
+
+    async fn transact_on(
+        &self,
+        conn: &mut AsyncPgConnection,
+        prepared: Prepared,
+        delivery_count: u32,
+    ) -> Result<Outcome, InfraFault> {
+        let Prepared {
+            key,
+            fingerprint,
+            effect,
+        } = prepared;
+        let handler = self.handler.name();
+        AnsiTransactionManager::begin_transaction(conn)
+            .await
+            .map_err(InfraFault::Database)?;
+
+        let inserted = diesel::insert_into(idemq_dedup::table)
+            .values((
+                idemq_dedup::handler.eq(handler),
+                idemq_dedup::key.eq(key.as_str()),
+                idemq_dedup::fingerprint.eq(&fingerprint[..]),
+            ))
+            .on_conflict_do_nothing()
+            .returning(idemq_dedup::key)
+            .get_result::<String>(conn)
+            .await
+            .optional();
+        let inserted = match inserted {
+            Ok(inserted) => inserted.is_some(),
+            Err(err) => return Err(rollback(conn, InfraFault::Database(err)).await),
+        };
+
+        if !inserted {
+            let stored = idemq_dedup::table
+                .find((handler, key.as_str()))
+                .select(idemq_dedup::fingerprint)
+                .get_result::<Option<Vec<u8>>>(conn)
+                .await;
+            let outcome = match stored {
+                Ok(Some(stored)) if stored != fingerprint && self.shared.on_conflict == OnConflict::DeadLetter => {
+                    Outcome::DeadLettered {
+                        kind: FailureKind::Conflict,
+                        error: format!(
+                            "key `{key}` was already applied with a different payload \
+                             (stored sha256 {}, this message sha256 {}); a key must identify one payload",
+                            hex(&stored),
+                            hex(&fingerprint)
+                        ),
+                    }
+                }
+                Ok(_) => Outcome::Duplicate,
+                Err(err) => return Err(rollback(conn, InfraFault::Database(err)).await),
+            };
+            // Nothing to keep: the row is someone else's, committed.
+            return match AnsiTransactionManager::rollback_transaction(conn).await {
+                Ok(()) => Ok(outcome),
+                Err(err) => Err(InfraFault::Database(err)),
+            };
+        }
+
+        if delivery_count >= self.delivery_limit {
+            let outcome = Outcome::DeadLettered {
+                kind: FailureKind::Poison,
+                error: format!(
+                    "delivered {delivery_count} times without an outcome (limit {}): it likely crashes or hangs the consumer",
+                    self.delivery_limit
+                ),
+            };
+            return match AnsiTransactionManager::rollback_transaction(conn).await {
+                Ok(()) => Ok(outcome),
+                Err(err) => Err(InfraFault::Database(err)),
+            };
+        }
+
+        let error = match tokio::time::timeout(self.shared.handler_timeout, effect(conn)).await {
+            Ok(Ok(())) => {
+                return match AnsiTransactionManager::commit_transaction(conn).await {
+                    Ok(()) => Ok(Outcome::Applied),
+                    // COMMIT's fate is unknown: retry; the dedup row decides.
+                    Err(err) => Err(InfraFault::Commit(err)),
+                };
+            }
+            Ok(Err(error)) => error,
+            // The query in flight was cancelled mid-protocol and the transaction is
+            // still open: no ROLLBACK on such a connection. `transact` sees it open
+            // (broken) and drops it, which ends the transaction server-side.
+            Err(_elapsed) => {
+                let error = HandlerError::transient(format!(
+                    "the handler did not finish within {:?}",
+                    self.shared.handler_timeout
+                ));
+                return Ok(self.handler_failed(error, delivery_count));
+            }
+        };
+        match AnsiTransactionManager::rollback_transaction(conn).await {
+            // A failed ROLLBACK means the connection broke: whatever the handler
+            // wrapped, this is an infrastructure fault, not a handler failure.
+            Err(err) => Err(InfraFault::Database(err)),
+            Ok(()) if PoolableConnection::is_broken(conn) => {
+                Err(InfraFault::Broken(error.to_string()))
+            }
+            Ok(()) => Ok(self.handler_failed(error, delivery_count)),
+        }
+    }
+
+    fn handler_failed(&self, error: HandlerError, delivery_count: u32) -> Outcome {
+        let attempts = delivery_count.saturating_add(1);
+        match error.class() {
+            ErrorClass::Permanent => Outcome::DeadLettered {
+                kind: FailureKind::Handler,
+                error: error.to_string(),
+            },
+            ErrorClass::Transient if attempts >= self.shared.max_attempts => {
+                Outcome::DeadLettered {
+                    kind: FailureKind::AttemptsExhausted,
+                    error: format!(
+                        "failed {attempts} of {} attempts; last error: {error}",
+                        self.shared.max_attempts
+                    ),
+                }
+            }
+            ErrorClass::Transient => Outcome::Retry {
+                error: error.to_string(),
+            },
+        }
+    }
+
+    /// Tells the broker. Returns whether the frame was sent (`false`: the channel is
+    /// gone and the broker will redeliver; the dedup row makes that harmless).
+    async fn settle(&self, delivery: &Delivery, decision: &Decision, delivery_count: u32) -> bool {
+        let acker = &delivery.acker;
+        let requeue = BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        };
+        let sent = match &decision.outcome {
+            Outcome::Applied | Outcome::Duplicate => {
+                #[cfg(feature = "fault-injection")]
+                self.fault(crate::fault::FaultPoint::AfterCommit, decision)
+                    .await;
+                acker.ack(BasicAckOptions::default()).await
+            }
+            Outcome::Retry { error } => {
+                tracing::warn!(queue = %self.queue, key = ?decision.key, %error, "handler failed; the delivery is requeued");
+                acker.nack(requeue).await
+            }
+            Outcome::Abandoned => acker.nack(requeue).await,
+            Outcome::DeadLettered { kind, error } => {
+                let letter = Letter {
+                    kind: *kind,
+                    error,
+                    handler: self.handler.name(),
+                    attempts: delivery_count.saturating_add(1),
+                };
+                tracing::warn!(queue = %self.queue, key = ?decision.key, kind = %kind, %error, "dead-lettering");
+                match dead_letter::publish(
+                    &self.shared.publisher,
+                    &self.dead_letter_queue,
+                    delivery,
+                    &letter,
+                )
+                .await
+                {
+                    Ok(()) => acker.ack(BasicAckOptions::default()).await,
+                    Err(err) => {
+                        tracing::error!(queue = %self.queue, error = %err, "could not dead-letter; the delivery is requeued");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        acker.nack(requeue).await
+                    }
+                }
+            }
+        };
+        match sent {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(queue = %self.queue, key = ?decision.key, "the channel is gone: not settled, the broker will redeliver");
+                false
+            }
+            Err(err) => {
+                tracing::warn!(queue = %self.queue, key = ?decision.key, error = %err, "settling failed: the broker will redeliver");
+                false
+            }
+        }
+    }
+
+    #[cfg(feature = "fault-injection")]
+    async fn fault(&self, point: crate::fault::FaultPoint, decision: &Decision) {
+        if let Some(hook) = &self.shared.fault_hook {
+            let context = crate::fault::FaultContext {
+                point,
+                channel: self.channel.clone(),
+                key: decision.key.clone(),
+                outcome: decision.outcome.clone(),
+            };
+            hook(context).await;
+        }
+    }
+}
+
+/// Rolls back after a failed statement; the original fault is what is reported.
+async fn rollback(conn: &mut AsyncPgConnection, fault: InfraFault) -> InfraFault {
+    let _ = AnsiTransactionManager::rollback_transaction(conn).await;
+    fault
+}
+
+/// A fault of the database or pool: the delivery's outcome is not decided.
+#[derive(Debug, thiserror::Error)]
+enum InfraFault {
+    #[error("no database connection: {0}")]
+    Pool(String),
+    #[error("database error: {0}")]
+    Database(diesel::result::Error),
+    #[error("COMMIT failed, its outcome is unknown: {0}")]
+    Commit(diesel::result::Error),
+    #[error("the connection broke during the handler: {0}")]
+    Broken(String),
+}
+
+/// The broker's delivery count (`x-delivery-count` on quorum queues; absent = 0).
+fn delivery_count(delivery: &Delivery) -> u32 {
+    let value = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(headers::DELIVERY_COUNT).cloned());
+    let count = match value {
+        Some(AMQPValue::LongLongInt(v)) => v,
+        Some(AMQPValue::LongInt(v)) => i64::from(v),
+        Some(AMQPValue::LongUInt(v)) => i64::from(v),
+        Some(AMQPValue::ShortInt(v)) => i64::from(v),
+        Some(AMQPValue::ShortUInt(v)) => i64::from(v),
+        Some(AMQPValue::ShortShortInt(v)) => i64::from(v),
+        Some(AMQPValue::ShortShortUInt(v)) => i64::from(v),
+        _ => 0,
+    };
+    u32::try_from(count.max(0)).unwrap_or(u32::MAX)
+}
+
+/// Exponential backoff with jitter for infrastructure faults, logging once per
+/// change of fault rather than once per retry.
+struct Backoff {
+    next: Duration,
+    last_logged: Option<String>,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            next: Duration::from_millis(50),
+            last_logged: None,
+        }
+    }
+}
+
+impl Backoff {
+    const MAX: Duration = Duration::from_secs(5);
+
+    fn log(&mut self, queue: &str, fault: &InfraFault) {
+        let message = fault.to_string();
+        if self.last_logged.as_deref() != Some(message.as_str()) {
+            tracing::error!(queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
+            self.last_logged = Some(message);
+        }
+    }
+
+    async fn wait(&mut self) {
+        let jitter = jitter_fraction();
+        tokio::time::sleep(self.next.mul_f64(0.5 + jitter)).await;
+        self.next = (self.next * 2).min(Self::MAX);
+    }
+}
+
+/// A number in [0, 1) that differs between calls and processes; enough for jitter.
+pub(crate) fn jitter_fraction() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(Instant::now().elapsed().as_nanos());
+    (hasher.finish() >> 11) as f64 / (1_u64 << 53) as f64
+}

@@ -1,0 +1,34 @@
+//! Test-only fault hooks (feature `fault-injection`): stage the failures that nothing
+//! outside the runtime can reach, such as losing the ack after COMMIT.
+//!
+//! Never enable this feature in production builds.
+
+use std::sync::Arc;
+
+use crate::handler::BoxFuture;
+use crate::outcome::Outcome;
+
+/// Where in a delivery's life the hook runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FaultPoint {
+    /// The transaction committed (or found a duplicate); the ack is not yet sent.
+    AfterCommit,
+}
+
+/// What the hook sees.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct FaultContext {
+    /// The point reached.
+    pub point: FaultPoint,
+    /// The consumer's channel: close it to lose the ack.
+    pub channel: lapin::Channel,
+    /// The delivery's key.
+    pub key: Option<String>,
+    /// The outcome decided so far.
+    pub outcome: Outcome,
+}
+
+/// A hook run at every [`FaultPoint`]; it may close the channel, sleep or abort.
+pub type FaultHook = Arc<dyn Fn(FaultContext) -> BoxFuture<'static, ()> + Send + Sync>;

@@ -1,0 +1,159 @@
+//! The contract between a handler fn and the runtime.
+//!
+//! Users never implement [`Handler`] by hand: `#[idempotent_handler]` does it for the
+//! unit struct that replaces their fn. The runtime only ever sees `dyn` handlers
+//! through [`Handler`], the way axum only sees `Handler` and never your fn's type.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+
+use diesel_async::AsyncPgConnection;
+use serde::de::DeserializeOwned;
+
+use crate::key::{Key, KeyError};
+
+/// A boxed, `Send` future borrowing for `'a`, as returned by [`Handler::handle`].
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// An idempotent message handler: decode target, dedup key and the effect.
+///
+/// Implemented by `#[idempotent_handler]`; see the crate docs for the attribute.
+/// The runtime calls [`Handler::handle`] inside the transaction that also holds the
+/// dedup row, on the same connection, and commits both or neither.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotent handler",
+    note = "annotate the handler fn with #[idempotent_handler(key = \"...\")]"
+)]
+pub trait Handler: Send + Sync + 'static {
+    /// The message type the body is decoded into (JSON).
+    type Message: DeserializeOwned + Send + 'static;
+
+    /// The stable name that scopes this handler's dedup keys.
+    ///
+    /// Renaming a handler makes every old message look new: keep it stable
+    /// (the attribute's `name = "..."` exists for that).
+    fn name(&self) -> &'static str;
+
+    /// The key path as written in the attribute (e.g. `"order.id"`), for error messages.
+    fn key_path(&self) -> &'static str;
+
+    /// Extracts the dedup key from a decoded message.
+    ///
+    /// # Errors
+    /// A missing (`None`), empty or otherwise unusable key; the message is dead-lettered.
+    fn key(&self, message: &Self::Message) -> Result<Key, KeyError>;
+
+    /// Applies the message's effect on `conn`, inside the runtime's transaction.
+    fn handle<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        message: Self::Message,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>;
+}
+
+/// Whether a failed attempt may succeed later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// Retry later (the default for any error returned with `?`).
+    Transient,
+    /// Retrying cannot help: dead-letter now.
+    Permanent,
+}
+
+/// The error a handler returns: any error, classified [transient](ErrorClass::Transient)
+/// by default.
+///
+/// Any `std::error::Error + Send + Sync + 'static` converts into it, so `?` just works.
+/// Mark an error permanent with [`HandlerError::permanent`] or [`Permanent`]:
+///
+/// ```
+/// use idemq::{HandlerError, Permanent};
+///
+/// fn check(amount: i64) -> Result<(), HandlerError> {
+///     if amount < 0 {
+///         return Err(Permanent("negative amount").into());
+///     }
+///     Ok(())
+/// }
+/// ```
+///
+/// Like `anyhow::Error`, it deliberately does not implement `std::error::Error`
+/// (that is what lets every error convert into it).
+pub struct HandlerError {
+    class: ErrorClass,
+    source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl HandlerError {
+    /// A transient error: the delivery is retried.
+    pub fn transient(error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        Self {
+            class: ErrorClass::Transient,
+            source: error.into(),
+        }
+    }
+
+    /// A permanent error: the message is dead-lettered without further attempts.
+    pub fn permanent(error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        Self {
+            class: ErrorClass::Permanent,
+            source: error.into(),
+        }
+    }
+
+    /// How the runtime treats this error.
+    pub fn class(&self) -> ErrorClass {
+        self.class
+    }
+
+    /// The underlying error.
+    pub fn source(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.source
+    }
+}
+
+impl<E> From<E> for HandlerError
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    fn from(error: E) -> Self {
+        Self::transient(error)
+    }
+}
+
+impl fmt::Debug for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandlerError")
+            .field("class", &self.class)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)?;
+        let mut cause = self.source.source();
+        while let Some(err) = cause {
+            write!(f, ": {err}")?;
+            cause = err.source();
+        }
+        Ok(())
+    }
+}
+
+/// Wraps an error (or a message) to mark it [permanent](ErrorClass::Permanent).
+///
+/// `return Err(Permanent(err).into())` or `.map_err(Permanent)?`.
+#[derive(Debug)]
+pub struct Permanent<E>(pub E);
+
+impl<E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>> From<Permanent<E>>
+    for HandlerError
+{
+    fn from(Permanent(error): Permanent<E>) -> Self {
+        Self::permanent(error)
+    }
+}

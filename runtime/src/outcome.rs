@@ -1,0 +1,165 @@
+//! How a delivery ended, as reported to observers and counted in [`Stats`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Why a message was dead-lettered; the value of its `x-idemq-error-kind` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// The body is not a valid message (not JSON, wrong shape or types, too deep).
+    Decode,
+    /// The key is missing, null, empty or holds a NUL byte.
+    Key,
+    /// The handler returned a permanent error.
+    Handler,
+    /// The handler failed on every allowed attempt.
+    AttemptsExhausted,
+    /// The key was already applied with a different payload.
+    Conflict,
+    /// The body is over the size limit.
+    TooLarge,
+    /// The content-type is not JSON.
+    ContentType,
+    /// The message was delivered too many times without an outcome (it crashes or
+    /// hangs the consumer).
+    Poison,
+}
+
+impl FailureKind {
+    /// The header value: `decode`, `key`, `handler`, `attempts-exhausted`, `conflict`,
+    /// `too-large`, `content-type` or `poison`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Decode => "decode",
+            Self::Key => "key",
+            Self::Handler => "handler",
+            Self::AttemptsExhausted => "attempts-exhausted",
+            Self::Conflict => "conflict",
+            Self::TooLarge => "too-large",
+            Self::ContentType => "content-type",
+            Self::Poison => "poison",
+        }
+    }
+}
+
+impl std::fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the runtime decided for one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran and its transaction, with the dedup row, committed.
+    Applied,
+    /// The dedup row already existed: the handler was skipped.
+    Duplicate,
+    /// The handler failed transiently: rolled back, the delivery goes back to the queue.
+    Retry {
+        /// The handler's error.
+        error: String,
+    },
+    /// Published to the dead-letter queue with the reason in its headers.
+    DeadLettered {
+        /// Why.
+        kind: FailureKind,
+        /// The error, as in `x-idemq-error`.
+        error: String,
+    },
+    /// The runtime shut down before the delivery was decided: it returns to the queue.
+    Abandoned,
+}
+
+/// One settled delivery, as handed to an [observer](crate::RuntimeBuilder::observer).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Settled {
+    /// The queue it came from.
+    pub queue: String,
+    /// The handler's name.
+    pub handler: &'static str,
+    /// The stored dedup key, when the message got that far.
+    pub key: Option<String>,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Whether the broker was told (ack, nack or reject) and the frame was sent.
+    /// `false` means the channel was gone: the broker will redeliver.
+    pub settled_with_broker: bool,
+    /// The broker's delivery count before this delivery (`x-delivery-count`, 0 if absent).
+    pub delivery_count: u32,
+    /// When the runtime received the delivery.
+    pub received_at: Instant,
+    /// When the handler's transaction began (the dedup insert), if it did.
+    pub began_at: Option<Instant>,
+    /// When the delivery was settled.
+    pub settled_at: Instant,
+}
+
+/// Counters of a runtime's outcomes since it was built.
+#[derive(Debug, Default)]
+pub struct Stats {
+    applied: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+    abandoned: AtomicU64,
+    unsettled: AtomicU64,
+    infrastructure_retries: AtomicU64,
+}
+
+/// A copy of [`Stats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatsSnapshot {
+    /// Deliveries whose handler ran and committed.
+    pub applied: u64,
+    /// Deliveries skipped as duplicates.
+    pub duplicates: u64,
+    /// Deliveries returned for a retry after a handler error.
+    pub retried: u64,
+    /// Deliveries dead-lettered.
+    pub dead_lettered: u64,
+    /// Deliveries left undecided at shutdown.
+    pub abandoned: u64,
+    /// Deliveries whose ack/nack could not be sent (channel gone): the broker redelivers.
+    pub unsettled: u64,
+    /// Transactions retried in-process after a database fault (not handler attempts).
+    pub infrastructure_retries: u64,
+}
+
+impl Stats {
+    /// The counters now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StatsSnapshot {
+            applied: get(&self.applied),
+            duplicates: get(&self.duplicates),
+            retried: get(&self.retried),
+            dead_lettered: get(&self.dead_lettered),
+            abandoned: get(&self.abandoned),
+            unsettled: get(&self.unsettled),
+            infrastructure_retries: get(&self.infrastructure_retries),
+        }
+    }
+
+    pub(crate) fn record(&self, settled: &Settled) {
+        let counter = match settled.outcome {
+            Outcome::Applied => &self.applied,
+            Outcome::Duplicate => &self.duplicates,
+            Outcome::Retry { .. } => &self.retried,
+            Outcome::DeadLettered { .. } => &self.dead_lettered,
+            Outcome::Abandoned => &self.abandoned,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if !settled.settled_with_broker {
+            self.unsettled.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn infrastructure_retry(&self) {
+        self.infrastructure_retries.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,164 @@
+//! Turning a delivery's bytes into a typed message and its key, type-erased so the
+//! runtime can hold handlers of different message types.
+
+use std::sync::Arc;
+
+use diesel_async::AsyncPgConnection;
+use sha2::{Digest, Sha256};
+
+use crate::handler::{BoxFuture, Handler, HandlerError};
+use crate::key::{Key, KeyError};
+use crate::outcome::FailureKind;
+
+/// The effect of one message, ready to run inside the transaction.
+pub(crate) type Effect = Box<
+    dyn for<'c> FnOnce(&'c mut AsyncPgConnection) -> BoxFuture<'c, Result<(), HandlerError>> + Send,
+>;
+
+/// A decoded message: its key, fingerprint and effect.
+pub(crate) struct Prepared {
+    pub(crate) key: Key,
+    /// SHA-256 of the body: the same key with another payload is a conflict.
+    pub(crate) fingerprint: [u8; 32],
+    pub(crate) effect: Effect,
+}
+
+/// Why a message was refused before any transaction: always a dead letter.
+#[derive(Debug)]
+pub(crate) struct Rejection {
+    pub(crate) kind: FailureKind,
+    pub(crate) message: String,
+}
+
+/// Limits checked before decoding.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InputLimits {
+    pub(crate) max_body_bytes: usize,
+}
+
+/// A handler without its message type.
+pub(crate) trait ErasedHandler: Send + Sync + 'static {
+    fn name(&self) -> &'static str;
+    fn prepare(
+        &self,
+        body: &[u8],
+        content_type: Option<&str>,
+        limits: InputLimits,
+    ) -> Result<Prepared, Rejection>;
+}
+
+impl<H: Handler> ErasedHandler for Arc<H> {
+    fn name(&self) -> &'static str {
+        H::name(self)
+    }
+
+    fn prepare(
+        &self,
+        body: &[u8],
+        content_type: Option<&str>,
+        limits: InputLimits,
+    ) -> Result<Prepared, Rejection> {
+        if body.len() > limits.max_body_bytes {
+            return Err(Rejection {
+                kind: FailureKind::TooLarge,
+                message: format!(
+                    "the body is {} bytes, over the limit of {} bytes; raise RuntimeBuilder::max_body_bytes or send smaller messages",
+                    body.len(),
+                    limits.max_body_bytes
+                ),
+            });
+        }
+        if let Some(content_type) = content_type {
+            if !is_json(content_type) {
+                return Err(Rejection {
+                    kind: FailureKind::ContentType,
+                    message: format!(
+                        "content-type '{content_type}' is not JSON; idemq decodes application/json (or no content-type)"
+                    ),
+                });
+            }
+        }
+        let message: H::Message =
+            serde_json::from_slice(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
+        let key = self
+            .key(&message)
+            .map_err(|err| key_rejection(self.key_path(), &err))?;
+        let handler = Arc::clone(self);
+        let effect: Effect =
+            Box::new(move |conn| Box::pin(async move { handler.handle(conn, message).await }));
+        Ok(Prepared {
+            key,
+            fingerprint: Sha256::digest(body).into(),
+            effect,
+        })
+    }
+}
+
+/// A decode error, unless the real problem is the key: a body that is a JSON object
+/// whose key path is absent or null is a missing key (kind `key`), not a decode error.
+fn decode_rejection<H: Handler>(handler: &H, body: &[u8], err: &serde_json::Error) -> Rejection {
+    let key_path = handler.key_path();
+    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
+        if value.is_object() {
+            let leaf = key_path.split('.').try_fold(&value, |v, seg| v.get(seg));
+            if leaf.is_none_or(serde_json::Value::is_null) {
+                return key_rejection(key_path, &KeyError::Missing);
+            }
+        }
+    }
+    let message = match err.classify() {
+        serde_json::error::Category::Syntax => format!("the body is not JSON: {err}"),
+        serde_json::error::Category::Eof => format!("the body is truncated or empty JSON: {err}"),
+        serde_json::error::Category::Io | serde_json::error::Category::Data => {
+            format!(
+                "the body is not a valid {} message: {err}",
+                std::any::type_name::<H::Message>()
+            )
+        }
+    };
+    Rejection {
+        kind: FailureKind::Decode,
+        message,
+    }
+}
+
+fn key_rejection(key_path: &str, err: &KeyError) -> Rejection {
+    Rejection {
+        kind: FailureKind::Key,
+        message: format!("key `{key_path}`: {err}"),
+    }
+}
+
+/// `application/json`, `text/json`, `application/*+json`, with or without parameters.
+fn is_json(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence.is_empty()
+        || essence == "application/json"
+        || essence == "text/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn json_content_types_are_recognised() {
+        for ok in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+            "application/cloudevents+json",
+            "text/json",
+            "",
+        ] {
+            assert!(super::is_json(ok), "{ok}");
+        }
+        for bad in ["text/plain", "application/xml", "application/octet-stream"] {
+            assert!(!super::is_json(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! Exchanges, queues, bindings and dead-letter queues, declared in code.
+//!
+//! Declaring is idempotent: the runtime declares the whole topology at every start.
+//! Queues are **quorum** queues by default: they count deliveries
+//! (`x-delivery-count`), which is what bounds poison messages. Each queue gets a
+//! dead-letter queue (`<name>.dlq` unless renamed) and the broker-side backstop
+//! arguments for at-least-once dead-lettering.
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{Channel, ExchangeKind};
+
+use crate::error::Error;
+
+/// The runtime dead-letters a message itself when its delivery count reaches the
+/// queue's limit; the broker's own `x-delivery-limit` is set this much higher, as a
+/// backstop for a runtime that never gets to decide (e.g. a crash on every delivery
+/// before the count is read).
+pub const BROKER_LIMIT_MARGIN: u32 = 5;
+
+/// The default [`Queue::delivery_limit`]: high enough that ordinary crashes and
+/// restarts (each returns the whole prefetch window) do not reach it.
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+
+/// Everything the application declares: exchanges, then queues with their bindings.
+#[derive(Debug, Clone, Default)]
+#[must_use = "a topology does nothing until it is given to the runtime builder"]
+pub struct Topology {
+    exchanges: Vec<Exchange>,
+    queues: Vec<Queue>,
+}
+
+impl Topology {
+    /// An empty topology.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds an exchange.
+    pub fn exchange(mut self, exchange: Exchange) -> Self {
+        self.exchanges.push(exchange);
+        self
+    }
+
+    /// Adds a queue (with its dead-letter queue and bindings).
+    pub fn queue(mut self, queue: Queue) -> Self {
+        self.queues.push(queue);
+        self
+    }
+
+    /// The queue named `name`, if declared here.
+    pub fn find_queue(&self, name: &str) -> Option<&Queue> {
+        self.queues.iter().find(|q| q.name == name)
+    }
+
+    pub(crate) fn merge(&mut self, other: Topology) {
+        self.exchanges.extend(other.exchanges);
+        self.queues.extend(other.queues);
+    }
+
+    /// Declares every exchange, queue, dead-letter queue and binding on `channel`.
+    ///
+    /// # Errors
+    /// [`Error::QueueMismatch`] / [`Error::ExchangeMismatch`] when something exists with
+    /// other arguments; [`Error::Amqp`] for any other refusal.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: declarations are idempotent; run it again.
+    pub async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        for exchange in &self.exchanges {
+            exchange.declare(channel).await?;
+        }
+        for queue in &self.queues {
+            queue.declare(channel).await?;
+        }
+        Ok(())
+    }
+}
+
+/// An exchange to declare (durable).
+#[derive(Debug, Clone)]
+pub struct Exchange {
+    name: String,
+    kind: ExchangeKind,
+}
+
+impl Exchange {
+    /// A durable exchange of the given kind.
+    pub fn new(name: impl Into<String>, kind: ExchangeKind) -> Self {
+        Self {
+            name: name.into(),
+            kind,
+        }
+    }
+
+    /// A durable topic exchange.
+    pub fn topic(name: impl Into<String>) -> Self {
+        Self::new(name, ExchangeKind::Topic)
+    }
+
+    /// A durable direct exchange.
+    pub fn direct(name: impl Into<String>) -> Self {
+        Self::new(name, ExchangeKind::Direct)
+    }
+
+    /// A durable fanout exchange.
+    pub fn fanout(name: impl Into<String>) -> Self {
+        Self::new(name, ExchangeKind::Fanout)
+    }
+
+    async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        let options = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(
+                self.name.as_str().into(),
+                self.kind.clone(),
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| match precondition_failed(&source) {
+                Some(detail) => Error::ExchangeMismatch {
+                    exchange: self.name.clone(),
+                    detail,
+                },
+                None => Error::Amqp {
+                    action: format!("declare exchange '{}'", self.name),
+                    source,
+                },
+            })
+    }
+}
+
+/// Quorum or classic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// Replicated, counts deliveries (`x-delivery-count`): poison messages are bounded.
+    Quorum,
+    /// Classic queue: no delivery count, so a message that crashes the process on
+    /// every delivery is not bounded by idemq. Use only where quorum queues are not
+    /// available.
+    Classic,
+}
+
+/// A durable queue, its dead-letter queue and its bindings.
+#[derive(Debug, Clone)]
+#[must_use = "a queue does nothing until it is added to a Topology"]
+pub struct Queue {
+    pub(crate) name: String,
+    pub(crate) dead_letter: String,
+    pub(crate) queue_type: QueueType,
+    pub(crate) delivery_limit: u32,
+    bindings: Vec<(String, String)>,
+}
+
+impl Queue {
+    /// A durable quorum queue named `name` with dead-letter queue `<name>.dlq`.
+    pub fn new(name: impl Into<String>) -> Self {
+        let name = name.into();
+        Self {
+            dead_letter: format!("{name}.dlq"),
+            name,
+            queue_type: QueueType::Quorum,
+            delivery_limit: DEFAULT_DELIVERY_LIMIT,
+            bindings: Vec::new(),
+        }
+    }
+
+    /// Makes it a classic queue (see [`QueueType::Classic`] for the trade-off).
+    pub fn classic(mut self) -> Self {
+        self.queue_type = QueueType::Classic;
+        self
+    }
+
+    /// Renames the dead-letter queue.
+    pub fn dead_letter_queue(mut self, name: impl Into<String>) -> Self {
+        self.dead_letter = name.into();
+        self
+    }
+
+    /// After this many deliveries of one message the runtime dead-letters it (kind
+    /// `poison`) without running the handler. Default [`DEFAULT_DELIVERY_LIMIT`].
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = limit.max(1);
+        self
+    }
+
+    /// Binds the queue to `exchange` with `routing_key`.
+    pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
+        self.bindings.push((exchange.into(), routing_key.into()));
+        self
+    }
+
+    /// The queue's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The dead-letter queue's name.
+    pub fn dead_letter_name(&self) -> &str {
+        &self.dead_letter
+    }
+
+    fn type_arguments(&self, args: &mut FieldTable) {
+        if self.queue_type == QueueType::Quorum {
+            args.insert("x-queue-type".into(), long_string("quorum"));
+        }
+    }
+
+    async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        let mut dlq_args = FieldTable::default();
+        self.type_arguments(&mut dlq_args);
+        declare_queue(channel, &self.dead_letter, dlq_args).await?;
+
+        let mut args = FieldTable::default();
+        self.type_arguments(&mut args);
+        args.insert("x-dead-letter-exchange".into(), long_string(""));
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            long_string(&self.dead_letter),
+        );
+        if self.queue_type == QueueType::Quorum {
+            let limit = i64::from(self.delivery_limit + BROKER_LIMIT_MARGIN);
+            args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
+            // Both are needed for at-least-once dead-lettering; without
+            // reject-publish RabbitMQ silently falls back to at-most-once.
+            args.insert(
+                "x-dead-letter-strategy".into(),
+                long_string("at-least-once"),
+            );
+            args.insert("x-overflow".into(), long_string("reject-publish"));
+        }
+        declare_queue(channel, &self.name, args).await?;
+
+        for (exchange, routing_key) in &self.bindings {
+            channel
+                .queue_bind(
+                    self.name.as_str().into(),
+                    exchange.as_str().into(),
+                    routing_key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| Error::Amqp {
+                    action: format!(
+                        "bind queue '{}' to exchange '{exchange}' with '{routing_key}'",
+                        self.name
+                    ),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+}
+
+async fn declare_queue(channel: &Channel, name: &str, args: FieldTable) -> Result<(), Error> {
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(name.into(), options, args)
+        .await
+        .map(drop)
+        .map_err(|source| match precondition_failed(&source) {
+            Some(detail) => Error::QueueMismatch {
+                queue: name.to_owned(),
+                detail,
+            },
+            None => Error::Amqp {
+                action: format!("declare queue '{name}'"),
+                source,
+            },
+        })
+}
+
+fn long_string(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value))
+}
+
+/// The broker's reply text of a 406 PRECONDITION_FAILED, if that is what `error` is.
+fn precondition_failed(error: &lapin::Error) -> Option<String> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406 => {
+            let text: &ShortString = amqp.get_message();
+            Some(text.as_str().to_owned())
+        }
+        _ => None,
+    }
+}

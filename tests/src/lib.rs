@@ -1,0 +1,632 @@
+//! Shared support code for the idemq integration tests.
+//!
+//! The tests run against a real PostgreSQL server and a real RabbitMQ broker
+//! (see `.ci/services`). Every test gets its own isolated resources:
+//!
+//! * [`TestDb`] — a freshly created PostgreSQL database, dropped on `Drop`;
+//! * [`TestVhost`] — a freshly created RabbitMQ virtual host, deleted on `Drop`;
+//! * [`unique`] — names that are unique across processes and parallel tests.
+//!
+//! [`Broker`] is a small publishing / inspection client on top of `lapin`,
+//! and [`eventually`] / [`with_timeout`] bound every wait so that a broken
+//! test fails instead of hanging.
+//!
+//! Server locations come from the environment: `DATABASE_URL` (the admin
+//! database on which test databases are created) and `AMQP_URL`.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use diesel::sql_types::Text;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use lapin::message::BasicGetMessage;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
+
+/// Default AMQP URL when `AMQP_URL` is not set (default vhost `/`).
+const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// Default admin database URL when `DATABASE_URL` is not set.
+const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// Prefix of every test database name: `idemq_t_<pid>_<n>_<rand>`.
+const TEST_DB_PREFIX: &str = "idemq_t";
+/// Prefix of every test vhost name.
+const TEST_VHOST_PREFIX: &str = "idemq_v";
+/// Poll interval of [`eventually`].
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+// ---------------------------------------------------------------------------
+// Environment and names
+// ---------------------------------------------------------------------------
+
+/// The AMQP URL of the broker: `$AMQP_URL`, or
+/// `amqp://guest:guest@127.0.0.1:5672/%2f` (the default vhost).
+pub fn amqp_url() -> String {
+    env_or("AMQP_URL", DEFAULT_AMQP_URL)
+}
+
+/// The URL of the PostgreSQL *admin* database on which test databases are
+/// created and dropped: `$DATABASE_URL`, or
+/// `postgres://postgres@127.0.0.1:5432/postgres`.
+pub fn database_admin_url() -> String {
+    env_or("DATABASE_URL", DEFAULT_DATABASE_URL)
+}
+
+fn env_or(var: &str, default: &str) -> String {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => v,
+        _ => default.to_owned(),
+    }
+}
+
+/// A name that is unique across processes and across parallel tests of one
+/// process: `<prefix>_<pid>_<counter>_<6 random hex chars>`.
+///
+/// The result only contains the characters of `prefix` plus `[0-9a-f_]`, so
+/// with a `[a-z0-9_]` prefix it is a valid unquoted PostgreSQL identifier, an
+/// AMQP queue name and a vhost name that needs no URL encoding.
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}_{}_{n}_{}", std::process::id(), &random[..6])
+}
+
+/// Replaces the path (the database / vhost part) of a URL of the form
+/// `scheme://authority[/path][?query]`, keeping the query string.
+///
+/// `segment` must not need percent-encoding.
+fn replace_url_path(url: &str, segment: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        // A libpq key/value connection string: a later `dbname` wins.
+        return format!("{url} dbname={segment}");
+    };
+    let after_scheme = scheme_end + 3;
+    let rest = &url[after_scheme..];
+    let authority_end = rest
+        .find(['/', '?'])
+        .map_or(url.len(), |i| after_scheme + i);
+    let query = url[authority_end..]
+        .find('?')
+        .map_or("", |i| &url[authority_end + i..]);
+    format!("{}/{segment}{query}", &url[..authority_end])
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL
+// ---------------------------------------------------------------------------
+
+/// A fresh, empty PostgreSQL database that is dropped (`WITH (FORCE)`, so
+/// open connections do not prevent it) when the value is dropped.
+///
+/// The first [`TestDb::create`] of a process also drops databases left over
+/// by earlier test processes that no longer run (for example after a crash
+/// or a `SIGKILL`).
+#[derive(Debug)]
+pub struct TestDb {
+    name: String,
+    admin_url: String,
+    url: String,
+}
+
+impl TestDb {
+    /// Creates a new database named `idemq_t_<pid>_<n>_<rand>` on the server
+    /// of [`database_admin_url`]. Panics if the server cannot be reached.
+    pub async fn create() -> TestDb {
+        static STALE_CLEANUP: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+        let admin_url = database_admin_url();
+        let mut admin = connect_pg(&admin_url).await;
+        STALE_CLEANUP
+            .get_or_init(|| drop_stale_databases(&mut admin))
+            .await;
+
+        let name = unique(TEST_DB_PREFIX);
+        // template0 never has connected sessions, so parallel creates cannot
+        // fail with "source database is being accessed by other users".
+        diesel::sql_query(format!(
+            "CREATE DATABASE {} TEMPLATE template0",
+            quote_ident(&name)
+        ))
+        .execute(&mut admin)
+        .await
+        .unwrap_or_else(|e| panic!("CREATE DATABASE {name} failed: {e}"));
+
+        let url = replace_url_path(&admin_url, &name);
+        TestDb {
+            name,
+            admin_url,
+            url,
+        }
+    }
+
+    /// The connection URL of this database.
+    pub fn url(&self) -> String {
+        self.url.clone()
+    }
+
+    /// The name of this database.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Opens a new connection to this database. Panics on failure.
+    pub async fn connect(&self) -> AsyncPgConnection {
+        connect_pg(&self.url).await
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // Drop cannot be async and may run inside (or outside) a tokio
+        // runtime, so the DROP DATABASE runs on a dedicated thread with its
+        // own runtime.
+        let admin_url = self.admin_url.clone();
+        let name = self.name.clone();
+        let joined = std::thread::Builder::new()
+            .name(format!("drop-{name}"))
+            .spawn(move || -> Result<(), String> {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| e.to_string())?;
+                runtime.block_on(async {
+                    let mut admin = AsyncPgConnection::establish(&admin_url)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    drop_database(&mut admin, &name)
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .map(std::thread::JoinHandle::join);
+        // Never panic here: a panic during unwinding would abort the process.
+        match joined {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => eprintln!("warning: could not drop test database {}: {e}", self.name),
+            Ok(Err(_)) => eprintln!("warning: dropping test database {} panicked", self.name),
+            Err(e) => eprintln!("warning: could not spawn thread to drop {}: {e}", self.name),
+        }
+    }
+}
+
+async fn connect_pg(url: &str) -> AsyncPgConnection {
+    AsyncPgConnection::establish(url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL at {url}: {e}"))
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+async fn drop_database(admin: &mut AsyncPgConnection, name: &str) -> diesel::QueryResult<usize> {
+    diesel::sql_query(format!(
+        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+        quote_ident(name)
+    ))
+    .execute(admin)
+    .await
+}
+
+/// Drops `idemq_t_<pid>_...` databases whose creating process is gone.
+/// Failures only produce warnings: a concurrent process may race us.
+async fn drop_stale_databases(admin: &mut AsyncPgConnection) {
+    let names: Vec<String> = match diesel::dsl::sql::<Text>(
+        "SELECT datname FROM pg_database WHERE datname LIKE 'idemq\\_t\\_%'",
+    )
+    .load(admin)
+    .await
+    {
+        Ok(names) => names,
+        Err(e) => {
+            eprintln!("warning: cannot list stale test databases: {e}");
+            return;
+        }
+    };
+    for name in names {
+        let Some(pid) = name
+            .strip_prefix("idemq_t_")
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        if let Err(e) = drop_database(admin, &name).await {
+            eprintln!("warning: cannot drop stale test database {name}: {e}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// RabbitMQ virtual hosts
+// ---------------------------------------------------------------------------
+
+/// A fresh RabbitMQ virtual host (with full permissions for `guest`) that is
+/// deleted, together with everything in it, when the value is dropped.
+///
+/// Managed with `rabbitmqctl`, which must be on `PATH` and allowed to talk to
+/// the local node.
+#[derive(Debug)]
+pub struct TestVhost {
+    name: String,
+}
+
+impl TestVhost {
+    /// Creates the vhost and grants `guest` configure/write/read on it.
+    /// Panics (with `rabbitmqctl`'s stderr) on failure.
+    pub async fn create() -> TestVhost {
+        let name = unique(TEST_VHOST_PREFIX);
+        rabbitmqctl(&["add_vhost", &name]).await;
+        // From here on, Drop deletes the vhost even if the next step panics.
+        let vhost = TestVhost { name };
+        rabbitmqctl(&[
+            "set_permissions",
+            "-p",
+            &vhost.name,
+            "guest",
+            ".*",
+            ".*",
+            ".*",
+        ])
+        .await;
+        vhost
+    }
+
+    /// The vhost name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// [`amqp_url`] with its vhost replaced by this one.
+    pub fn amqp_url(&self) -> String {
+        // Names are `[a-z0-9_]` only, so no percent-encoding is needed.
+        replace_url_path(&amqp_url(), &self.name)
+    }
+
+    /// Forcibly closes every client connection to this vhost (simulates a
+    /// broker-side connection loss).
+    pub async fn close_all_connections(&self) {
+        rabbitmqctl(&["close_all_connections", "-p", &self.name, "test"]).await;
+    }
+}
+
+impl Drop for TestVhost {
+    fn drop(&mut self) {
+        match std::process::Command::new("rabbitmqctl")
+            .args(["-q", "delete_vhost", &self.name])
+            .stdin(std::process::Stdio::null())
+            .output()
+        {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => eprintln!(
+                "warning: rabbitmqctl delete_vhost {} failed ({}): {}",
+                self.name,
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            Err(e) => eprintln!("warning: cannot run rabbitmqctl delete_vhost: {e}"),
+        }
+    }
+}
+
+/// Runs `rabbitmqctl -q <args>`, panicking with its output on failure.
+async fn rabbitmqctl(args: &[&str]) {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .arg("-q")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("cannot run rabbitmqctl {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?} failed ({}):\nstderr: {}\nstdout: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim(),
+        String::from_utf8_lossy(&out.stdout).trim()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Broker client
+// ---------------------------------------------------------------------------
+
+/// A test-side AMQP client: one connection plus a publisher-confirm channel.
+///
+/// Publishing waits for the broker's confirm; inspection helpers use a fresh
+/// channel per call, so a channel error (for example a missing queue) never
+/// breaks the publishing channel.
+#[derive(Debug)]
+pub struct Broker {
+    connection: Connection,
+    channel: Channel,
+}
+
+impl Broker {
+    /// Connects to `url` and opens a channel in confirm mode. Panics on
+    /// failure.
+    pub async fn connect(url: &str) -> Broker {
+        let connection = Connection::connect(
+            url,
+            ConnectionProperties::default().with_connection_name("idemq-tests".into()),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to RabbitMQ at {url}: {e}"));
+        let channel = connection
+            .create_channel()
+            .await
+            .expect("cannot open AMQP channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select failed");
+        Broker {
+            connection,
+            channel,
+        }
+    }
+
+    /// The underlying connection (e.g. to open more channels).
+    pub fn connection(&self) -> &lapin::Connection {
+        &self.connection
+    }
+
+    /// Declares a durable, non-exclusive queue named `queue` (idempotent).
+    pub async fn declare_queue(&self, queue: &str) {
+        let channel = self.fresh_channel().await;
+        channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("cannot declare queue {queue}: {e}"));
+        close_channel(&channel).await;
+    }
+
+    /// Publishes `value` as JSON (`content_type: application/json`) to
+    /// `queue`; see [`Broker::publish_bytes`].
+    pub async fn publish_json(&self, queue: &str, value: &serde_json::Value) {
+        let body = serde_json::to_vec(value).expect("serialize JSON body");
+        let props = BasicProperties::default().with_content_type("application/json".into());
+        self.publish_bytes(queue, &body, props).await;
+    }
+
+    /// Publishes `body` to `queue` through the default exchange, mandatory
+    /// and persistent (`delivery_mode` is forced to 2), and waits for the
+    /// publisher confirm. Panics if the message was returned as unroutable
+    /// (no such queue) or nacked.
+    pub async fn publish_bytes(&self, queue: &str, body: &[u8], props: BasicProperties) {
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                body,
+                props.with_delivery_mode(2),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("basic.publish to {queue} failed: {e}"))
+            .await
+            .unwrap_or_else(|e| panic!("publisher confirm for {queue} failed: {e}"));
+        match confirm {
+            Confirmation::Ack(None) => {}
+            Confirmation::Ack(Some(returned)) => panic!(
+                "message to queue {queue} was returned as unroutable: {} {}",
+                returned.reply_code, returned.reply_text
+            ),
+            Confirmation::Nack(_) => panic!("message to queue {queue} was nacked by the broker"),
+            Confirmation::NotRequested => {
+                panic!("publisher confirms are not enabled on the broker channel")
+            }
+        }
+    }
+
+    /// The number of ready messages in `queue` (passive declare). Panics if
+    /// the queue does not exist.
+    pub async fn message_count(&self, queue: &str) -> u32 {
+        // A failed passive declare closes the channel: use a throwaway one.
+        let channel = self.fresh_channel().await;
+        let declared = channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::default().passive(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("passive declare of queue {queue} failed: {e}"));
+        close_channel(&channel).await;
+        declared.message_count()
+    }
+
+    /// Takes one message off `queue` (and acks it), or `None` if the queue
+    /// is empty.
+    pub async fn get(&self, queue: &str) -> Option<BasicGetMessage> {
+        let channel = self.fresh_channel().await;
+        let message = get_one(&channel, queue).await;
+        close_channel(&channel).await;
+        message
+    }
+
+    /// Takes (and acks) every message currently in `queue`, in order.
+    pub async fn drain(&self, queue: &str) -> Vec<BasicGetMessage> {
+        let channel = self.fresh_channel().await;
+        let mut messages = Vec::new();
+        while let Some(message) = get_one(&channel, queue).await {
+            messages.push(message);
+        }
+        close_channel(&channel).await;
+        messages
+    }
+
+    /// Deletes `queue`; a queue that does not exist is not an error.
+    pub async fn delete_queue(&self, queue: &str) {
+        let channel = self.fresh_channel().await;
+        match channel
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await
+        {
+            Ok(_) => close_channel(&channel).await,
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => panic!("cannot delete queue {queue}: {e}"),
+        }
+    }
+
+    async fn fresh_channel(&self) -> Channel {
+        self.connection
+            .create_channel()
+            .await
+            .expect("cannot open AMQP channel")
+    }
+}
+
+async fn get_one(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
+    let message = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap_or_else(|e| panic!("basic.get on queue {queue} failed: {e}"))?;
+    message
+        .delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("cannot ack message from {queue}: {e}"));
+    Some(message)
+}
+
+async fn close_channel(channel: &Channel) {
+    // Best effort: the channel may already be closed by a broker error.
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+fn is_not_found(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::ProtocolError(e) if matches!(e.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Headers
+// ---------------------------------------------------------------------------
+
+fn header<'a>(props: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
+    props.headers().as_ref()?.inner().get(name)
+}
+
+/// Reads header `name` as a string (an AMQP long or short string). `None`
+/// if absent, of another type, or (for long strings) not UTF-8.
+pub fn header_str(props: &lapin::BasicProperties, name: &str) -> Option<String> {
+    match header(props, name)? {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// Reads header `name` as an integer, accepting every AMQP integer type
+/// (and timestamps). `None` if absent, not an integer, or out of `i64`
+/// range.
+pub fn header_i64(props: &lapin::BasicProperties, name: &str) -> Option<i64> {
+    match *header(props, name)? {
+        AMQPValue::ShortShortInt(v) => Some(v.into()),
+        AMQPValue::ShortShortUInt(v) => Some(v.into()),
+        AMQPValue::ShortInt(v) => Some(v.into()),
+        AMQPValue::ShortUInt(v) => Some(v.into()),
+        AMQPValue::LongInt(v) => Some(v.into()),
+        AMQPValue::LongUInt(v) => Some(v.into()),
+        AMQPValue::LongLongInt(v) => Some(v),
+        AMQPValue::Timestamp(v) => i64::try_from(v).ok(),
+        _ => None,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Waiting
+// ---------------------------------------------------------------------------
+
+/// Polls `f` every 50 ms until it returns `true`. Panics with `what` if that
+/// does not happen within `timeout` (a hanging `f` counts against the
+/// timeout too).
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let poll = async {
+        loop {
+            if f().await {
+                return;
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    };
+    if tokio::time::timeout(timeout, poll).await.is_err() {
+        panic!("timed out after {timeout:?} waiting for: {what}");
+    }
+}
+
+/// Awaits `fut`, panicking with `what` if it takes longer than `d`.
+pub async fn with_timeout<T>(what: &str, d: Duration, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(d, fut).await {
+        Ok(value) => value,
+        Err(_) => panic!("timed out after {d:?}: {what}"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Tracing
+// ---------------------------------------------------------------------------
+
+/// Installs a `tracing` subscriber writing to the test output, filtered by
+/// `RUST_LOG` (default `warn`). Safe to call any number of times.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Fails if a global subscriber is already set, which is fine.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replace_url_path;
+
+    #[test]
+    fn replaces_url_paths() {
+        assert_eq!(
+            replace_url_path("postgres://postgres@127.0.0.1:5432/postgres", "x"),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            replace_url_path("postgres://h:1/db?sslmode=disable", "x"),
+            "postgres://h:1/x?sslmode=disable"
+        );
+        assert_eq!(replace_url_path("postgres://h", "x"), "postgres://h/x");
+        assert_eq!(
+            replace_url_path("amqp://guest:guest@127.0.0.1:5672/%2f", "v"),
+            "amqp://guest:guest@127.0.0.1:5672/v"
+        );
+        assert_eq!(
+            replace_url_path("host=h user=u", "x"),
+            "host=h user=u dbname=x"
+        );
+    }
+}
