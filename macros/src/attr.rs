@@ -142,13 +142,15 @@ impl KeyPath {
             };
             match member {
                 Some(member) => segments.push(member),
-                None => return Err(syn::Error::new(
-                    lit.span(),
-                    format!(
+                None => {
+                    return Err(syn::Error::new(
+                        lit.span(),
+                        format!(
                         "`{value}` is not a field path; write the message field holding the key, \
                              e.g. \"payment_id\" or \"order.id\""
                     ),
-                )),
+                    ))
+                }
             }
         }
         Ok(Self { lit, segments })

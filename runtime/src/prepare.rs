@@ -78,6 +78,12 @@ impl<H: Handler> ErasedHandler for Arc<H> {
                 });
             }
         }
+        if let Some(depth) = nesting_over(body, MAX_NESTING) {
+            return Err(Rejection {
+                kind: FailureKind::Decode,
+                message: format!("the body nests deeper than {MAX_NESTING} levels (reached {depth}); refused before decoding"),
+            });
+        }
         let message: H::Message =
             serde_json::from_slice(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
         let key = self
@@ -129,6 +135,39 @@ fn key_rejection(key_path: &str, err: &KeyError) -> Rejection {
     }
 }
 
+/// Deepest JSON nesting accepted, anywhere in the body (ignored fields included:
+/// serde_json skips unknown fields without a depth limit).
+pub(crate) const MAX_NESTING: usize = 128;
+
+/// The depth reached if `body` nests arrays/objects deeper than `max`, in one pass
+/// over the bytes (strings and escapes skipped). Malformed JSON is left to the decoder.
+fn nesting_over(body: &[u8], max: usize) -> Option<usize> {
+    let (mut depth, mut in_string, mut escaped) = (0_usize, false, false);
+    for &byte in body {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return Some(depth);
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
+}
+
 /// `application/json`, `text/json`, `application/*+json`, with or without parameters.
 fn is_json(content_type: &str) -> bool {
     let essence = content_type
@@ -145,6 +184,18 @@ fn is_json(content_type: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn nesting_is_measured_outside_strings() {
+        let deep = format!("{}{}", "[".repeat(129), "]".repeat(129));
+        assert_eq!(super::nesting_over(deep.as_bytes(), 128), Some(129));
+        let ok = format!("{}{}", "[".repeat(128), "]".repeat(128));
+        assert_eq!(super::nesting_over(ok.as_bytes(), 128), None);
+        let quoted = format!(r#"{{"s": "{}\\" }}"#, "[".repeat(300));
+        assert_eq!(super::nesting_over(quoted.as_bytes(), 128), None);
+        let escaped_quote = format!(r#"{{"s": "\" {}" }}"#, "{".repeat(300));
+        assert_eq!(super::nesting_over(escaped_quote.as_bytes(), 128), None);
+    }
+
     #[test]
     fn json_content_types_are_recognised() {
         for ok in [

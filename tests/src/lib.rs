@@ -14,6 +14,8 @@
 //! Server locations come from the environment: `DATABASE_URL` (the admin
 //! database on which test databases are created) and `AMQP_URL`.
 
+pub mod fixture;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -1,0 +1,20 @@
+use diesel_async::AsyncPgConnection;
+use idemq::{idempotent_handler, HandlerError};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct PaymentRequested {
+    payment_id: String,
+}
+
+struct Service;
+
+impl Service {
+    #[idempotent_handler(key = "payment_id")]
+    async fn apply_payment(&self, conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+        let _ = (conn, msg.payment_id);
+        Ok(())
+    }
+}
+
+fn main() {}

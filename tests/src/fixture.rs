@@ -1,0 +1,209 @@
+//! A ready test bed for the core path: a fresh database migrated for the payments
+//! demo, a unique quorum queue with its DLQ, and runtimes that record every settled
+//! delivery.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel_async::RunQueryDsl;
+use idemq::{Queue, RuntimeBuilder, Settled, Stats, Topology};
+use idemq_example_payments::{ledger, PaymentRequested};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::{amqp_url, unique, with_timeout, Broker, TestDb};
+
+diesel::table! {
+    /// idemq's dedup table, for assertions.
+    idemq_dedup (handler, key) {
+        /// Handler name.
+        handler -> Text,
+        /// Stored key.
+        key -> Text,
+    }
+}
+
+/// One test's database, queue and broker client. Deletes its queues on drop.
+pub struct Bed {
+    /// The test's own database, migrated (idemq + payments tables).
+    pub db: TestDb,
+    /// A publishing / inspection client.
+    pub broker: Broker,
+    /// The test's queue (quorum).
+    pub queue: String,
+    /// Its dead-letter queue.
+    pub dlq: String,
+    topology: Topology,
+}
+
+impl Bed {
+    /// A bed with a default quorum queue.
+    pub async fn new() -> Bed {
+        Self::with_queue(|q| q).await
+    }
+
+    /// A bed whose queue is shaped by `shape` (e.g. a lower delivery limit).
+    pub async fn with_queue(shape: impl FnOnce(Queue) -> Queue) -> Bed {
+        crate::init_tracing();
+        let db = TestDb::create().await;
+        idemq_example_payments::migrate(&db.url())
+            .await
+            .expect("migrate the test database");
+        let queue = unique("q");
+        let declared = shape(Queue::new(queue.clone()));
+        let dlq = declared.dead_letter_name().to_owned();
+        let topology = Topology::new().queue(declared);
+        let broker = Broker::connect(&amqp_url()).await;
+        let channel = broker
+            .connection()
+            .create_channel()
+            .await
+            .expect("open a channel");
+        topology
+            .declare(&channel)
+            .await
+            .expect("declare the test topology");
+        let _ = channel.close(200, "declared".into()).await;
+        Bed {
+            db,
+            broker,
+            queue,
+            dlq,
+            topology,
+        }
+    }
+
+    /// A runtime builder for this bed's database and queue (concurrency 8).
+    pub fn runtime(&self) -> RuntimeBuilder {
+        idemq::Runtime::builder()
+            .amqp_url(amqp_url())
+            .database_url(self.db.url())
+            .topology(self.topology.clone())
+            .concurrency(8)
+            .shutdown_deadline(Duration::from_secs(5))
+    }
+
+    /// Publishes a payment as JSON (`serde_json::to_vec` of it, byte for byte).
+    pub async fn publish(&self, payment: &PaymentRequested) {
+        let body = serde_json::to_vec(payment).expect("serialize");
+        let props = lapin::BasicProperties::default().with_content_type("application/json".into());
+        self.broker.publish_bytes(&self.queue, &body, props).await;
+    }
+
+    /// Ledger rows for `payment_id`.
+    pub async fn ledger_rows(&self, payment_id: &str) -> i64 {
+        let mut conn = self.db.connect().await;
+        ledger::table
+            .filter(ledger::payment_id.eq(payment_id))
+            .count()
+            .get_result(&mut conn)
+            .await
+            .expect("count ledger")
+    }
+
+    /// All ledger rows.
+    pub async fn ledger_total(&self) -> i64 {
+        let mut conn = self.db.connect().await;
+        ledger::table
+            .count()
+            .get_result(&mut conn)
+            .await
+            .expect("count ledger")
+    }
+
+    /// Dedup rows for `key` (any handler).
+    pub async fn dedup_rows(&self, key: &str) -> i64 {
+        let mut conn = self.db.connect().await;
+        idemq_dedup::table
+            .filter(idemq_dedup::key.eq(key))
+            .count()
+            .get_result(&mut conn)
+            .await
+            .expect("count dedup")
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        let queues = [self.queue.clone(), self.dlq.clone()];
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let broker = Broker::connect(&amqp_url()).await;
+                for queue in &queues {
+                    broker.delete_queue(queue).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A payment with a unique id.
+pub fn payment(amount_cents: i64) -> PaymentRequested {
+    PaymentRequested {
+        payment_id: unique("pay"),
+        account: unique("acct"),
+        amount_cents,
+    }
+}
+
+/// A runtime running in the background, recording what it settles.
+pub struct Running {
+    /// Cancel to shut down.
+    pub shutdown: CancellationToken,
+    /// The run's result.
+    pub handle: JoinHandle<Result<(), idemq::Error>>,
+    /// Every settled delivery, in order.
+    pub events: Arc<Mutex<Vec<Settled>>>,
+    /// Its counters.
+    pub stats: Arc<Stats>,
+}
+
+impl Running {
+    /// Builds and starts `builder` with an observer recording events.
+    pub fn start(builder: RuntimeBuilder) -> Running {
+        let events: Arc<Mutex<Vec<Settled>>> = Arc::default();
+        let sink = Arc::clone(&events);
+        let runtime = builder
+            .observer(move |settled| sink.lock().expect("events lock").push(settled.clone()))
+            .build()
+            .expect("build the runtime");
+        let stats = runtime.stats();
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(runtime.run(shutdown.clone()));
+        Running {
+            shutdown,
+            handle,
+            events,
+            stats,
+        }
+    }
+
+    /// A copy of the events so far.
+    pub fn events(&self) -> Vec<Settled> {
+        self.events.lock().expect("events lock").clone()
+    }
+
+    /// Waits until `n` deliveries are settled (at most 30 s).
+    pub async fn wait_settled(&self, n: usize) {
+        crate::eventually(
+            &format!("{n} deliveries settled"),
+            Duration::from_secs(30),
+            || async { self.events.lock().expect("events lock").len() >= n },
+        )
+        .await;
+    }
+
+    /// Shuts down and returns the run's result.
+    pub async fn stop(self) -> Result<(), idemq::Error> {
+        self.shutdown.cancel();
+        with_timeout("runtime shutdown", Duration::from_secs(20), self.handle)
+            .await
+            .expect("runtime task")
+    }
+}

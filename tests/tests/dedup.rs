@@ -1,0 +1,197 @@
+//! The dedup core against real RabbitMQ and PostgreSQL: duplicates are skipped,
+//! racing duplicates apply once, and a lost ack after COMMIT is harmless.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+use idemq::fault::{FaultContext, FaultHook, FaultPoint};
+use idemq::{idempotent_handler, Outcome, Settled};
+use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_tests::with_timeout;
+
+/// The same message published twice: one ledger row, both deliveries acked, queue empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_message_twice_is_applied_once_and_both_are_acked() {
+    let bed = Bed::new().await;
+    let p = payment(1_250);
+    bed.publish(&p).await;
+    bed.publish(&p).await;
+
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    running.wait_settled(2).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+
+    let outcomes: Vec<_> = events.iter().map(|e| e.outcome.clone()).collect();
+    assert_eq!(outcomes, [Outcome::Applied, Outcome::Duplicate]);
+    assert!(
+        events.iter().all(|e| e.settled_with_broker),
+        "both deliveries acked: {events:?}"
+    );
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+    assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
+    // After the consumer's channel closed, nothing unacked came back.
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+    assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
+}
+
+/// Like `apply_payment`, but holds its transaction open a while, so a duplicate on
+/// another consumer arrives while the first is still uncommitted.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn slow_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    apply_payment::call(conn, msg).await?;
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    Ok(())
+}
+
+/// Two consumers (two runtimes, two connections), every message published twice
+/// back to back: the broker hands the copies to different consumers at the same
+/// moment. Exactly one applies per key; the test also proves the copies' transactions
+/// really overlapped in time (the loser blocked on the unique index, no check-then-act).
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
+    const KEYS: usize = 60;
+    let bed = Bed::new().await;
+    let a = Running::start(bed.runtime().consume(&bed.queue, slow_payment));
+    let b = Running::start(bed.runtime().consume(&bed.queue, slow_payment));
+    // Let both subscribe before the burst, so deliveries alternate between them.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let payments: Vec<_> = (0..KEYS).map(|i| payment(100 + i as i64)).collect();
+    for p in &payments {
+        bed.publish(p).await;
+        bed.publish(p).await;
+    }
+    with_timeout("all copies settled", Duration::from_secs(60), async {
+        while a.events().len() + b.events().len() < 2 * KEYS {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let (events_a, events_b) = (a.events(), b.events());
+    a.stop().await.expect("clean shutdown a");
+    b.stop().await.expect("clean shutdown b");
+
+    let mut by_key: HashMap<String, Vec<(char, Settled)>> = HashMap::new();
+    for (who, events) in [('a', &events_a), ('b', &events_b)] {
+        for e in events {
+            by_key
+                .entry(e.key.clone().expect("every copy has a key"))
+                .or_default()
+                .push((who, e.clone()));
+        }
+    }
+    let mut overlapping = 0;
+    for p in &payments {
+        let copies = &by_key[&p.payment_id];
+        let applied = copies
+            .iter()
+            .filter(|(_, e)| e.outcome == Outcome::Applied)
+            .count();
+        let duplicates = copies
+            .iter()
+            .filter(|(_, e)| e.outcome == Outcome::Duplicate)
+            .count();
+        assert_eq!(
+            (applied, duplicates),
+            (1, 1),
+            "key {}: {copies:?}",
+            p.payment_id
+        );
+        assert_eq!(
+            bed.ledger_rows(&p.payment_id).await,
+            1,
+            "key {}",
+            p.payment_id
+        );
+        if let [(who1, e1), (who2, e2)] = copies.as_slice() {
+            let (start1, start2) = (e1.began_at.expect("began"), e2.began_at.expect("began"));
+            if who1 != who2 && start1 < e2.settled_at && start2 < e1.settled_at {
+                overlapping += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{overlapping} of {KEYS} keys had both copies in flight at once, on different consumers"
+    );
+    assert_eq!(bed.ledger_total().await, KEYS as i64);
+    assert!(
+        overlapping >= KEYS / 4,
+        "only {overlapping} of {KEYS} keys had copies in flight on both consumers at once; the race was not staged"
+    );
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
+/// COMMIT succeeded, then the channel died before the ack (a fault hook closes it at
+/// exactly that point). The ack must fail visibly, the broker redelivers, and the
+/// redelivery is skipped as a duplicate: one ledger row.
+#[tokio::test(flavor = "multi_thread")]
+async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
+    let bed = Bed::new().await;
+    let p = payment(990);
+    bed.publish(&p).await;
+
+    let fired = Arc::new(AtomicBool::new(false));
+    let fired_in_hook = Arc::clone(&fired);
+    let hook: FaultHook = Arc::new(move |ctx: FaultContext| {
+        let fired = Arc::clone(&fired_in_hook);
+        Box::pin(async move {
+            if ctx.point == FaultPoint::AfterCommit
+                && ctx.outcome == Outcome::Applied
+                && !fired.swap(true, Ordering::SeqCst)
+            {
+                ctx.channel
+                    .close(200, "fault: channel lost after commit".into())
+                    .await
+                    .expect("close the channel");
+            }
+        })
+    });
+    let first = Running::start(
+        bed.runtime()
+            .consume(&bed.queue, apply_payment)
+            .fault_hook(hook),
+    );
+    first.wait_settled(1).await;
+    let first_events = first.events();
+    let ended = first.stop().await;
+    assert!(fired.load(Ordering::SeqCst), "the fault hook ran");
+    assert_eq!(first_events[0].outcome, Outcome::Applied);
+    assert!(
+        !first_events[0].settled_with_broker,
+        "the ack after the closed channel must fail: {first_events:?}"
+    );
+    assert!(
+        matches!(ended, Err(idemq::Error::ConsumerLost { .. })),
+        "the lost channel is reported: {ended:?}"
+    );
+    assert_eq!(
+        bed.ledger_rows(&p.payment_id).await,
+        1,
+        "committed before the ack"
+    );
+
+    let second = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    second.wait_settled(1).await;
+    let second_events = second.events();
+    second.stop().await.expect("clean shutdown");
+    assert_eq!(
+        second_events[0].outcome,
+        Outcome::Duplicate,
+        "{second_events:?}"
+    );
+    assert!(
+        second_events[0].delivery_count >= 1,
+        "it was a redelivery: {second_events:?}"
+    );
+    assert!(second_events[0].settled_with_broker);
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
