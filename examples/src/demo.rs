@@ -28,12 +28,7 @@ pub struct DemoConfig {
 
 impl Default for DemoConfig {
     fn default() -> Self {
-        Self {
-            payments: 2_000,
-            duplicate_every: 10,
-            accounts: 10,
-            concurrency: 16,
-        }
+        Self { payments: 2_000, duplicate_every: 10, accounts: 10, concurrency: 16 }
     }
 }
 
@@ -58,20 +53,14 @@ type DemoError = Box<dyn std::error::Error + Send + Sync>;
 ///
 /// # Errors
 /// When a service is unreachable or the burst is not consumed within two minutes.
-pub async fn run(
-    amqp_url: &str,
-    database_url: &str,
-    config: DemoConfig,
-) -> Result<DemoReport, DemoError> {
+pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Result<DemoReport, DemoError> {
     crate::migrate(database_url).await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
 
     let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
     topology().declare(&channel).await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await?;
 
     // The burst: distinct payments, some published twice, and a few bad messages.
     let mut expected: BTreeMap<String, i64> = BTreeMap::new();
@@ -79,11 +68,8 @@ pub async fn run(
     for i in 0..config.payments {
         let account = format!("demo-{run_id}-acct-{}", i % config.accounts.max(1));
         let amount_cents = 100 + (i as i64 * 37) % 9_900;
-        let payment = PaymentRequested {
-            payment_id: format!("demo-{run_id}-pay-{i}"),
-            account,
-            amount_cents,
-        };
+        let payment =
+            PaymentRequested { payment_id: format!("demo-{run_id}-pay-{i}"), account, amount_cents };
         *expected.entry(payment.account.clone()).or_default() += amount_cents;
         let body = serde_json::to_vec(&payment)?;
         if config.duplicate_every > 0 && i % config.duplicate_every == 0 {
@@ -107,20 +93,11 @@ pub async fn run(
     };
     bodies.push(serde_json::to_vec(&first)?);
 
-    let props = BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_content_type("application/json".into());
+    let props = BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
     let mut confirms = Vec::with_capacity(bodies.len());
     for body in &bodies {
-        let options = BasicPublishOptions {
-            mandatory: true,
-            ..Default::default()
-        };
-        confirms.push(
-            channel
-                .basic_publish("".into(), QUEUE.into(), options, body, props.clone())
-                .await?,
-        );
+        let options = BasicPublishOptions { mandatory: true, ..Default::default() };
+        confirms.push(channel.basic_publish("".into(), QUEUE.into(), options, body, props.clone()).await?);
     }
     for confirm in confirms {
         match confirm.await? {
@@ -164,13 +141,7 @@ pub async fn run(
     }
 
     let mismatches = check_ledger(database_url, &run_id, &expected, config.payments).await?;
-    Ok(DemoReport {
-        published,
-        stats,
-        consume_time,
-        ledger_ok: mismatches.is_empty(),
-        mismatches,
-    })
+    Ok(DemoReport { published, stats, consume_time, ledger_ok: mismatches.is_empty(), mismatches })
 }
 
 /// Compares this run's ledger rows and balances with the expected sums.
@@ -182,16 +153,12 @@ async fn check_ledger(
 ) -> Result<Vec<String>, DemoError> {
     let mut conn = AsyncPgConnection::establish(database_url).await?;
     let pattern = format!("demo-{run_id}-%");
-    let rows: i64 = ledger::table
-        .filter(ledger::payment_id.like(&pattern))
-        .count()
-        .get_result(&mut conn)
-        .await?;
+    let rows: i64 =
+        ledger::table.filter(ledger::payment_id.like(&pattern)).count().get_result(&mut conn).await?;
     let mut mismatches = Vec::new();
     if rows != payments as i64 {
-        mismatches.push(format!(
-            "ledger has {rows} rows for this run, expected {payments} (one per payment)"
-        ));
+        mismatches
+            .push(format!("ledger has {rows} rows for this run, expected {payments} (one per payment)"));
     }
     let sums: Vec<(String, Option<diesel::data_types::PgNumeric>)> = ledger::table
         .filter(ledger::payment_id.like(&pattern))
@@ -199,10 +166,8 @@ async fn check_ledger(
         .select((ledger::account, diesel::dsl::sum(ledger::amount_cents)))
         .load(&mut conn)
         .await?;
-    let ledger_sums: BTreeMap<String, i64> = sums
-        .into_iter()
-        .map(|(account, sum)| (account, sum.map_or(0, |n| numeric_to_i64(&n))))
-        .collect();
+    let ledger_sums: BTreeMap<String, i64> =
+        sums.into_iter().map(|(account, sum)| (account, sum.map_or(0, |n| numeric_to_i64(&n)))).collect();
     let balances: BTreeMap<String, i64> = accounts::table
         .filter(accounts::account.like(&pattern))
         .load::<(String, i64)>(&mut conn)
@@ -213,9 +178,7 @@ async fn check_ledger(
         let in_ledger = ledger_sums.get(account).copied().unwrap_or(0);
         let balance = balances.get(account).copied().unwrap_or(0);
         if in_ledger != *want || balance != *want {
-            mismatches.push(format!(
-                "{account}: expected {want}, ledger {in_ledger}, balance {balance}"
-            ));
+            mismatches.push(format!("{account}: expected {want}, ledger {in_ledger}, balance {balance}"));
         }
     }
     Ok(mismatches)
@@ -249,17 +212,9 @@ impl std::fmt::Display for DemoReport {
         writeln!(f, "published:           {}", self.published)?;
         writeln!(f, "applied:             {}", s.applied)?;
         writeln!(f, "duplicates skipped:  {}", s.duplicates)?;
-        writeln!(
-            f,
-            "dead-lettered:       {}  (see queue payments.dlq)",
-            s.dead_lettered
-        )?;
+        writeln!(f, "dead-lettered:       {}  (see queue payments.dlq)", s.dead_lettered)?;
         writeln!(f, "handler retries:     {}", s.retried)?;
-        writeln!(
-            f,
-            "consumed in:         {secs:.2} s ({:.0} msg/s)",
-            total as f64 / secs.max(1e-9)
-        )?;
+        writeln!(f, "consumed in:         {secs:.2} s ({:.0} msg/s)", total as f64 / secs.max(1e-9))?;
         if self.ledger_ok {
             write!(f, "ledger check:        OK (every payment applied exactly once; balances equal the sums)")
         } else {

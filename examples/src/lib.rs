@@ -73,15 +73,10 @@ pub async fn apply_payment(
         .execute(conn)
         .await?;
     diesel::insert_into(accounts::table)
-        .values((
-            accounts::account.eq(&msg.account),
-            accounts::balance_cents.eq(msg.amount_cents),
-        ))
+        .values((accounts::account.eq(&msg.account), accounts::balance_cents.eq(msg.amount_cents)))
         .on_conflict(accounts::account)
         .do_update()
-        .set(
-            accounts::balance_cents.eq(accounts::balance_cents + excluded(accounts::balance_cents)),
-        )
+        .set(accounts::balance_cents.eq(accounts::balance_cents + excluded(accounts::balance_cents)))
         .execute(conn)
         .await?;
     Ok(())
@@ -124,10 +119,7 @@ pub enum SetupError {
 
 fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) -> SetupError {
     let context = context.into();
-    move |err| SetupError::Database {
-        context,
-        source: Box::new(err),
-    }
+    move |err| SetupError::Database { context, source: Box::new(err) }
 }
 
 /// Creates the database if missing, applies idemq's migrations and the demo's tables.
@@ -137,12 +129,10 @@ fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) ->
 pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
     ensure_database(database_url).await?;
     idemq::migrate(database_url).await?;
-    let mut conn = AsyncPgConnection::establish(database_url)
-        .await
-        .map_err(|err| SetupError::Database {
-            context: format!("connect to {database_url}"),
-            source: Box::new(err),
-        })?;
+    let mut conn = AsyncPgConnection::establish(database_url).await.map_err(|err| SetupError::Database {
+        context: format!("connect to {database_url}"),
+        source: Box::new(err),
+    })?;
     diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, SCHEMA)
         .await
         .map_err(db_error("create the demo tables"))?;
@@ -159,12 +149,10 @@ async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
         return Ok(());
     }
     let admin_url = format!("{server}/postgres");
-    let mut admin = AsyncPgConnection::establish(&admin_url)
-        .await
-        .map_err(|err| SetupError::Database {
-            context: format!("connect to {admin_url}"),
-            source: Box::new(err),
-        })?;
+    let mut admin = AsyncPgConnection::establish(&admin_url).await.map_err(|err| SetupError::Database {
+        context: format!("connect to {admin_url}"),
+        source: Box::new(err),
+    })?;
     #[derive(QueryableByName)]
     struct Exists {
         #[diesel(sql_type = diesel::sql_types::Bool)]
@@ -178,10 +166,7 @@ async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
             .map_err(db_error("look up the database"))?;
     if !found.exists {
         let quoted = name.replace('"', "\"\"");
-        match diesel::sql_query(format!("CREATE DATABASE \"{quoted}\""))
-            .execute(&mut admin)
-            .await
-        {
+        match diesel::sql_query(format!("CREATE DATABASE \"{quoted}\"")).execute(&mut admin).await {
             Ok(_) => {}
             // Another process created it between our look-up and CREATE.
             Err(diesel::result::Error::DatabaseError(_, info))

@@ -24,20 +24,14 @@ const USAGE: &str = "usage: payments <migrate|run|demo> [--concurrency N] [--pay
 async fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     // The demo reports its dead letters in its summary; `run` logs each one.
-    let default_filter = if args.first().map(String::as_str) == Some("demo") {
-        "error"
-    } else {
-        "warn"
-    };
+    let default_filter = if args.first().map(String::as_str) == Some("demo") { "error" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_filter.into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
         )
         .init();
     let amqp_url = std::env::var("AMQP_URL").unwrap_or_else(|_| idemq::DEFAULT_AMQP_URL.into());
-    let database_url =
-        std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+    let database_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
     let mut config = DemoConfig::default();
     if let Err(err) = parse_flags(&args[args.len().min(1)..], &mut config) {
         eprintln!("{err}\n{USAGE}");
@@ -94,12 +88,8 @@ async fn run(
 fn parse_flags(flags: &[String], config: &mut DemoConfig) -> Result<(), String> {
     let mut flags = flags.iter();
     while let Some(flag) = flags.next() {
-        let value = flags
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value"))?;
-        let number: usize = value
-            .parse()
-            .map_err(|_| format!("{flag} takes a number, not '{value}'"))?;
+        let value = flags.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let number: usize = value.parse().map_err(|_| format!("{flag} takes a number, not '{value}'"))?;
         match flag.as_str() {
             "--concurrency" if number > 0 => config.concurrency = number,
             "--payments" if number > 0 => config.payments = number,
@@ -112,10 +102,7 @@ fn parse_flags(flags: &[String], config: &mut DemoConfig) -> Result<(), String> 
 fn redact(url: &str) -> String {
     match url.split_once('@') {
         Some((userinfo, host)) if userinfo.matches(':').count() > 1 => {
-            format!(
-                "{}:***@{host}",
-                &userinfo[..userinfo.rfind(':').unwrap_or(0)]
-            )
+            format!("{}:***@{host}", &userinfo[..userinfo.rfind(':').unwrap_or(0)])
         }
         _ => url.to_owned(),
     }

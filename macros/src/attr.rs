@@ -19,10 +19,7 @@ impl Parse for RawOption {
         }
         let name: Ident = input.parse()?;
         if !input.peek(Token![=]) {
-            return Err(syn::Error::new(
-                name.span(),
-                format!("expected `{name} = \"...\"`"),
-            ));
+            return Err(syn::Error::new(name.span(), format!("expected `{name} = \"...\"`")));
         }
         input.parse::<Token![=]>()?;
         let value = input.parse()?;
@@ -77,15 +74,10 @@ impl Options {
                 continue;
             }
             match option.value {
-                Expr::Lit(ExprLit {
-                    lit: Lit::Str(lit), ..
-                }) => *slot = Some(lit),
+                Expr::Lit(ExprLit { lit: Lit::Str(lit), .. }) => *slot = Some(lit),
                 other => push(syn::Error::new_spanned(
                     other,
-                    format!(
-                        "`{}` takes a string literal, e.g. `{} = \"...\"`",
-                        option.name, option.name
-                    ),
+                    format!("`{}` takes a string literal, e.g. `{} = \"...\"`", option.name, option.name),
                 )),
             }
         }
@@ -128,12 +120,9 @@ impl KeyPath {
         let mut segments = Vec::new();
         for part in value.split('.') {
             let member = if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
-                part.parse::<u32>().ok().map(|index| {
-                    syn::Member::Unnamed(syn::Index {
-                        index,
-                        span: lit.span(),
-                    })
-                })
+                part.parse::<u32>()
+                    .ok()
+                    .map(|index| syn::Member::Unnamed(syn::Index { index, span: lit.span() }))
             } else {
                 syn::parse_str::<Ident>(part).ok().map(|mut ident| {
                     ident.set_span(lit.span());
@@ -146,9 +135,9 @@ impl KeyPath {
                     return Err(syn::Error::new(
                         lit.span(),
                         format!(
-                        "`{value}` is not a field path; write the message field holding the key, \
+                            "`{value}` is not a field path; write the message field holding the key, \
                              e.g. \"payment_id\" or \"order.id\""
-                    ),
+                        ),
                     ))
                 }
             }

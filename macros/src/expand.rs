@@ -39,18 +39,8 @@ fn fallback(item: &ItemFn, err: &syn::Error) -> TokenStream {
 }
 
 fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
-    let HandlerFn {
-        item,
-        conn_ty,
-        message_ty,
-        output,
-    } = handler;
-    let ItemFn {
-        attrs,
-        vis,
-        sig,
-        block,
-    } = item;
+    let HandlerFn { item, conn_ty, message_ty, output } = handler;
+    let ItemFn { attrs, vis, sig, block } = item;
     let ident = &sig.ident;
     let inputs = &sig.inputs;
     let name = match &options.name {

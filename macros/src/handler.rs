@@ -26,10 +26,7 @@ impl HandlerFn {
         if sig.asyncness.is_none() {
             errors.push(syn::Error::new(
                 sig.fn_token.span(),
-                format!(
-                    "#[idempotent_handler] needs an async fn: write `async fn {}(...)`",
-                    sig.ident
-                ),
+                format!("#[idempotent_handler] needs an async fn: write `async fn {}(...)`", sig.ident),
             ));
         }
         if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
@@ -40,10 +37,7 @@ impl HandlerFn {
             ));
         }
         if let Some(variadic) = &sig.variadic {
-            errors.push(syn::Error::new(
-                variadic.span(),
-                "a handler cannot be variadic",
-            ));
+            errors.push(syn::Error::new(variadic.span(), "a handler cannot be variadic"));
         }
         let expected = "a handler takes `(conn: &mut AsyncPgConnection, message: YourMessage)`";
         let mut typed = Vec::new();
@@ -57,17 +51,11 @@ impl HandlerFn {
             }
         }
         let (conn_ty, message_ty) = match typed.as_slice() {
-            [conn, message] => (
-                check_conn(conn, &mut errors),
-                check_message(message, &mut errors),
-            ),
+            [conn, message] => (check_conn(conn, &mut errors), check_message(message, &mut errors)),
             _ => {
                 errors.push(syn::Error::new(
                     sig.paren_token.span.join(),
-                    format!(
-                        "expected 2 arguments, found {}; {expected}",
-                        sig.inputs.len()
-                    ),
+                    format!("expected 2 arguments, found {}; {expected}", sig.inputs.len()),
                 ));
                 (None, None)
             }
@@ -89,12 +77,7 @@ impl HandlerFn {
             return Err(first);
         }
         match (conn_ty, message_ty, output) {
-            (Some(conn_ty), Some(message_ty), Some(output)) => Ok(Self {
-                item,
-                conn_ty,
-                message_ty,
-                output,
-            }),
+            (Some(conn_ty), Some(message_ty), Some(output)) => Ok(Self { item, conn_ty, message_ty, output }),
             _ => unreachable!("every missing part records an error"),
         }
     }

@@ -63,14 +63,8 @@ pub(crate) async fn publish(
     letter: &Letter<'_>,
 ) -> Result<(), PublishError> {
     let properties = annotate(delivery, letter);
-    let options = BasicPublishOptions {
-        mandatory: true,
-        ..Default::default()
-    };
-    let amqp = |source| PublishError::Amqp {
-        queue: queue.to_owned(),
-        source,
-    };
+    let options = BasicPublishOptions { mandatory: true, ..Default::default() };
+    let amqp = |source| PublishError::Amqp { queue: queue.to_owned(), source };
     let confirm = channel
         .basic_publish("".into(), queue.into(), options, &delivery.data, properties)
         .await
@@ -79,12 +73,10 @@ pub(crate) async fn publish(
         .map_err(amqp)?;
     match confirm {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
-            queue: queue.to_owned(),
-        }),
-        Confirmation::Nack(_) | Confirmation::NotRequested => Err(PublishError::Nacked {
-            queue: queue.to_owned(),
-        }),
+        Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable { queue: queue.to_owned() }),
+        Confirmation::Nack(_) | Confirmation::NotRequested => {
+            Err(PublishError::Nacked { queue: queue.to_owned() })
+        }
     }
 }
 
@@ -100,44 +92,22 @@ fn annotate(delivery: &Delivery, letter: &Letter<'_>) -> BasicProperties {
     }
     let now = rfc3339(SystemTime::now());
     let set = |headers: &mut FieldTable, name: &str, value: &str| {
-        headers.insert(
-            ShortString::from(name),
-            AMQPValue::LongString(LongString::from(value)),
-        );
+        headers.insert(ShortString::from(name), AMQPValue::LongString(LongString::from(value)));
     };
     let set_if_absent = |headers: &mut FieldTable, name: &str, value: &str| {
         if !headers.contains_key(name) {
             set(headers, name, value);
         }
     };
-    set_if_absent(
-        &mut headers,
-        headers::ORIGINAL_EXCHANGE,
-        delivery.exchange.as_str(),
-    );
-    set_if_absent(
-        &mut headers,
-        headers::ORIGINAL_ROUTING_KEY,
-        delivery.routing_key.as_str(),
-    );
+    set_if_absent(&mut headers, headers::ORIGINAL_EXCHANGE, delivery.exchange.as_str());
+    set_if_absent(&mut headers, headers::ORIGINAL_ROUTING_KEY, delivery.routing_key.as_str());
     set_if_absent(&mut headers, headers::FIRST_FAILURE, &now);
     set(&mut headers, headers::LAST_FAILURE, &now);
-    set(
-        &mut headers,
-        headers::ERROR,
-        truncate_utf8(letter.error, MAX_ERROR_HEADER_BYTES),
-    );
+    set(&mut headers, headers::ERROR, truncate_utf8(letter.error, MAX_ERROR_HEADER_BYTES));
     set(&mut headers, headers::ERROR_KIND, letter.kind.as_str());
     set(&mut headers, headers::HANDLER, letter.handler);
-    headers.insert(
-        headers::ATTEMPTS.into(),
-        AMQPValue::LongLongInt(i64::from(letter.attempts)),
-    );
-    delivery
-        .properties
-        .clone()
-        .with_headers(headers)
-        .with_delivery_mode(2)
+    headers.insert(headers::ATTEMPTS.into(), AMQPValue::LongLongInt(i64::from(letter.attempts)));
+    delivery.properties.clone().with_headers(headers).with_delivery_mode(2)
 }
 
 /// The longest prefix of `s` that is at most `max` bytes and ends on a char boundary.

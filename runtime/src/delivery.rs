@@ -131,41 +131,20 @@ impl Consumer {
 
     /// decode → key → transaction (retried in-process on infrastructure faults).
     async fn decide(&self, delivery: &Delivery, delivery_count: u32) -> Decision {
-        let content_type = delivery
-            .properties
-            .content_type()
-            .as_ref()
-            .map(|ct| ct.as_str());
+        let content_type = delivery.properties.content_type().as_ref().map(|ct| ct.as_str());
         let mut backoff = Backoff::default();
         loop {
-            let prepared =
-                match self
-                    .handler
-                    .prepare(&delivery.data, content_type, self.shared.limits)
-                {
-                    Ok(prepared) => prepared,
-                    Err(rejection) => {
-                        let outcome = Outcome::DeadLettered {
-                            kind: rejection.kind,
-                            error: rejection.message,
-                        };
-                        return Decision {
-                            outcome,
-                            key: None,
-                            began_at: None,
-                        };
-                    }
-                };
+            let prepared = match self.handler.prepare(&delivery.data, content_type, self.shared.limits) {
+                Ok(prepared) => prepared,
+                Err(rejection) => {
+                    let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message };
+                    return Decision { outcome, key: None, began_at: None };
+                }
+            };
             let key = Some(prepared.key.as_str().to_owned());
             let began_at = Some(Instant::now());
             let fault = match self.transact(prepared, delivery_count).await {
-                Ok(outcome) => {
-                    return Decision {
-                        outcome,
-                        key,
-                        began_at,
-                    }
-                }
+                Ok(outcome) => return Decision { outcome, key, began_at },
                 Err(fault) => fault,
             };
             self.shared.stats.infrastructure_retry();
@@ -181,17 +160,8 @@ impl Consumer {
 
     /// One attempt at the transaction. `Err` is an infrastructure fault: the outcome
     /// is unknown and the attempt must be repeated on a fresh connection.
-    async fn transact(
-        &self,
-        prepared: Prepared,
-        delivery_count: u32,
-    ) -> Result<Outcome, InfraFault> {
-        let mut conn = self
-            .shared
-            .pool
-            .get()
-            .await
-            .map_err(|err| InfraFault::Pool(err.to_string()))?;
+    async fn transact(&self, prepared: Prepared, delivery_count: u32) -> Result<Outcome, InfraFault> {
+        let mut conn = self.shared.pool.get().await.map_err(|err| InfraFault::Pool(err.to_string()))?;
         let result = self.transact_on(&mut conn, prepared, delivery_count).await;
         if result.is_err() || PoolableConnection::is_broken(&mut *conn) {
             // Never return a connection in an unknown state to the pool.
@@ -206,15 +176,9 @@ impl Consumer {
         prepared: Prepared,
         delivery_count: u32,
     ) -> Result<Outcome, InfraFault> {
-        let Prepared {
-            key,
-            fingerprint,
-            effect,
-        } = prepared;
+        let Prepared { key, fingerprint, effect } = prepared;
         let handler = self.handler.name();
-        AnsiTransactionManager::begin_transaction(conn)
-            .await
-            .map_err(InfraFault::Database)?;
+        AnsiTransactionManager::begin_transaction(conn).await.map_err(InfraFault::Database)?;
 
         let inserted = diesel::insert_into(idemq_dedup::table)
             .values((
@@ -239,7 +203,9 @@ impl Consumer {
                 .get_result::<Option<Vec<u8>>>(conn)
                 .await;
             let outcome = match stored {
-                Ok(Some(stored)) if stored != fingerprint && self.shared.on_conflict == OnConflict::DeadLetter => {
+                Ok(Some(stored))
+                    if stored != fingerprint && self.shared.on_conflict == OnConflict::DeadLetter =>
+                {
                     Outcome::DeadLettered {
                         kind: FailureKind::Conflict,
                         error: format!(
@@ -298,9 +264,7 @@ impl Consumer {
             // A failed ROLLBACK means the connection broke: whatever the handler
             // wrapped, this is an infrastructure fault, not a handler failure.
             Err(err) => Err(InfraFault::Database(err)),
-            Ok(()) if PoolableConnection::is_broken(conn) => {
-                Err(InfraFault::Broken(error.to_string()))
-            }
+            Ok(()) if PoolableConnection::is_broken(conn) => Err(InfraFault::Broken(error.to_string())),
             Ok(()) => Ok(self.handler_failed(error, delivery_count)),
         }
     }
@@ -308,22 +272,17 @@ impl Consumer {
     fn handler_failed(&self, error: HandlerError, delivery_count: u32) -> Outcome {
         let attempts = delivery_count.saturating_add(1);
         match error.class() {
-            ErrorClass::Permanent => Outcome::DeadLettered {
-                kind: FailureKind::Handler,
-                error: error.to_string(),
-            },
-            ErrorClass::Transient if attempts >= self.shared.max_attempts => {
-                Outcome::DeadLettered {
-                    kind: FailureKind::AttemptsExhausted,
-                    error: format!(
-                        "failed {attempts} of {} attempts; last error: {error}",
-                        self.shared.max_attempts
-                    ),
-                }
+            ErrorClass::Permanent => {
+                Outcome::DeadLettered { kind: FailureKind::Handler, error: error.to_string() }
             }
-            ErrorClass::Transient => Outcome::Retry {
-                error: error.to_string(),
+            ErrorClass::Transient if attempts >= self.shared.max_attempts => Outcome::DeadLettered {
+                kind: FailureKind::AttemptsExhausted,
+                error: format!(
+                    "failed {attempts} of {} attempts; last error: {error}",
+                    self.shared.max_attempts
+                ),
             },
+            ErrorClass::Transient => Outcome::Retry { error: error.to_string() },
         }
     }
 
@@ -331,15 +290,11 @@ impl Consumer {
     /// gone and the broker will redeliver; the dedup row makes that harmless).
     async fn settle(&self, delivery: &Delivery, decision: &Decision, delivery_count: u32) -> bool {
         let acker = &delivery.acker;
-        let requeue = BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        };
+        let requeue = BasicNackOptions { requeue: true, ..Default::default() };
         let sent = match &decision.outcome {
             Outcome::Applied | Outcome::Duplicate => {
                 #[cfg(feature = "fault-injection")]
-                self.fault(crate::fault::FaultPoint::AfterCommit, decision)
-                    .await;
+                self.fault(crate::fault::FaultPoint::AfterCommit, decision).await;
                 acker.ack(BasicAckOptions::default()).await
             }
             Outcome::Retry { error } => {
@@ -355,13 +310,8 @@ impl Consumer {
                     attempts: delivery_count.saturating_add(1),
                 };
                 tracing::warn!(queue = %self.queue, key = ?decision.key, kind = %kind, %error, "dead-lettering");
-                match dead_letter::publish(
-                    &self.shared.publisher,
-                    &self.dead_letter_queue,
-                    delivery,
-                    &letter,
-                )
-                .await
+                match dead_letter::publish(&self.shared.publisher, &self.dead_letter_queue, delivery, &letter)
+                    .await
                 {
                     Ok(()) => acker.ack(BasicAckOptions::default()).await,
                     Err(err) => {
@@ -420,11 +370,8 @@ enum InfraFault {
 
 /// The broker's delivery count (`x-delivery-count` on quorum queues; absent = 0).
 fn delivery_count(delivery: &Delivery) -> u32 {
-    let value = delivery
-        .properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(headers::DELIVERY_COUNT).cloned());
+    let value =
+        delivery.properties.headers().as_ref().and_then(|h| h.inner().get(headers::DELIVERY_COUNT).cloned());
     let count = match value {
         Some(AMQPValue::LongLongInt(v)) => v,
         Some(AMQPValue::LongInt(v)) => i64::from(v),
@@ -447,10 +394,7 @@ struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Self {
-            next: Duration::from_millis(50),
-            last_logged: None,
-        }
+        Self { next: Duration::from_millis(50), last_logged: None }
     }
 }
 

@@ -28,14 +28,17 @@ pub enum Error {
     /// A queue exists with other arguments than the topology declares (406 PRECONDITION_FAILED).
     #[error(
         "queue '{queue}' already exists with different arguments: {detail}. \
+         idemq declares it with [{declared}]. \
          Fix: declare it as it exists (e.g. `.classic()` for a classic queue), \
          or move its messages and delete it (`rabbitmqctl delete_queue {queue}`) so it can be redeclared"
     )]
     QueueMismatch {
         /// The queue's name.
         queue: String,
-        /// The broker's words on which argument differs.
+        /// The broker's words on which argument differs (it names the first only).
         detail: String,
+        /// The arguments idemq declared, `name=value, ...`.
+        declared: String,
     },
     /// An exchange exists with another type or other arguments (406 PRECONDITION_FAILED).
     #[error(
@@ -49,7 +52,9 @@ pub enum Error {
         detail: String,
     },
     /// Could not reach PostgreSQL or build the pool.
-    #[error("cannot connect to PostgreSQL at {url}: {message}; is the server running and DATABASE_URL right?")]
+    #[error(
+        "cannot connect to PostgreSQL at {url}: {message}; is the server running and DATABASE_URL right?"
+    )]
     DatabaseConnect {
         /// The URL, password redacted.
         url: String,
@@ -90,13 +95,7 @@ pub(crate) fn redact(url: &str) -> String {
 mod tests {
     #[test]
     fn redact_hides_only_the_password() {
-        assert_eq!(
-            super::redact("amqp://guest:secret@h:5672/%2f"),
-            "amqp://guest:***@h:5672/%2f"
-        );
-        assert_eq!(
-            super::redact("postgres://postgres@h/db"),
-            "postgres://postgres@h/db"
-        );
+        assert_eq!(super::redact("amqp://guest:secret@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
+        assert_eq!(super::redact("postgres://postgres@h/db"), "postgres://postgres@h/db");
     }
 }

@@ -89,18 +89,12 @@ pub struct HandlerError {
 impl HandlerError {
     /// A transient error: the delivery is retried.
     pub fn transient(error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
-        Self {
-            class: ErrorClass::Transient,
-            source: error.into(),
-        }
+        Self { class: ErrorClass::Transient, source: error.into() }
     }
 
     /// A permanent error: the message is dead-lettered without further attempts.
     pub fn permanent(error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
-        Self {
-            class: ErrorClass::Permanent,
-            source: error.into(),
-        }
+        Self { class: ErrorClass::Permanent, source: error.into() }
     }
 
     /// How the runtime treats this error.
@@ -125,10 +119,7 @@ where
 
 impl fmt::Debug for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HandlerError")
-            .field("class", &self.class)
-            .field("source", &self.source)
-            .finish()
+        f.debug_struct("HandlerError").field("class", &self.class).field("source", &self.source).finish()
     }
 }
 
@@ -150,9 +141,7 @@ impl fmt::Display for HandlerError {
 #[derive(Debug)]
 pub struct Permanent<E>(pub E);
 
-impl<E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>> From<Permanent<E>>
-    for HandlerError
-{
+impl<E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>> From<Permanent<E>> for HandlerError {
     fn from(Permanent(error): Permanent<E>) -> Self {
         Self::permanent(error)
     }

@@ -30,10 +30,7 @@ impl Key {
             return Err(KeyError::Nul);
         }
         if raw.len() > MAX_STORED_KEY_BYTES {
-            return Ok(Self(format!(
-                "sha256:{}",
-                hex(&Sha256::digest(raw.as_bytes()))
-            )));
+            return Ok(Self(format!("sha256:{}", hex(&Sha256::digest(raw.as_bytes())))));
         }
         Ok(Self(raw))
     }
@@ -58,12 +55,10 @@ impl fmt::Display for Key {
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     use fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 /// Why a message's key could not be used. The message is dead-lettered (kind `key`).

@@ -21,10 +21,7 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
 pub async fn migrate(database_url: &str) -> Result<(), Error> {
     let conn = AsyncPgConnection::establish(database_url)
         .await
-        .map_err(|err| Error::DatabaseConnect {
-            url: redact(database_url),
-            message: err.to_string(),
-        })?;
+        .map_err(|err| Error::DatabaseConnect { url: redact(database_url), message: err.to_string() })?;
     // The harness blocks in place; on a blocking thread that works on every runtime
     // flavour (on a current-thread runtime's own thread it would panic).
     tokio::task::spawn_blocking(move || {

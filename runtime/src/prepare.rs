@@ -11,9 +11,8 @@ use crate::key::{Key, KeyError};
 use crate::outcome::FailureKind;
 
 /// The effect of one message, ready to run inside the transaction.
-pub(crate) type Effect = Box<
-    dyn for<'c> FnOnce(&'c mut AsyncPgConnection) -> BoxFuture<'c, Result<(), HandlerError>> + Send,
->;
+pub(crate) type Effect =
+    Box<dyn for<'c> FnOnce(&'c mut AsyncPgConnection) -> BoxFuture<'c, Result<(), HandlerError>> + Send>;
 
 /// A decoded message: its key, fingerprint and effect.
 pub(crate) struct Prepared {
@@ -86,17 +85,11 @@ impl<H: Handler> ErasedHandler for Arc<H> {
         }
         let message: H::Message =
             serde_json::from_slice(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
-        let key = self
-            .key(&message)
-            .map_err(|err| key_rejection(self.key_path(), &err))?;
+        let key = self.key(&message).map_err(|err| key_rejection(self.key_path(), &err))?;
         let handler = Arc::clone(self);
         let effect: Effect =
             Box::new(move |conn| Box::pin(async move { handler.handle(conn, message).await }));
-        Ok(Prepared {
-            key,
-            fingerprint: Sha256::digest(body).into(),
-            effect,
-        })
+        Ok(Prepared { key, fingerprint: Sha256::digest(body).into(), effect })
     }
 }
 
@@ -116,23 +109,14 @@ fn decode_rejection<H: Handler>(handler: &H, body: &[u8], err: &serde_json::Erro
         serde_json::error::Category::Syntax => format!("the body is not JSON: {err}"),
         serde_json::error::Category::Eof => format!("the body is truncated or empty JSON: {err}"),
         serde_json::error::Category::Io | serde_json::error::Category::Data => {
-            format!(
-                "the body is not a valid {} message: {err}",
-                std::any::type_name::<H::Message>()
-            )
+            format!("the body is not a valid {} message: {err}", std::any::type_name::<H::Message>())
         }
     };
-    Rejection {
-        kind: FailureKind::Decode,
-        message,
-    }
+    Rejection { kind: FailureKind::Decode, message }
 }
 
 fn key_rejection(key_path: &str, err: &KeyError) -> Rejection {
-    Rejection {
-        kind: FailureKind::Key,
-        message: format!("key `{key_path}`: {err}"),
-    }
+    Rejection { kind: FailureKind::Key, message: format!("key `{key_path}`: {err}") }
 }
 
 /// Deepest JSON nesting accepted, anywhere in the body (ignored fields included:
@@ -170,12 +154,7 @@ fn nesting_over(body: &[u8], max: usize) -> Option<usize> {
 
 /// `application/json`, `text/json`, `application/*+json`, with or without parameters.
 fn is_json(content_type: &str) -> bool {
-    let essence = content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
+    let essence = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     essence.is_empty()
         || essence == "application/json"
         || essence == "text/json"

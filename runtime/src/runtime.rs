@@ -8,14 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::pooled_connection::deadpool::Pool;
-use diesel_async::pooled_connection::{
-    AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
-};
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
 use diesel_async::AsyncPgConnection;
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use tokio::sync::Semaphore;
@@ -60,14 +56,7 @@ impl std::fmt::Debug for RuntimeBuilder {
         f.debug_struct("RuntimeBuilder")
             .field("amqp_url", &redact(&self.amqp_url))
             .field("database_url", &redact(&self.database_url))
-            .field(
-                "consumers",
-                &self
-                    .consumers
-                    .iter()
-                    .map(|(q, h)| (q, h.name()))
-                    .collect::<Vec<_>>(),
-            )
+            .field("consumers", &self.consumers.iter().map(|(q, h)| (q, h.name())).collect::<Vec<_>>())
             .field("concurrency", &self.concurrency)
             .finish_non_exhaustive()
     }
@@ -75,8 +64,7 @@ impl std::fmt::Debug for RuntimeBuilder {
 
 impl RuntimeBuilder {
     fn new() -> Self {
-        let env =
-            |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+        let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
         Self {
             amqp_url: env("AMQP_URL", DEFAULT_AMQP_URL),
             database_url: env("DATABASE_URL", DEFAULT_DATABASE_URL),
@@ -116,8 +104,7 @@ impl RuntimeBuilder {
     /// dead-letter queue and delivery limit; any other queue must already exist, with
     /// a dead-letter queue named `<queue>.dlq`.
     pub fn consume<H: Handler>(mut self, queue: impl Into<String>, handler: H) -> Self {
-        self.consumers
-            .push((queue.into(), Box::new(Arc::new(handler))));
+        self.consumers.push((queue.into(), Box::new(Arc::new(handler))));
         self
     }
 
@@ -181,15 +168,10 @@ impl RuntimeBuilder {
     /// [`Error::Config`] naming the setting to fix.
     pub fn build(self) -> Result<Runtime, Error> {
         if self.consumers.is_empty() {
-            return Err(Error::Config(
-                "no consumers: add one with `.consume(queue, handler)`".into(),
-            ));
+            return Err(Error::Config("no consumers: add one with `.consume(queue, handler)`".into()));
         }
         if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
-            return Err(Error::Config(format!(
-                "concurrency must be 1..=65535, not {}",
-                self.concurrency
-            )));
+            return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
         }
         if self.max_attempts == 0 {
             return Err(Error::Config("max_attempts must be at least 1".into()));
@@ -202,10 +184,7 @@ impl RuntimeBuilder {
                 )));
             }
         }
-        Ok(Runtime {
-            builder: self,
-            stats: Arc::default(),
-        })
+        Ok(Runtime { builder: self, stats: Arc::default() })
     }
 }
 
@@ -228,9 +207,7 @@ pub struct Runtime {
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Runtime")
-            .field("builder", &self.builder)
-            .finish_non_exhaustive()
+        f.debug_struct("Runtime").field("builder", &self.builder).finish_non_exhaustive()
     }
 }
 
@@ -262,19 +239,13 @@ impl Runtime {
         let b = self.builder;
         let connection = Connection::connect(&b.amqp_url, ConnectionProperties::default())
             .await
-            .map_err(|source| Error::AmqpConnect {
-                url: redact(&b.amqp_url),
-                source,
-            })?;
+            .map_err(|source| Error::AmqpConnect { url: redact(&b.amqp_url), source })?;
         let amqp = |action: &str| {
             let action = action.to_owned();
             move |source| Error::Amqp { action, source }
         };
 
-        let setup = connection
-            .create_channel()
-            .await
-            .map_err(amqp("open a channel"))?;
+        let setup = connection.create_channel().await.map_err(amqp("open a channel"))?;
         b.topology.declare(&setup).await?;
         let _ = setup.close(200, "declared".into()).await;
 
@@ -284,10 +255,7 @@ impl Runtime {
             message: err.to_string(),
         })?);
 
-        let publisher = connection
-            .create_channel()
-            .await
-            .map_err(amqp("open the publisher channel"))?;
+        let publisher = connection.create_channel().await.map_err(amqp("open the publisher channel"))?;
         publisher
             .confirm_select(ConfirmSelectOptions::default())
             .await
@@ -297,9 +265,7 @@ impl Runtime {
         let shared = Arc::new(Shared {
             pool,
             publisher: publisher.clone(),
-            limits: InputLimits {
-                max_body_bytes: b.max_body_bytes,
-            },
+            limits: InputLimits { max_body_bytes: b.max_body_bytes },
             max_attempts: b.max_attempts,
             handler_timeout: b.handler_timeout,
             on_conflict: b.on_conflict,
@@ -316,15 +282,9 @@ impl Runtime {
         let stop = shutdown.child_token();
         let mut loops = tokio::task::JoinSet::new();
         for (index, (queue, handler)) in b.consumers.into_iter().enumerate() {
-            let declared = b
-                .topology
-                .find_queue(&queue)
-                .cloned()
-                .unwrap_or_else(|| Queue::new(queue.clone()));
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(amqp("open a consumer channel"))?;
+            let declared =
+                b.topology.find_queue(&queue).cloned().unwrap_or_else(|| Queue::new(queue.clone()));
+            let channel = connection.create_channel().await.map_err(amqp("open a consumer channel"))?;
             // Per-consumer QoS: global QoS on a quorum queue is a connection error.
             channel
                 .basic_qos(prefetch, BasicQosOptions { global: false })
@@ -335,10 +295,7 @@ impl Runtime {
                 .basic_consume(
                     queue.as_str().into(),
                     tag.as_str().into(),
-                    BasicConsumeOptions {
-                        no_ack: false,
-                        ..Default::default()
-                    },
+                    BasicConsumeOptions { no_ack: false, ..Default::default() },
                     FieldTable::default(),
                 )
                 .await
@@ -352,14 +309,7 @@ impl Runtime {
                 channel,
                 shared: Arc::clone(&shared),
             });
-            loops.spawn(consume(
-                consumer,
-                stream,
-                tag,
-                Arc::clone(&permits),
-                tracker.clone(),
-                stop.clone(),
-            ));
+            loops.spawn(consume(consumer, stream, tag, Arc::clone(&permits), tracker.clone(), stop.clone()));
         }
 
         // The first consumer that ends on its own (channel or connection lost) stops all.
@@ -372,17 +322,13 @@ impl Runtime {
         }
 
         tracker.close();
-        if tokio::time::timeout(b.shutdown_deadline, tracker.wait())
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(b.shutdown_deadline, tracker.wait()).await.is_err() {
             tracing::warn!(deadline = ?b.shutdown_deadline, "shutdown deadline passed; undecided deliveries return to the queue");
             abandon.cancel();
-            if tokio::time::timeout(Duration::from_secs(2), tracker.wait())
-                .await
-                .is_err()
-            {
-                tracing::warn!("handlers still running after the deadline are cut off; their transactions roll back");
+            if tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await.is_err() {
+                tracing::warn!(
+                    "handlers still running after the deadline are cut off; their transactions roll back"
+                );
             }
         }
         let _ = publisher.close(200, "shutdown".into()).await;
@@ -403,10 +349,7 @@ async fn consume(
     tracker: TaskTracker,
     stop: CancellationToken,
 ) -> Result<(), Error> {
-    let lost = |reason: String| Error::ConsumerLost {
-        queue: consumer.queue.clone(),
-        reason,
-    };
+    let lost = |reason: String| Error::ConsumerLost { queue: consumer.queue.clone(), reason };
     loop {
         let permit = tokio::select! {
             () = stop.cancelled() => break,
@@ -427,10 +370,7 @@ async fn consume(
         });
     }
     // Stop intake; prefetched deliveries not yet taken return when the channel closes.
-    let _ = consumer
-        .channel
-        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-        .await;
+    let _ = consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
     Ok(())
 }
 
@@ -439,18 +379,14 @@ fn build_pool(database_url: &str, size: usize) -> Result<Pool<AsyncPgConnection>
     // Broken connections are detected and dropped by the delivery state machine, so
     // the per-checkout `SELECT 1` of `Verified` buys nothing but latency.
     config.recycling_method = RecyclingMethod::Fast;
-    let manager =
-        AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
     Pool::builder(manager)
         .max_size(size)
         .wait_timeout(Some(Duration::from_secs(30)))
         .create_timeout(Some(Duration::from_secs(10)))
         .runtime(deadpool::Runtime::Tokio1)
         .build()
-        .map_err(|err| Error::DatabaseConnect {
-            url: redact(database_url),
-            message: err.to_string(),
-        })
+        .map_err(|err| Error::DatabaseConnect { url: redact(database_url), message: err.to_string() })
 }
 
 /// A token cancelled by the first SIGINT or SIGTERM; a second signal exits the

@@ -87,10 +87,7 @@ pub struct Exchange {
 impl Exchange {
     /// A durable exchange of the given kind.
     pub fn new(name: impl Into<String>, kind: ExchangeKind) -> Self {
-        Self {
-            name: name.into(),
-            kind,
-        }
+        Self { name: name.into(), kind }
     }
 
     /// A durable topic exchange.
@@ -109,27 +106,13 @@ impl Exchange {
     }
 
     async fn declare(&self, channel: &Channel) -> Result<(), Error> {
-        let options = ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
+        let options = ExchangeDeclareOptions { durable: true, ..Default::default() };
         channel
-            .exchange_declare(
-                self.name.as_str().into(),
-                self.kind.clone(),
-                options,
-                FieldTable::default(),
-            )
+            .exchange_declare(self.name.as_str().into(), self.kind.clone(), options, FieldTable::default())
             .await
             .map_err(|source| match precondition_failed(&source) {
-                Some(detail) => Error::ExchangeMismatch {
-                    exchange: self.name.clone(),
-                    detail,
-                },
-                None => Error::Amqp {
-                    action: format!("declare exchange '{}'", self.name),
-                    source,
-                },
+                Some(detail) => Error::ExchangeMismatch { exchange: self.name.clone(), detail },
+                None => Error::Amqp { action: format!("declare exchange '{}'", self.name), source },
             })
     }
 }
@@ -212,29 +195,23 @@ impl Queue {
     }
 
     async fn declare(&self, channel: &Channel) -> Result<(), Error> {
-        let mut dlq_args = FieldTable::default();
-        self.type_arguments(&mut dlq_args);
-        declare_queue(channel, &self.dead_letter, dlq_args).await?;
-
         let mut args = FieldTable::default();
         self.type_arguments(&mut args);
         args.insert("x-dead-letter-exchange".into(), long_string(""));
-        args.insert(
-            "x-dead-letter-routing-key".into(),
-            long_string(&self.dead_letter),
-        );
+        args.insert("x-dead-letter-routing-key".into(), long_string(&self.dead_letter));
         if self.queue_type == QueueType::Quorum {
             let limit = i64::from(self.delivery_limit + BROKER_LIMIT_MARGIN);
             args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
             // Both are needed for at-least-once dead-lettering; without
             // reject-publish RabbitMQ silently falls back to at-most-once.
-            args.insert(
-                "x-dead-letter-strategy".into(),
-                long_string("at-least-once"),
-            );
+            args.insert("x-dead-letter-strategy".into(), long_string("at-least-once"));
             args.insert("x-overflow".into(), long_string("reject-publish"));
         }
+        // The queue first: a mismatch there is the one the user is asking about.
         declare_queue(channel, &self.name, args).await?;
+        let mut dlq_args = FieldTable::default();
+        self.type_arguments(&mut dlq_args);
+        declare_queue(channel, &self.dead_letter, dlq_args).await?;
 
         for (exchange, routing_key) in &self.bindings {
             channel
@@ -259,24 +236,28 @@ impl Queue {
 }
 
 async fn declare_queue(channel: &Channel, name: &str, args: FieldTable) -> Result<(), Error> {
-    let options = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    channel
-        .queue_declare(name.into(), options, args)
-        .await
-        .map(drop)
-        .map_err(|source| match precondition_failed(&source) {
-            Some(detail) => Error::QueueMismatch {
-                queue: name.to_owned(),
-                detail,
-            },
-            None => Error::Amqp {
-                action: format!("declare queue '{name}'"),
-                source,
-            },
-        })
+    let options = QueueDeclareOptions { durable: true, ..Default::default() };
+    let declared = describe(&args);
+    channel.queue_declare(name.into(), options, args).await.map(drop).map_err(|source| {
+        match precondition_failed(&source) {
+            Some(detail) => Error::QueueMismatch { queue: name.to_owned(), detail, declared },
+            None => Error::Amqp { action: format!("declare queue '{name}'"), source },
+        }
+    })
+}
+
+/// `durable, x-queue-type=quorum, ...`: what a declaration asks for, for error messages.
+fn describe(args: &FieldTable) -> String {
+    let mut parts = vec!["durable".to_owned()];
+    for (name, value) in args.inner() {
+        let value = match value {
+            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            AMQPValue::LongLongInt(n) => n.to_string(),
+            other => format!("{other:?}"),
+        };
+        parts.push(format!("{name}={value}"));
+    }
+    parts.join(", ")
 }
 
 fn long_string(value: &str) -> AMQPValue {

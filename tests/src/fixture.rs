@@ -47,31 +47,16 @@ impl Bed {
     pub async fn with_queue(shape: impl FnOnce(Queue) -> Queue) -> Bed {
         crate::init_tracing();
         let db = TestDb::create().await;
-        idemq_example_payments::migrate(&db.url())
-            .await
-            .expect("migrate the test database");
+        idemq_example_payments::migrate(&db.url()).await.expect("migrate the test database");
         let queue = unique("q");
         let declared = shape(Queue::new(queue.clone()));
         let dlq = declared.dead_letter_name().to_owned();
         let topology = Topology::new().queue(declared);
         let broker = Broker::connect(&amqp_url()).await;
-        let channel = broker
-            .connection()
-            .create_channel()
-            .await
-            .expect("open a channel");
-        topology
-            .declare(&channel)
-            .await
-            .expect("declare the test topology");
+        let channel = broker.connection().create_channel().await.expect("open a channel");
+        topology.declare(&channel).await.expect("declare the test topology");
         let _ = channel.close(200, "declared".into()).await;
-        Bed {
-            db,
-            broker,
-            queue,
-            dlq,
-            topology,
-        }
+        Bed { db, broker, queue, dlq, topology }
     }
 
     /// A runtime builder for this bed's database and queue (concurrency 8).
@@ -105,11 +90,7 @@ impl Bed {
     /// All ledger rows.
     pub async fn ledger_total(&self) -> i64 {
         let mut conn = self.db.connect().await;
-        ledger::table
-            .count()
-            .get_result(&mut conn)
-            .await
-            .expect("count ledger")
+        ledger::table.count().get_result(&mut conn).await.expect("count ledger")
     }
 
     /// Dedup rows for `key` (any handler).
@@ -128,10 +109,7 @@ impl Drop for Bed {
     fn drop(&mut self) {
         let queues = [self.queue.clone(), self.dlq.clone()];
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
             rt.block_on(async {
                 let broker = Broker::connect(&amqp_url()).await;
                 for queue in &queues {
@@ -145,11 +123,7 @@ impl Drop for Bed {
 
 /// A payment with a unique id.
 pub fn payment(amount_cents: i64) -> PaymentRequested {
-    PaymentRequested {
-        payment_id: unique("pay"),
-        account: unique("acct"),
-        amount_cents,
-    }
+    PaymentRequested { payment_id: unique("pay"), account: unique("acct"), amount_cents }
 }
 
 /// A runtime running in the background, recording what it settles.
@@ -176,12 +150,7 @@ impl Running {
         let stats = runtime.stats();
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn(runtime.run(shutdown.clone()));
-        Running {
-            shutdown,
-            handle,
-            events,
-            stats,
-        }
+        Running { shutdown, handle, events, stats }
     }
 
     /// A copy of the events so far.
@@ -191,19 +160,15 @@ impl Running {
 
     /// Waits until `n` deliveries are settled (at most 30 s).
     pub async fn wait_settled(&self, n: usize) {
-        crate::eventually(
-            &format!("{n} deliveries settled"),
-            Duration::from_secs(30),
-            || async { self.events.lock().expect("events lock").len() >= n },
-        )
+        crate::eventually(&format!("{n} deliveries settled"), Duration::from_secs(30), || async {
+            self.events.lock().expect("events lock").len() >= n
+        })
         .await;
     }
 
     /// Shuts down and returns the run's result.
     pub async fn stop(self) -> Result<(), idemq::Error> {
         self.shutdown.cancel();
-        with_timeout("runtime shutdown", Duration::from_secs(20), self.handle)
-            .await
-            .expect("runtime task")
+        with_timeout("runtime shutdown", Duration::from_secs(20), self.handle).await.expect("runtime task")
     }
 }

@@ -24,8 +24,8 @@ use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use lapin::message::BasicGetMessage;
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable};
@@ -90,12 +90,8 @@ fn replace_url_path(url: &str, segment: &str) -> String {
     };
     let after_scheme = scheme_end + 3;
     let rest = &url[after_scheme..];
-    let authority_end = rest
-        .find(['/', '?'])
-        .map_or(url.len(), |i| after_scheme + i);
-    let query = url[authority_end..]
-        .find('?')
-        .map_or("", |i| &url[authority_end + i..]);
+    let authority_end = rest.find(['/', '?']).map_or(url.len(), |i| after_scheme + i);
+    let query = url[authority_end..].find('?').map_or("", |i| &url[authority_end + i..]);
     format!("{}/{segment}{query}", &url[..authority_end])
 }
 
@@ -124,27 +120,18 @@ impl TestDb {
 
         let admin_url = database_admin_url();
         let mut admin = connect_pg(&admin_url).await;
-        STALE_CLEANUP
-            .get_or_init(|| drop_stale_databases(&mut admin))
-            .await;
+        STALE_CLEANUP.get_or_init(|| drop_stale_databases(&mut admin)).await;
 
         let name = unique(TEST_DB_PREFIX);
         // template0 never has connected sessions, so parallel creates cannot
         // fail with "source database is being accessed by other users".
-        diesel::sql_query(format!(
-            "CREATE DATABASE {} TEMPLATE template0",
-            quote_ident(&name)
-        ))
-        .execute(&mut admin)
-        .await
-        .unwrap_or_else(|e| panic!("CREATE DATABASE {name} failed: {e}"));
+        diesel::sql_query(format!("CREATE DATABASE {} TEMPLATE template0", quote_ident(&name)))
+            .execute(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("CREATE DATABASE {name} failed: {e}"));
 
         let url = replace_url_path(&admin_url, &name);
-        TestDb {
-            name,
-            admin_url,
-            url,
-        }
+        TestDb { name, admin_url, url }
     }
 
     /// The connection URL of this database.
@@ -178,13 +165,9 @@ impl Drop for TestDb {
                     .build()
                     .map_err(|e| e.to_string())?;
                 runtime.block_on(async {
-                    let mut admin = AsyncPgConnection::establish(&admin_url)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    drop_database(&mut admin, &name)
-                        .await
-                        .map(drop)
-                        .map_err(|e| e.to_string())
+                    let mut admin =
+                        AsyncPgConnection::establish(&admin_url).await.map_err(|e| e.to_string())?;
+                    drop_database(&mut admin, &name).await.map(drop).map_err(|e| e.to_string())
                 })
             })
             .map(std::thread::JoinHandle::join);
@@ -209,29 +192,25 @@ fn quote_ident(name: &str) -> String {
 }
 
 async fn drop_database(admin: &mut AsyncPgConnection, name: &str) -> diesel::QueryResult<usize> {
-    diesel::sql_query(format!(
-        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-        quote_ident(name)
-    ))
-    .execute(admin)
-    .await
+    diesel::sql_query(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(name)))
+        .execute(admin)
+        .await
 }
 
 /// Drops `idemq_t_<pid>_...` databases whose creating process is gone.
 /// Failures only produce warnings: a concurrent process may race us.
 async fn drop_stale_databases(admin: &mut AsyncPgConnection) {
-    let names: Vec<String> = match diesel::dsl::sql::<Text>(
-        "SELECT datname FROM pg_database WHERE datname LIKE 'idemq\\_t\\_%'",
-    )
-    .load(admin)
-    .await
-    {
-        Ok(names) => names,
-        Err(e) => {
-            eprintln!("warning: cannot list stale test databases: {e}");
-            return;
-        }
-    };
+    let names: Vec<String> =
+        match diesel::dsl::sql::<Text>("SELECT datname FROM pg_database WHERE datname LIKE 'idemq\\_t\\_%'")
+            .load(admin)
+            .await
+        {
+            Ok(names) => names,
+            Err(e) => {
+                eprintln!("warning: cannot list stale test databases: {e}");
+                return;
+            }
+        };
     for name in names {
         let Some(pid) = name
             .strip_prefix("idemq_t_")
@@ -271,16 +250,7 @@ impl TestVhost {
         rabbitmqctl(&["add_vhost", &name]).await;
         // From here on, Drop deletes the vhost even if the next step panics.
         let vhost = TestVhost { name };
-        rabbitmqctl(&[
-            "set_permissions",
-            "-p",
-            &vhost.name,
-            "guest",
-            ".*",
-            ".*",
-            ".*",
-        ])
-        .await;
+        rabbitmqctl(&["set_permissions", "-p", &vhost.name, "guest", ".*", ".*", ".*"]).await;
         vhost
     }
 
@@ -364,18 +334,9 @@ impl Broker {
         )
         .await
         .unwrap_or_else(|e| panic!("cannot connect to RabbitMQ at {url}: {e}"));
-        let channel = connection
-            .create_channel()
-            .await
-            .expect("cannot open AMQP channel");
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .expect("confirm.select failed");
-        Broker {
-            connection,
-            channel,
-        }
+        let channel = connection.create_channel().await.expect("cannot open AMQP channel");
+        channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select failed");
+        Broker { connection, channel }
     }
 
     /// The underlying connection (e.g. to open more channels).
@@ -387,11 +348,7 @@ impl Broker {
     pub async fn declare_queue(&self, queue: &str) {
         let channel = self.fresh_channel().await;
         channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions::durable(),
-                FieldTable::default(),
-            )
+            .queue_declare(queue.into(), QueueDeclareOptions::durable(), FieldTable::default())
             .await
             .unwrap_or_else(|e| panic!("cannot declare queue {queue}: {e}"));
         close_channel(&channel).await;
@@ -415,10 +372,7 @@ impl Broker {
             .basic_publish(
                 "".into(),
                 queue.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
+                BasicPublishOptions { mandatory: true, immediate: false },
                 body,
                 props.with_delivery_mode(2),
             )
@@ -445,11 +399,7 @@ impl Broker {
         // A failed passive declare closes the channel: use a throwaway one.
         let channel = self.fresh_channel().await;
         let declared = channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions::default().passive(),
-                FieldTable::default(),
-            )
+            .queue_declare(queue.into(), QueueDeclareOptions::default().passive(), FieldTable::default())
             .await
             .unwrap_or_else(|e| panic!("passive declare of queue {queue} failed: {e}"));
         close_channel(&channel).await;
@@ -479,10 +429,7 @@ impl Broker {
     /// Deletes `queue`; a queue that does not exist is not an error.
     pub async fn delete_queue(&self, queue: &str) {
         let channel = self.fresh_channel().await;
-        match channel
-            .queue_delete(queue.into(), QueueDeleteOptions::default())
-            .await
-        {
+        match channel.queue_delete(queue.into(), QueueDeleteOptions::default()).await {
             Ok(_) => close_channel(&channel).await,
             Err(e) if is_not_found(&e) => {}
             Err(e) => panic!("cannot delete queue {queue}: {e}"),
@@ -490,10 +437,7 @@ impl Broker {
     }
 
     async fn fresh_channel(&self) -> Channel {
-        self.connection
-            .create_channel()
-            .await
-            .expect("cannot open AMQP channel")
+        self.connection.create_channel().await.expect("cannot open AMQP channel")
     }
 }
 
@@ -601,10 +545,7 @@ pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     // Fails if a global subscriber is already set, which is fine.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_test_writer()
-        .try_init();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
 }
 
 #[cfg(test)]
@@ -626,9 +567,6 @@ mod tests {
             replace_url_path("amqp://guest:guest@127.0.0.1:5672/%2f", "v"),
             "amqp://guest:guest@127.0.0.1:5672/v"
         );
-        assert_eq!(
-            replace_url_path("host=h user=u", "x"),
-            "host=h user=u dbname=x"
-        );
+        assert_eq!(replace_url_path("host=h user=u", "x"), "host=h user=u dbname=x");
     }
 }

@@ -28,10 +28,7 @@ async fn the_same_message_twice_is_applied_once_and_both_are_acked() {
 
     let outcomes: Vec<_> = events.iter().map(|e| e.outcome.clone()).collect();
     assert_eq!(outcomes, [Outcome::Applied, Outcome::Duplicate]);
-    assert!(
-        events.iter().all(|e| e.settled_with_broker),
-        "both deliveries acked: {events:?}"
-    );
+    assert!(events.iter().all(|e| e.settled_with_broker), "both deliveries acked: {events:?}");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
     // After the consumer's channel closed, nothing unacked came back.
@@ -82,35 +79,16 @@ async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
     let mut by_key: HashMap<String, Vec<(char, Settled)>> = HashMap::new();
     for (who, events) in [('a', &events_a), ('b', &events_b)] {
         for e in events {
-            by_key
-                .entry(e.key.clone().expect("every copy has a key"))
-                .or_default()
-                .push((who, e.clone()));
+            by_key.entry(e.key.clone().expect("every copy has a key")).or_default().push((who, e.clone()));
         }
     }
     let mut overlapping = 0;
     for p in &payments {
         let copies = &by_key[&p.payment_id];
-        let applied = copies
-            .iter()
-            .filter(|(_, e)| e.outcome == Outcome::Applied)
-            .count();
-        let duplicates = copies
-            .iter()
-            .filter(|(_, e)| e.outcome == Outcome::Duplicate)
-            .count();
-        assert_eq!(
-            (applied, duplicates),
-            (1, 1),
-            "key {}: {copies:?}",
-            p.payment_id
-        );
-        assert_eq!(
-            bed.ledger_rows(&p.payment_id).await,
-            1,
-            "key {}",
-            p.payment_id
-        );
+        let applied = copies.iter().filter(|(_, e)| e.outcome == Outcome::Applied).count();
+        let duplicates = copies.iter().filter(|(_, e)| e.outcome == Outcome::Duplicate).count();
+        assert_eq!((applied, duplicates), (1, 1), "key {}: {copies:?}", p.payment_id);
+        assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "key {}", p.payment_id);
         if let [(who1, e1), (who2, e2)] = copies.as_slice() {
             let (start1, start2) = (e1.began_at.expect("began"), e2.began_at.expect("began"));
             if who1 != who2 && start1 < e2.settled_at && start2 < e1.settled_at {
@@ -118,9 +96,7 @@ async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
             }
         }
     }
-    eprintln!(
-        "{overlapping} of {KEYS} keys had both copies in flight at once, on different consumers"
-    );
+    eprintln!("{overlapping} of {KEYS} keys had both copies in flight at once, on different consumers");
     assert_eq!(bed.ledger_total().await, KEYS as i64);
     assert!(
         overlapping >= KEYS / 4,
@@ -154,11 +130,7 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
             }
         })
     });
-    let first = Running::start(
-        bed.runtime()
-            .consume(&bed.queue, apply_payment)
-            .fault_hook(hook),
-    );
+    let first = Running::start(bed.runtime().consume(&bed.queue, apply_payment).fault_hook(hook));
     first.wait_settled(1).await;
     let first_events = first.events();
     let ended = first.stop().await;
@@ -172,25 +144,14 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
         matches!(ended, Err(idemq::Error::ConsumerLost { .. })),
         "the lost channel is reported: {ended:?}"
     );
-    assert_eq!(
-        bed.ledger_rows(&p.payment_id).await,
-        1,
-        "committed before the ack"
-    );
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "committed before the ack");
 
     let second = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
     second.wait_settled(1).await;
     let second_events = second.events();
     second.stop().await.expect("clean shutdown");
-    assert_eq!(
-        second_events[0].outcome,
-        Outcome::Duplicate,
-        "{second_events:?}"
-    );
-    assert!(
-        second_events[0].delivery_count >= 1,
-        "it was a redelivery: {second_events:?}"
-    );
+    assert_eq!(second_events[0].outcome, Outcome::Duplicate, "{second_events:?}");
+    assert!(second_events[0].delivery_count >= 1, "it was a redelivery: {second_events:?}");
     assert!(second_events[0].settled_with_broker);
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);

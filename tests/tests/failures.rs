@@ -19,10 +19,7 @@ fn attempts() -> &'static Mutex<HashMap<String, u32>> {
 
 /// Writes its effect, then fails on the first attempt of each key.
 #[idempotent_handler(key = "payment_id")]
-async fn fails_once(
-    conn: &mut AsyncPgConnection,
-    msg: PaymentRequested,
-) -> Result<(), HandlerError> {
+async fn fails_once(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     let attempt = {
         let mut attempts = attempts().lock().expect("lock");
         let n = attempts.entry(msg.payment_id.clone()).or_default();
@@ -31,9 +28,7 @@ async fn fails_once(
     };
     apply_payment::call(conn, msg).await?;
     if attempt == 1 {
-        return Err(HandlerError::transient(
-            "the first attempt fails after writing",
-        ));
+        return Err(HandlerError::transient("the first attempt fails after writing"));
     }
     Ok(())
 }
@@ -51,30 +46,20 @@ async fn handler_error_rolls_back_and_the_redelivery_applies_once() {
     let events = running.events();
     running.stop().await.expect("clean shutdown");
 
-    assert!(
-        matches!(events[0].outcome, Outcome::Retry { .. }),
-        "{events:?}"
-    );
+    assert!(matches!(events[0].outcome, Outcome::Retry { .. }), "{events:?}");
     // Had the failed attempt left its dedup row, the redelivery would be a Duplicate
     // and the handler would not have run again.
     assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
     assert_eq!(events[1].delivery_count, 1, "applied on the redelivery");
     assert_eq!(attempts().lock().unwrap()[&p.payment_id], 2);
-    assert_eq!(
-        bed.ledger_rows(&p.payment_id).await,
-        1,
-        "the first attempt's ledger row was rolled back"
-    );
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the first attempt's ledger row was rolled back");
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
     assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
 }
 
 #[idempotent_handler(key = "payment_id")]
-async fn always_fails(
-    _conn: &mut AsyncPgConnection,
-    _msg: PaymentRequested,
-) -> Result<(), std::io::Error> {
+async fn always_fails(_conn: &mut AsyncPgConnection, _msg: PaymentRequested) -> Result<(), std::io::Error> {
     Err(std::io::Error::other("the ledger service is down"))
 }
 
@@ -86,11 +71,7 @@ async fn always_failing_handler_is_dead_lettered_after_max_attempts() {
     let p = payment(5);
     bed.publish(&p).await;
 
-    let running = Running::start(
-        bed.runtime()
-            .consume(&bed.queue, always_fails)
-            .max_attempts(3),
-    );
+    let running = Running::start(bed.runtime().consume(&bed.queue, always_fails).max_attempts(3));
     running.wait_settled(3).await;
     let events = running.events();
     running.stop().await.expect("clean shutdown");
@@ -98,51 +79,23 @@ async fn always_failing_handler_is_dead_lettered_after_max_attempts() {
     assert!(matches!(events[0].outcome, Outcome::Retry { .. }));
     assert!(matches!(events[1].outcome, Outcome::Retry { .. }));
     assert!(
-        matches!(
-            &events[2].outcome,
-            Outcome::DeadLettered {
-                kind: FailureKind::AttemptsExhausted,
-                ..
-            }
-        ),
+        matches!(&events[2].outcome, Outcome::DeadLettered { kind: FailureKind::AttemptsExhausted, .. }),
         "{events:?}"
     );
     let dead = bed.broker.drain(&bed.dlq).await;
     assert_eq!(dead.len(), 1);
     let props = &dead[0].delivery.properties;
-    assert_eq!(
-        header_str(props, headers::ERROR_KIND).as_deref(),
-        Some("attempts-exhausted")
-    );
+    assert_eq!(header_str(props, headers::ERROR_KIND).as_deref(), Some("attempts-exhausted"));
     assert_eq!(header_i64(props, headers::ATTEMPTS), Some(3));
-    assert_eq!(
-        header_str(props, headers::HANDLER).as_deref(),
-        Some("always_fails")
-    );
-    assert_eq!(
-        header_str(props, headers::ORIGINAL_ROUTING_KEY).as_deref(),
-        Some(bed.queue.as_str())
-    );
-    assert_eq!(
-        header_str(props, headers::ORIGINAL_EXCHANGE).as_deref(),
-        Some("")
-    );
+    assert_eq!(header_str(props, headers::HANDLER).as_deref(), Some("always_fails"));
+    assert_eq!(header_str(props, headers::ORIGINAL_ROUTING_KEY).as_deref(), Some(bed.queue.as_str()));
+    assert_eq!(header_str(props, headers::ORIGINAL_EXCHANGE).as_deref(), Some(""));
     assert!(header_str(props, headers::FIRST_FAILURE).is_some());
     assert!(header_str(props, headers::LAST_FAILURE).is_some());
-    assert!(header_str(props, headers::ERROR)
-        .unwrap()
-        .contains("the ledger service is down"));
+    assert!(header_str(props, headers::ERROR).unwrap().contains("the ledger service is down"));
     // The DLQ (a quorum queue) sets its own count, 0 here; the original's 2 is stripped.
-    assert_eq!(
-        header_i64(props, headers::DELIVERY_COUNT).unwrap_or(0),
-        0,
-        "the broker's count is stripped"
-    );
-    assert_eq!(
-        dead[0].delivery.data,
-        serde_json::to_vec(&p).unwrap(),
-        "the body is the original"
-    );
+    assert_eq!(header_i64(props, headers::DELIVERY_COUNT).unwrap_or(0), 0, "the broker's count is stripped");
+    assert_eq!(dead[0].delivery.data, serde_json::to_vec(&p).unwrap(), "the body is the original");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 0);
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 0);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
@@ -164,25 +117,13 @@ async fn permanent_error_is_dead_lettered_without_retry() {
     let events = running.events();
     running.stop().await.expect("clean shutdown");
     assert!(
-        matches!(
-            &events[0].outcome,
-            Outcome::DeadLettered {
-                kind: FailureKind::Handler,
-                ..
-            }
-        ),
+        matches!(&events[0].outcome, Outcome::DeadLettered { kind: FailureKind::Handler, .. }),
         "{events:?}"
     );
     let dead = bed.broker.drain(&bed.dlq).await;
     assert_eq!(dead.len(), 1);
-    assert_eq!(
-        header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(),
-        Some("handler")
-    );
-    assert_eq!(
-        header_i64(&dead[0].delivery.properties, headers::ATTEMPTS),
-        Some(1)
-    );
+    assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("handler"));
+    assert_eq!(header_i64(&dead[0].delivery.properties, headers::ATTEMPTS), Some(1));
 }
 
 /// A message whose delivery count already reached the queue's limit (it crashed or
@@ -195,37 +136,20 @@ async fn a_message_past_its_delivery_limit_is_dead_lettered_as_poison() {
     // A client-set count survives until the broker's first redelivery: this stages a
     // message that was delivered 3 times already.
     table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(3));
-    let props = BasicProperties::default()
-        .with_headers(table)
-        .with_content_type("application/json".into());
-    bed.broker
-        .publish_bytes(&bed.queue, &serde_json::to_vec(&p).unwrap(), props)
-        .await;
+    let props = BasicProperties::default().with_headers(table).with_content_type("application/json".into());
+    bed.broker.publish_bytes(&bed.queue, &serde_json::to_vec(&p).unwrap(), props).await;
     let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
     running.wait_settled(1).await;
     let events = running.events();
     running.stop().await.expect("clean shutdown");
     assert!(
-        matches!(
-            &events[0].outcome,
-            Outcome::DeadLettered {
-                kind: FailureKind::Poison,
-                ..
-            }
-        ),
+        matches!(&events[0].outcome, Outcome::DeadLettered { kind: FailureKind::Poison, .. }),
         "{events:?}"
     );
-    assert_eq!(
-        bed.ledger_rows(&p.payment_id).await,
-        0,
-        "the handler did not run"
-    );
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 0, "the handler did not run");
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 0);
     let dead = bed.broker.drain(&bed.dlq).await;
-    assert_eq!(
-        header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(),
-        Some("poison")
-    );
+    assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("poison"));
 }
 
 /// A random, incompressible string of `len` printable characters.
@@ -253,41 +177,11 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
         "]".repeat(200)
     );
     let cases: Vec<(&str, Vec<u8>, Option<&str>, FailureKind, &str)> = vec![
-        (
-            "not-json",
-            b"payment 42, please".to_vec(),
-            Some(json),
-            FailureKind::Decode,
-            "not JSON",
-        ),
-        (
-            "empty-body",
-            Vec::new(),
-            Some(json),
-            FailureKind::Decode,
-            "truncated or empty",
-        ),
-        (
-            "invalid-utf8",
-            b"\xff\xfe\xfd".to_vec(),
-            Some(json),
-            FailureKind::Decode,
-            "not JSON",
-        ),
-        (
-            "array",
-            b"[1, 2, 3]".to_vec(),
-            Some(json),
-            FailureKind::Decode,
-            "not a valid",
-        ),
-        (
-            "string",
-            br#""payment""#.to_vec(),
-            Some(json),
-            FailureKind::Decode,
-            "not a valid",
-        ),
+        ("not-json", b"payment 42, please".to_vec(), Some(json), FailureKind::Decode, "not JSON"),
+        ("empty-body", Vec::new(), Some(json), FailureKind::Decode, "truncated or empty"),
+        ("invalid-utf8", b"\xff\xfe\xfd".to_vec(), Some(json), FailureKind::Decode, "not JSON"),
+        ("array", b"[1, 2, 3]".to_vec(), Some(json), FailureKind::Decode, "not a valid"),
+        ("string", br#""payment""#.to_vec(), Some(json), FailureKind::Decode, "not a valid"),
         (
             "missing-key",
             br#"{"account":"a","amount_cents":1}"#.to_vec(),
@@ -323,27 +217,12 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
             FailureKind::Decode,
             "invalid type",
         ),
-        (
-            "truncated",
-            br#"{"payment_id":"t","account":"#.to_vec(),
-            None,
-            FailureKind::Decode,
-            "truncated",
-        ),
-        (
-            "too-deep",
-            deep.into_bytes(),
-            None,
-            FailureKind::Decode,
-            "nests deeper than 128",
-        ),
+        ("truncated", br#"{"payment_id":"t","account":"#.to_vec(), None, FailureKind::Decode, "truncated"),
+        ("too-deep", deep.into_bytes(), None, FailureKind::Decode, "nests deeper than 128"),
         (
             "too-large",
-            format!(
-                r#"{{"payment_id":"big","account":"{}","amount_cents":1}}"#,
-                "x".repeat(5000)
-            )
-            .into_bytes(),
+            format!(r#"{{"payment_id":"big","account":"{}","amount_cents":1}}"#, "x".repeat(5000))
+                .into_bytes(),
             None,
             FailureKind::TooLarge,
             "over the limit",
@@ -358,10 +237,7 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
     ];
     for (name, body, content_type, _, _) in &cases {
         let mut table = FieldTable::default();
-        table.insert(
-            "x-test-case".into(),
-            AMQPValue::LongString(LongString::from(*name)),
-        );
+        table.insert("x-test-case".into(), AMQPValue::LongString(LongString::from(*name)));
         let mut props = BasicProperties::default().with_headers(table);
         if let Some(ct) = content_type {
             props = props.with_content_type((*ct).into());
@@ -369,71 +245,36 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
         bed.broker.publish_bytes(&bed.queue, body, props).await;
     }
     // A 3 KB random key indexes fine (it is stored hashed) and is applied.
-    let long = PaymentRequested {
-        payment_id: random_text(3_000),
-        account: "acct-long".into(),
-        amount_cents: 3,
-    };
+    let long =
+        PaymentRequested { payment_id: random_text(3_000), account: "acct-long".into(), amount_cents: 3 };
     bed.publish(&long).await;
     let good = payment(42);
     bed.publish(&good).await;
 
-    let running = Running::start(
-        bed.runtime()
-            .consume(&bed.queue, apply_payment)
-            .max_body_bytes(4_096),
-    );
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).max_body_bytes(4_096));
     running.wait_settled(cases.len() + 2).await;
     let events = running.events();
     running.stop().await.expect("clean shutdown");
 
-    assert_eq!(
-        bed.ledger_rows(&good.payment_id).await,
-        1,
-        "the consumer lived on: {events:?}"
-    );
-    assert_eq!(
-        bed.ledger_rows(&long.payment_id).await,
-        1,
-        "the long key was applied"
-    );
-    assert_eq!(
-        bed.dedup_rows(&long.payment_id).await,
-        0,
-        "the long key is stored as its hash"
-    );
+    assert_eq!(bed.ledger_rows(&good.payment_id).await, 1, "the consumer lived on: {events:?}");
+    assert_eq!(bed.ledger_rows(&long.payment_id).await, 1, "the long key was applied");
+    assert_eq!(bed.dedup_rows(&long.payment_id).await, 0, "the long key is stored as its hash");
     let dead = bed.broker.drain(&bed.dlq).await;
     assert_eq!(dead.len(), cases.len(), "one dead letter per bad message");
     let by_case: HashMap<String, _> = dead
         .iter()
         .map(|m| {
-            (
-                header_str(&m.delivery.properties, "x-test-case")
-                    .expect("the original headers are kept"),
-                m,
-            )
+            (header_str(&m.delivery.properties, "x-test-case").expect("the original headers are kept"), m)
         })
         .collect();
     for (name, body, _, kind, says) in &cases {
-        let letter = by_case
-            .get(*name)
-            .unwrap_or_else(|| panic!("{name} was not dead-lettered"));
+        let letter = by_case.get(*name).unwrap_or_else(|| panic!("{name} was not dead-lettered"));
         let props = &letter.delivery.properties;
-        assert_eq!(
-            header_str(props, headers::ERROR_KIND).as_deref(),
-            Some(kind.as_str()),
-            "{name}"
-        );
+        assert_eq!(header_str(props, headers::ERROR_KIND).as_deref(), Some(kind.as_str()), "{name}");
         let error = header_str(props, headers::ERROR).unwrap_or_default();
-        assert!(
-            error.contains(says),
-            "{name}: x-idemq-error {error:?} should mention {says:?}"
-        );
+        assert!(error.contains(says), "{name}: x-idemq-error {error:?} should mention {says:?}");
         assert!(error.len() <= idemq::MAX_ERROR_HEADER_BYTES, "{name}");
-        assert_eq!(
-            &letter.delivery.data, body,
-            "{name}: the body is byte-for-byte the original"
-        );
+        assert_eq!(&letter.delivery.data, body, "{name}: the body is byte-for-byte the original");
     }
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }

@@ -5,22 +5,20 @@ use std::time::Duration;
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idemq_tests::{
-    amqp_url, database_admin_url, eventually, header_i64, header_str, unique, with_timeout, Broker,
-    TestDb, TestVhost,
+    amqp_url, database_admin_url, eventually, header_i64, header_str, unique, with_timeout, Broker, TestDb,
+    TestVhost,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 
 async fn database_exists(name: &str) -> bool {
-    let mut admin = AsyncPgConnection::establish(&database_admin_url())
-        .await
-        .expect("connect to admin database");
-    let names: Vec<String> = diesel::dsl::sql::<Text>(&format!(
-        "SELECT datname FROM pg_database WHERE datname = '{name}'"
-    ))
-    .load(&mut admin)
-    .await
-    .expect("query pg_database");
+    let mut admin =
+        AsyncPgConnection::establish(&database_admin_url()).await.expect("connect to admin database");
+    let names: Vec<String> =
+        diesel::dsl::sql::<Text>(&format!("SELECT datname FROM pg_database WHERE datname = '{name}'"))
+            .load(&mut admin)
+            .await
+            .expect("query pg_database");
     !names.is_empty()
 }
 
@@ -54,22 +52,12 @@ async fn broker_publish_get_and_count_round_trip() {
         assert_eq!(broker.message_count(&queue).await, 0);
         assert!(broker.get(&queue).await.is_none());
 
-        broker
-            .publish_json(&queue, &serde_json::json!({"n": 1}))
-            .await;
+        broker.publish_json(&queue, &serde_json::json!({"n": 1})).await;
         let mut headers = FieldTable::default();
         headers.insert("s".into(), AMQPValue::LongString("text".into()));
         headers.insert("i".into(), AMQPValue::ShortInt(-7));
-        broker
-            .publish_bytes(
-                &queue,
-                b"raw",
-                BasicProperties::default().with_headers(headers),
-            )
-            .await;
-        broker
-            .publish_json(&queue, &serde_json::json!({"n": 3}))
-            .await;
+        broker.publish_bytes(&queue, b"raw", BasicProperties::default().with_headers(headers)).await;
+        broker.publish_json(&queue, &serde_json::json!({"n": 3})).await;
         assert_eq!(broker.message_count(&queue).await, 3);
 
         let first = broker.get(&queue).await.expect("first message");
@@ -105,11 +93,9 @@ async fn vhost_is_usable_and_connections_can_be_killed() {
         assert_eq!(broker.message_count("q").await, 1);
 
         vhost.close_all_connections().await;
-        eventually(
-            "connection closed by broker",
-            Duration::from_secs(10),
-            || async { !broker.connection().status().connected() },
-        )
+        eventually("connection closed by broker", Duration::from_secs(10), || async {
+            !broker.connection().status().connected()
+        })
         .await;
     })
     .await;
@@ -119,7 +105,5 @@ async fn vhost_is_usable_and_connections_can_be_killed() {
 #[should_panic(expected = "unroutable")]
 async fn publishing_to_a_missing_queue_panics() {
     let broker = Broker::connect(&amqp_url()).await;
-    broker
-        .publish_json(&unique("selftest_missing"), &serde_json::json!(null))
-        .await;
+    broker.publish_json(&unique("selftest_missing"), &serde_json::json!(null)).await;
 }

@@ -1,0 +1,124 @@
+//! The `payments` binary as a user runs it, each test in its own RabbitMQ vhost and
+//! PostgreSQL database (both removed at the end).
+
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// A vhost and a database name for one test; removed on drop.
+struct Isolated {
+    vhost: String,
+    database: String,
+}
+
+impl Isolated {
+    fn new() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let id = format!("{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let vhost = format!("idemq_cli_{id}");
+        run_ok(Command::new("rabbitmqctl").args(["add_vhost", &vhost]));
+        run_ok(Command::new("rabbitmqctl").args([
+            "set_permissions",
+            "-p",
+            &vhost,
+            "guest",
+            ".*",
+            ".*",
+            ".*",
+        ]));
+        Self { vhost, database: format!("idemq_cli_{id}") }
+    }
+
+    fn payments(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_payments"));
+        command
+            .args(args)
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:5672/{}", self.vhost))
+            .env("DATABASE_URL", format!("postgres://postgres@127.0.0.1:5432/{}", self.database))
+            .env_remove("RUST_LOG");
+        command
+    }
+}
+
+impl Drop for Isolated {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl").args(["delete_vhost", &self.vhost]).output();
+        let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.database);
+        let _ = Command::new("psql")
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-c", &sql])
+            .output();
+    }
+}
+
+fn run_ok(command: &mut Command) -> Output {
+    let output = command.output().expect("spawn");
+    assert!(
+        output.status.success(),
+        "{command:?} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+fn wait_with_timeout(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the process did not exit within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `payments demo` creates its database, applies every payment once, skips the
+/// duplicates, dead-letters the bad messages and finds the ledger right; and it can
+/// run again on the same database and queue.
+#[test]
+fn demo_applies_each_payment_once_and_can_run_again() {
+    let env = Isolated::new();
+    for _ in 0..2 {
+        let output = run_ok(&mut env.payments(&["demo", "--payments", "300"]));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.contains("applied:             300"), "{stdout}");
+        assert!(stdout.contains("duplicates skipped:  30"), "{stdout}");
+        assert!(stdout.contains("dead-lettered:       6"), "{stdout}");
+        assert!(stdout.contains("ledger check:        OK"), "{stdout}");
+    }
+}
+
+/// `payments migrate` applies the migrations and exits 0; `payments run` consumes
+/// until SIGTERM and then exits 0.
+#[test]
+fn migrate_exits_zero_and_run_stops_cleanly_on_sigterm() {
+    let env = Isolated::new();
+    run_ok(&mut env.payments(&["migrate"]));
+    let mut child =
+        env.payments(&["run"]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn run");
+    // Running means the queue is declared and consumed.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let listed = run_ok(Command::new("rabbitmqctl").args([
+            "list_queues",
+            "-p",
+            &env.vhost,
+            "name",
+            "consumers",
+            "-q",
+        ]));
+        let text = String::from_utf8_lossy(&listed.stdout);
+        if text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["payments", "1"]) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "payments run never consumed: {text}");
+        assert!(child.try_wait().expect("wait").is_none(), "payments run exited early");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    assert!(status.success(), "exit status {status:?}");
+}
