@@ -56,16 +56,12 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         ::idemq::KeyField::to_key(&__idemq_message #(. #segments)*)
     };
     // Spanned on the user's types, so a mismatch underlines what they wrote.
-    let conn_arg = quote_spanned! {conn_ty.span()=> __idemq_conn };
     let message_assoc = quote_spanned! {message_ty.span()=> type Message = #message_ty; };
-    let into_error = quote_spanned! {output.span()=>
-        ::idemq::__private::into_handler_result(result)
+    let conn_expr = quote_spanned! {conn_ty.span()=>
+        <#conn_ty as __IdemqConn<'_>>::__idemq_conn(__idemq_conn)
     };
-    let boxed = quote_spanned! {sig.span()=>
-        ::std::boxed::Box::pin(async move {
-            let result = #ident::call(#conn_arg, __idemq_message).await;
-            #into_error
-        })
+    let into_result = quote_spanned! {output.span()=>
+        __IdemqResult::__idemq_into(result)
     };
     let doc = format!(
         "Idempotent handler `{name}` (dedup key `{key_path}`); register it with the runtime. \
@@ -106,7 +102,37 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
                 __idemq_message: <Self as ::idemq::Handler>::Message,
             ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<(), ::idemq::HandlerError>> {
-                #boxed
+                #[diagnostic::on_unimplemented(
+                    message = "a handler's first argument is the transaction's connection, not `{Self}`",
+                    label = "write `&mut AsyncPgConnection` here",
+                    note = "the handler runs inside idemq's dedup transaction: take `conn: &mut diesel_async::AsyncPgConnection`"
+                )]
+                trait __IdemqConn<'c> {
+                    fn __idemq_conn(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self;
+                }
+                impl<'c> __IdemqConn<'c> for &'c mut ::idemq::__private::AsyncPgConnection {
+                    fn __idemq_conn(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self {
+                        conn
+                    }
+                }
+                #[diagnostic::on_unimplemented(
+                    message = "a handler returns `Result<(), E>`, not `{Self}`",
+                    label = "write `Result<(), YourError>` here",
+                    note = "`E` is any `std::error::Error + Send + Sync + 'static` (retried) or `idemq::HandlerError`"
+                )]
+                trait __IdemqResult {
+                    fn __idemq_into(self) -> ::core::result::Result<(), ::idemq::HandlerError>;
+                }
+                impl<E: ::core::convert::Into<::idemq::HandlerError>> __IdemqResult for ::core::result::Result<(), E> {
+                    fn __idemq_into(self) -> ::core::result::Result<(), ::idemq::HandlerError> {
+                        self.map_err(::core::convert::Into::into)
+                    }
+                }
+                let __idemq_conn = #conn_expr;
+                ::std::boxed::Box::pin(async move {
+                    let result = #ident::call(__idemq_conn, __idemq_message).await;
+                    #into_result
+                })
             }
         }
     }

@@ -152,6 +152,9 @@ async fn a_message_past_its_delivery_limit_is_dead_lettered_as_poison() {
     assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("poison"));
 }
 
+/// A bad message: name, body, content-type, expected kind, a phrase the error must hold.
+type BadInput = (&'static str, Vec<u8>, Option<&'static str>, FailureKind, &'static str);
+
 /// A random, incompressible string of `len` printable characters.
 fn random_text(len: usize) -> String {
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~!*";
@@ -176,7 +179,7 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
         "[".repeat(200),
         "]".repeat(200)
     );
-    let cases: Vec<(&str, Vec<u8>, Option<&str>, FailureKind, &str)> = vec![
+    let cases: Vec<BadInput> = vec![
         ("not-json", b"payment 42, please".to_vec(), Some(json), FailureKind::Decode, "not JSON"),
         ("empty-body", Vec::new(), Some(json), FailureKind::Decode, "truncated or empty"),
         ("invalid-utf8", b"\xff\xfe\xfd".to_vec(), Some(json), FailureKind::Decode, "not JSON"),
@@ -277,4 +280,34 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
         assert_eq!(&letter.delivery.data, body, "{name}: the body is byte-for-byte the original");
     }
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
+/// The same key with a different payload is not a duplicate but a client bug: it is
+/// dead-lettered as a `conflict` naming both fingerprints; the first payload stands.
+#[tokio::test(flavor = "multi_thread")]
+async fn same_key_with_another_payload_is_dead_lettered_as_conflict() {
+    let bed = Bed::new().await;
+    let first = payment(100);
+    let reused = PaymentRequested { amount_cents: 999_999, ..first.clone() };
+    bed.publish(&first).await;
+    bed.publish(&first).await;
+    bed.publish(&reused).await;
+    // One at a time, so the first payload is the one applied.
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1));
+    running.wait_settled(3).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+
+    assert_eq!(events[0].outcome, Outcome::Applied);
+    assert_eq!(events[1].outcome, Outcome::Duplicate, "the identical copy is a plain duplicate");
+    assert!(
+        matches!(&events[2].outcome, Outcome::DeadLettered { kind: FailureKind::Conflict, .. }),
+        "{events:?}"
+    );
+    let dead = bed.broker.drain(&bed.dlq).await;
+    assert_eq!(dead.len(), 1);
+    let error = header_str(&dead[0].delivery.properties, headers::ERROR).unwrap();
+    assert!(error.contains("different payload") && error.matches("sha256").count() == 2, "{error}");
+    assert_eq!(dead[0].delivery.data, serde_json::to_vec(&reused).unwrap());
+    assert_eq!(bed.ledger_rows(&first.payment_id).await, 1);
 }

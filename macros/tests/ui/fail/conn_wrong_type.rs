@@ -1,4 +1,3 @@
-use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, HandlerError};
 use serde::Deserialize;
 

@@ -1,5 +1,5 @@
 use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, HandlerError};
+use idemq::idempotent_handler;
 use serde::Deserialize;
 
 #[derive(Deserialize)]
