@@ -1,6 +1,7 @@
-//! Publishing a dead letter: the original body byte for byte, its properties, and
-//! headers that explain it. Published persistent, `mandatory`, with a publisher
-//! confirm; only a confirmed, routed copy lets the original be acked.
+//! Publishing a copy of a delivery — a dead letter, or a retry into a wait queue: the
+//! original body byte for byte, its properties, and headers that explain it.
+//! Published persistent, `mandatory`, with a publisher confirm; only a confirmed,
+//! routed copy lets the original be acked.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -20,7 +21,7 @@ pub mod headers {
     pub const ERROR: &str = "x-idemq-error";
     /// One of `FailureKind::as_str`.
     pub const ERROR_KIND: &str = "x-idemq-error-kind";
-    /// Attempts made (deliveries including this one).
+    /// Handler attempts made so far (carried on retry copies; on a dead letter, all of them).
     pub const ATTEMPTS: &str = "x-idemq-attempts";
     /// The handler that consumed it.
     pub const HANDLER: &str = "x-idemq-handler";
@@ -41,15 +42,16 @@ pub mod headers {
 pub(crate) enum PublishError {
     #[error("publishing to '{queue}' failed: {source}")]
     Amqp { queue: String, source: lapin::Error },
-    #[error("the broker returned the dead letter as unroutable: does queue '{queue}' exist?")]
+    #[error("the broker returned the copy as unroutable: does queue '{queue}' exist?")]
     Unroutable { queue: String },
-    #[error("the broker nacked the dead letter for '{queue}'")]
+    #[error("the broker nacked the copy for '{queue}'")]
     Nacked { queue: String },
 }
 
 /// What to say about the failure.
 pub(crate) struct Letter<'a> {
-    pub(crate) kind: FailureKind,
+    /// Set on dead letters; a retry copy has none.
+    pub(crate) kind: Option<FailureKind>,
     pub(crate) error: &'a str,
     pub(crate) handler: &'a str,
     pub(crate) attempts: u32,
@@ -104,7 +106,9 @@ fn annotate(delivery: &Delivery, letter: &Letter<'_>) -> BasicProperties {
     set_if_absent(&mut headers, headers::FIRST_FAILURE, &now);
     set(&mut headers, headers::LAST_FAILURE, &now);
     set(&mut headers, headers::ERROR, truncate_utf8(letter.error, MAX_ERROR_HEADER_BYTES));
-    set(&mut headers, headers::ERROR_KIND, letter.kind.as_str());
+    if let Some(kind) = letter.kind {
+        set(&mut headers, headers::ERROR_KIND, kind.as_str());
+    }
     set(&mut headers, headers::HANDLER, letter.handler);
     headers.insert(headers::ATTEMPTS.into(), AMQPValue::LongLongInt(i64::from(letter.attempts)));
     delivery.properties.clone().with_headers(headers).with_delivery_mode(2)

@@ -5,25 +5,27 @@
 //!            │                                                                ▼
 //! delivery ─ decode ─ key ─ BEGIN ─ INSERT dedup row ─┬─ new ─ handler ─ COMMIT ─ ack
 //!                                   ON CONFLICT       │          │   └ unknown ─┐
-//!                                   DO NOTHING        │          │              │
-//!                                   RETURNING         │          │ error        ▼
-//!                                                     │          ▼        retry in-process on a
-//!                                                     │      ROLLBACK     fresh connection: the
-//!                                                     │   transient: nack  dedup row decides
-//!                                                     │   (requeue) until  (infrastructure fault,
-//!                                                     │   attempts run out never an attempt)
-//!                                                     │   permanent ─────────────┐
+//!                                   DO NOTHING        │          │              ▼
+//!                                   RETURNING         │          │ error   retry in-process on
+//!                                                     │          ▼         a fresh connection:
+//!                                                     │      ROLLBACK      the dedup row decides
+//!                                                     │   transient, attempts left:
+//!                                                     │     copy → <queue>.retry.<ms>ms (TTL,
+//!                                                     │     dead-letters back), then ack
+//!                                                     │   transient, last attempt ───┐
+//!                                                     │   permanent ─────────────────┤
 //!                                                     ├─ exists, same body ─ ack (duplicate)
-//!                                                     ├─ exists, other body ─────┤ (conflict)
-//!                                                     └─ new, delivered ≥ limit ─┤ (poison)
-//!                                                                                ▼
-//!                      dead-letter: publish (mandatory, confirmed) the original bytes with
-//!                      x-idemq-* headers to the DLQ, then ack; if that fails, nack (requeue)
+//!                                                     ├─ exists, other body ─────────┤ (conflict)
+//!                                                     └─ new, delivered ≥ limit ─────┤ (poison)
+//!                                                                                    ▼
+//!                   dead-letter: publish (mandatory, confirmed) the original bytes with
+//!                   x-idemq-* headers to the DLQ, then ack; a copy that cannot be
+//!                   published (retry or dead letter): nack with requeue instead
 //! ```
 //!
 //! Invariants:
-//! - The ack is sent only after COMMIT returned Ok, or after a dead letter was
-//!   confirmed and routed. Never before.
+//! - The ack is sent only after COMMIT returned Ok, or after a copy (retry or dead
+//!   letter) was confirmed and routed. Never before.
 //! - The dedup row and the handler's writes share one transaction on one connection:
 //!   both commit or neither does. Concurrent duplicates block on the unique index and
 //!   then see the committed row; nothing checks first and acts later.
@@ -51,6 +53,7 @@ use crate::handler::{ErrorClass, HandlerError};
 use crate::key::hex;
 use crate::outcome::{FailureKind, Outcome, Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits, Prepared};
+use crate::retry::{wait_queue_name, RetryPolicy};
 
 diesel::table! {
     idemq_dedup (handler, key) {
@@ -77,6 +80,7 @@ pub(crate) struct Consumer {
     pub(crate) queue: String,
     pub(crate) dead_letter_queue: String,
     pub(crate) delivery_limit: u32,
+    pub(crate) retry: RetryPolicy,
     pub(crate) handler: Box<dyn ErasedHandler>,
     pub(crate) channel: Channel,
     pub(crate) shared: Arc<Shared>,
@@ -87,7 +91,6 @@ pub(crate) struct Shared {
     pub(crate) pool: Pool<AsyncPgConnection>,
     pub(crate) publisher: Channel,
     pub(crate) limits: InputLimits,
-    pub(crate) max_attempts: u32,
     pub(crate) handler_timeout: Duration,
     pub(crate) on_conflict: OnConflict,
     pub(crate) stats: Arc<Stats>,
@@ -109,16 +112,17 @@ impl Consumer {
     /// Processes one delivery to its end: decided, then settled with the broker.
     pub(crate) async fn process(&self, delivery: Delivery) {
         let received_at = Instant::now();
-        let delivery_count = delivery_count(&delivery);
-        let decision = self.decide(&delivery, delivery_count).await;
-        let settled_with_broker = self.settle(&delivery, &decision, delivery_count).await;
+        let counts = Counts::of(&delivery);
+        let mut decision = self.decide(&delivery, counts).await;
+        let settled_with_broker = self.settle(&delivery, &mut decision, counts).await;
         let settled = Settled {
             queue: self.queue.clone(),
             handler: self.handler.name(),
             key: decision.key,
             outcome: decision.outcome,
             settled_with_broker,
-            delivery_count,
+            delivery_count: counts.delivery_count,
+            attempt: counts.attempt,
             received_at,
             began_at: decision.began_at,
             settled_at: Instant::now(),
@@ -130,7 +134,7 @@ impl Consumer {
     }
 
     /// decode → key → transaction (retried in-process on infrastructure faults).
-    async fn decide(&self, delivery: &Delivery, delivery_count: u32) -> Decision {
+    async fn decide(&self, delivery: &Delivery, counts: Counts) -> Decision {
         let content_type = delivery.properties.content_type().as_ref().map(|ct| ct.as_str());
         let mut backoff = Backoff::default();
         loop {
@@ -143,7 +147,7 @@ impl Consumer {
             };
             let key = Some(prepared.key.as_str().to_owned());
             let began_at = Some(Instant::now());
-            let fault = match self.transact(prepared, delivery_count).await {
+            let fault = match self.transact(prepared, counts).await {
                 Ok(outcome) => return Decision { outcome, key, began_at },
                 Err(fault) => fault,
             };
@@ -160,9 +164,9 @@ impl Consumer {
 
     /// One attempt at the transaction. `Err` is an infrastructure fault: the outcome
     /// is unknown and the attempt must be repeated on a fresh connection.
-    async fn transact(&self, prepared: Prepared, delivery_count: u32) -> Result<Outcome, InfraFault> {
+    async fn transact(&self, prepared: Prepared, counts: Counts) -> Result<Outcome, InfraFault> {
         let mut conn = self.shared.pool.get().await.map_err(|err| InfraFault::Pool(err.to_string()))?;
-        let result = self.transact_on(&mut conn, prepared, delivery_count).await;
+        let result = self.transact_on(&mut conn, prepared, counts).await;
         if result.is_err() || PoolableConnection::is_broken(&mut *conn) {
             // Never return a connection in an unknown state to the pool.
             drop(Object::take(conn));
@@ -174,8 +178,9 @@ impl Consumer {
         &self,
         conn: &mut AsyncPgConnection,
         prepared: Prepared,
-        delivery_count: u32,
+        counts: Counts,
     ) -> Result<Outcome, InfraFault> {
+        let delivery_count = counts.delivery_count;
         let Prepared { key, fingerprint, effect } = prepared;
         let handler = self.handler.name();
         AnsiTransactionManager::begin_transaction(conn).await.map_err(InfraFault::Database)?;
@@ -257,7 +262,7 @@ impl Consumer {
                     "the handler did not finish within {:?}",
                     self.shared.handler_timeout
                 ));
-                return Ok(self.handler_failed(error, delivery_count));
+                return Ok(self.handler_failed(error, counts.attempt));
             }
         };
         match AnsiTransactionManager::rollback_transaction(conn).await {
@@ -265,74 +270,66 @@ impl Consumer {
             // wrapped, this is an infrastructure fault, not a handler failure.
             Err(err) => Err(InfraFault::Database(err)),
             Ok(()) if PoolableConnection::is_broken(conn) => Err(InfraFault::Broken(error.to_string())),
-            Ok(()) => Ok(self.handler_failed(error, delivery_count)),
+            Ok(()) => Ok(self.handler_failed(error, counts.attempt)),
         }
     }
 
-    fn handler_failed(&self, error: HandlerError, delivery_count: u32) -> Outcome {
-        let attempts = delivery_count.saturating_add(1);
+    fn handler_failed(&self, error: HandlerError, attempt: u32) -> Outcome {
         match error.class() {
             ErrorClass::Permanent => {
                 Outcome::DeadLettered { kind: FailureKind::Handler, error: error.to_string() }
             }
-            ErrorClass::Transient if attempts >= self.shared.max_attempts => Outcome::DeadLettered {
-                kind: FailureKind::AttemptsExhausted,
-                error: format!(
-                    "failed {attempts} of {} attempts; last error: {error}",
-                    self.shared.max_attempts
-                ),
+            ErrorClass::Transient => match self.retry.delay_after(attempt) {
+                Some(delay) => Outcome::Retry { error: error.to_string(), delay },
+                None => Outcome::DeadLettered {
+                    kind: FailureKind::AttemptsExhausted,
+                    error: format!(
+                        "failed {attempt} of {} attempts; last error: {error}",
+                        self.retry.max_attempts()
+                    ),
+                },
             },
-            ErrorClass::Transient => Outcome::Retry { error: error.to_string() },
         }
     }
 
     /// Tells the broker. Returns whether the frame was sent (`false`: the channel is
-    /// gone and the broker will redeliver; the dedup row makes that harmless).
-    async fn settle(&self, delivery: &Delivery, decision: &Decision, delivery_count: u32) -> bool {
+    /// gone and the broker will redeliver; the dedup row makes that harmless). A copy
+    /// (retry or dead letter) that cannot be published turns the outcome into
+    /// [`Outcome::Requeued`]: the original goes back to the queue instead.
+    async fn settle(&self, delivery: &Delivery, decision: &mut Decision, counts: Counts) -> bool {
         let acker = &delivery.acker;
         let requeue = BasicNackOptions { requeue: true, ..Default::default() };
-        let sent = match &decision.outcome {
+        let handler = self.handler.name();
+        let copy = match &decision.outcome {
             Outcome::Applied | Outcome::Duplicate => {
                 #[cfg(feature = "fault-injection")]
                 self.fault(crate::fault::FaultPoint::AfterCommit, decision).await;
-                acker.ack(BasicAckOptions::default()).await
+                None
             }
-            Outcome::Retry { error } => {
-                tracing::warn!(queue = %self.queue, key = ?decision.key, %error, "handler failed; the delivery is requeued");
-                acker.nack(requeue).await
+            Outcome::Abandoned | Outcome::Requeued { .. } => {
+                return report(acker.nack(requeue).await, self, decision)
             }
-            Outcome::Abandoned => acker.nack(requeue).await,
+            Outcome::Retry { error, delay } => {
+                tracing::warn!(queue = %self.queue, key = ?decision.key, attempt = counts.attempt, ?delay, %error, "handler failed; retrying later");
+                tokio::time::sleep(self.retry.jitter_for(*delay)).await;
+                let letter = Letter { kind: None, error, handler, attempts: counts.attempt };
+                Some((wait_queue_name(&self.queue, *delay), letter))
+            }
             Outcome::DeadLettered { kind, error } => {
-                let letter = Letter {
-                    kind: *kind,
-                    error,
-                    handler: self.handler.name(),
-                    attempts: delivery_count.saturating_add(1),
-                };
                 tracing::warn!(queue = %self.queue, key = ?decision.key, kind = %kind, %error, "dead-lettering");
-                match dead_letter::publish(&self.shared.publisher, &self.dead_letter_queue, delivery, &letter)
-                    .await
-                {
-                    Ok(()) => acker.ack(BasicAckOptions::default()).await,
-                    Err(err) => {
-                        tracing::error!(queue = %self.queue, error = %err, "could not dead-letter; the delivery is requeued");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        acker.nack(requeue).await
-                    }
-                }
+                let letter = Letter { kind: Some(*kind), error, handler, attempts: counts.attempt };
+                Some((self.dead_letter_queue.clone(), letter))
             }
         };
-        match sent {
-            Ok(true) => true,
-            Ok(false) => {
-                tracing::warn!(queue = %self.queue, key = ?decision.key, "the channel is gone: not settled, the broker will redeliver");
-                false
-            }
-            Err(err) => {
-                tracing::warn!(queue = %self.queue, key = ?decision.key, error = %err, "settling failed: the broker will redeliver");
-                false
+        if let Some((target, letter)) = copy {
+            if let Err(err) = dead_letter::publish(&self.shared.publisher, &target, delivery, &letter).await {
+                tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
+                decision.outcome = Outcome::Requeued { error: err.to_string() };
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                return report(acker.nack(requeue).await, self, decision);
             }
         }
+        report(acker.ack(BasicAckOptions::default()).await, self, decision)
     }
 
     #[cfg(feature = "fault-injection")]
@@ -345,6 +342,21 @@ impl Consumer {
                 outcome: decision.outcome.clone(),
             };
             hook(context).await;
+        }
+    }
+}
+
+/// Whether an ack/nack frame was sent; logs when it was not.
+fn report(sent: lapin::Result<bool>, consumer: &Consumer, decision: &Decision) -> bool {
+    match sent {
+        Ok(true) => true,
+        Ok(false) => {
+            tracing::warn!(queue = %consumer.queue, key = ?decision.key, "the channel is gone: not settled, the broker will redeliver");
+            false
+        }
+        Err(err) => {
+            tracing::warn!(queue = %consumer.queue, key = ?decision.key, error = %err, "settling failed: the broker will redeliver");
+            false
         }
     }
 }
@@ -368,21 +380,37 @@ enum InfraFault {
     Broken(String),
 }
 
-/// The broker's delivery count (`x-delivery-count` on quorum queues; absent = 0).
-fn delivery_count(delivery: &Delivery) -> u32 {
-    let value =
-        delivery.properties.headers().as_ref().and_then(|h| h.inner().get(headers::DELIVERY_COUNT).cloned());
-    let count = match value {
-        Some(AMQPValue::LongLongInt(v)) => v,
-        Some(AMQPValue::LongInt(v)) => i64::from(v),
-        Some(AMQPValue::LongUInt(v)) => i64::from(v),
-        Some(AMQPValue::ShortInt(v)) => i64::from(v),
-        Some(AMQPValue::ShortUInt(v)) => i64::from(v),
-        Some(AMQPValue::ShortShortInt(v)) => i64::from(v),
-        Some(AMQPValue::ShortShortUInt(v)) => i64::from(v),
-        _ => 0,
-    };
-    u32::try_from(count.max(0)).unwrap_or(u32::MAX)
+/// What a delivery's headers say about its past.
+#[derive(Debug, Clone, Copy)]
+struct Counts {
+    /// The broker's delivery count (`x-delivery-count` on quorum queues; absent = 0):
+    /// how often this copy was delivered without an outcome. Bounds poison messages.
+    delivery_count: u32,
+    /// This handler attempt's number: 1 + the `x-idemq-attempts` a retry copy carries.
+    attempt: u32,
+}
+
+impl Counts {
+    fn of(delivery: &Delivery) -> Self {
+        let header = |name: &str| {
+            let value = delivery.properties.headers().as_ref().and_then(|h| h.inner().get(name).cloned());
+            let number = match value {
+                Some(AMQPValue::LongLongInt(v)) => v,
+                Some(AMQPValue::LongInt(v)) => i64::from(v),
+                Some(AMQPValue::LongUInt(v)) => i64::from(v),
+                Some(AMQPValue::ShortInt(v)) => i64::from(v),
+                Some(AMQPValue::ShortUInt(v)) => i64::from(v),
+                Some(AMQPValue::ShortShortInt(v)) => i64::from(v),
+                Some(AMQPValue::ShortShortUInt(v)) => i64::from(v),
+                _ => 0,
+            };
+            u32::try_from(number.max(0)).unwrap_or(u32::MAX)
+        };
+        Self {
+            delivery_count: header(headers::DELIVERY_COUNT),
+            attempt: header(headers::ATTEMPTS).saturating_add(1),
+        }
+    }
 }
 
 /// Exponential backoff with jitter for infrastructure faults, logging once per

@@ -53,9 +53,11 @@
 //!   or dead-lettered with `x-idemq-error` / `x-idemq-error-kind` headers. Bad input
 //!   (too large, not JSON, wrong shape, missing/empty/NUL key) is dead-lettered, never
 //!   dropped, never looped. A known key with a different payload is a `conflict`.
-//! - **Bounded retries:** queues are quorum queues by default; their
-//!   `x-delivery-count` bounds handler attempts (`max_attempts`) and poison messages
-//!   (`Queue::delivery_limit`), with the broker's `x-delivery-limit` as a backstop.
+//! - **Bounded retries:** a transient failure is retried later through TTL wait
+//!   queues ([`RetryPolicy`]), the copy confirmed before the original is acked; after
+//!   the last attempt it is dead-lettered. Queues are quorum queues by default; their
+//!   `x-delivery-count` bounds poison messages (`Queue::delivery_limit`), with the
+//!   broker's `x-delivery-limit` as a backstop.
 //! - **Database faults are not handler failures:** the delivery stays unacked and its
 //!   transaction is retried in-process on a fresh connection.
 //! - **Batches later, same machine:** the pipeline is prepare (pure, per delivery) →
@@ -89,6 +91,7 @@ mod key;
 mod migrate;
 mod outcome;
 mod prepare;
+mod retry;
 mod runtime;
 mod topology;
 
@@ -100,6 +103,7 @@ pub use idemq_macros::idempotent_handler;
 pub use key::{Key, KeyError, KeyField, MAX_STORED_KEY_BYTES};
 pub use migrate::{migrate, MIGRATIONS};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
+pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL,
 };

@@ -57,9 +57,18 @@ pub enum Outcome {
     Applied,
     /// The dedup row already existed: the handler was skipped.
     Duplicate,
-    /// The handler failed transiently: rolled back, the delivery goes back to the queue.
+    /// The handler failed transiently: rolled back; a copy waits `delay` in a wait
+    /// queue, then returns for the next attempt.
     Retry {
         /// The handler's error.
+        error: String,
+        /// How long until the next attempt.
+        delay: std::time::Duration,
+    },
+    /// A retry or dead-letter copy could not be published: the delivery was returned
+    /// to the queue (nack) instead, and will come again.
+    Requeued {
+        /// Why the copy failed.
         error: String,
     },
     /// Published to the dead-letter queue with the reason in its headers.
@@ -90,6 +99,8 @@ pub struct Settled {
     pub settled_with_broker: bool,
     /// The broker's delivery count before this delivery (`x-delivery-count`, 0 if absent).
     pub delivery_count: u32,
+    /// The handler attempt this delivery was (1 for the first; retries count up).
+    pub attempt: u32,
     /// When the runtime received the delivery.
     pub received_at: Instant,
     /// When the handler's transaction began (the dedup insert), if it did.
@@ -105,6 +116,7 @@ pub struct Stats {
     duplicates: AtomicU64,
     retried: AtomicU64,
     dead_lettered: AtomicU64,
+    requeued: AtomicU64,
     abandoned: AtomicU64,
     unsettled: AtomicU64,
     infrastructure_retries: AtomicU64,
@@ -118,10 +130,12 @@ pub struct StatsSnapshot {
     pub applied: u64,
     /// Deliveries skipped as duplicates.
     pub duplicates: u64,
-    /// Deliveries returned for a retry after a handler error.
+    /// Deliveries sent to a wait queue for a later attempt after a handler error.
     pub retried: u64,
     /// Deliveries dead-lettered.
     pub dead_lettered: u64,
+    /// Deliveries returned to the queue because their copy could not be published.
+    pub requeued: u64,
     /// Deliveries left undecided at shutdown.
     pub abandoned: u64,
     /// Deliveries whose ack/nack could not be sent (channel gone): the broker redelivers.
@@ -139,6 +153,7 @@ impl Stats {
             duplicates: get(&self.duplicates),
             retried: get(&self.retried),
             dead_lettered: get(&self.dead_lettered),
+            requeued: get(&self.requeued),
             abandoned: get(&self.abandoned),
             unsettled: get(&self.unsettled),
             infrastructure_retries: get(&self.infrastructure_retries),
@@ -150,6 +165,7 @@ impl Stats {
             Outcome::Applied => &self.applied,
             Outcome::Duplicate => &self.duplicates,
             Outcome::Retry { .. } => &self.retried,
+            Outcome::Requeued { .. } => &self.requeued,
             Outcome::DeadLettered { .. } => &self.dead_lettered,
             Outcome::Abandoned => &self.abandoned,
         };

@@ -23,6 +23,7 @@ use crate::error::{redact, Error};
 use crate::handler::Handler;
 use crate::outcome::{Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits};
+use crate::retry::RetryPolicy;
 use crate::topology::{Queue, Topology};
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
@@ -39,9 +40,9 @@ pub struct RuntimeBuilder {
     amqp_url: String,
     database_url: String,
     topology: Topology,
-    consumers: Vec<(String, Box<dyn ErasedHandler>)>,
+    consumers: Vec<(String, Box<dyn ErasedHandler>, Option<RetryPolicy>)>,
     concurrency: usize,
-    max_attempts: u32,
+    retry: RetryPolicy,
     handler_timeout: Duration,
     max_body_bytes: usize,
     on_conflict: OnConflict,
@@ -56,7 +57,7 @@ impl std::fmt::Debug for RuntimeBuilder {
         f.debug_struct("RuntimeBuilder")
             .field("amqp_url", &redact(&self.amqp_url))
             .field("database_url", &redact(&self.database_url))
-            .field("consumers", &self.consumers.iter().map(|(q, h)| (q, h.name())).collect::<Vec<_>>())
+            .field("consumers", &self.consumers.iter().map(|(q, h, _)| (q, h.name())).collect::<Vec<_>>())
             .field("concurrency", &self.concurrency)
             .finish_non_exhaustive()
     }
@@ -71,7 +72,7 @@ impl RuntimeBuilder {
             topology: Topology::new(),
             consumers: Vec::new(),
             concurrency: 16,
-            max_attempts: 5,
+            retry: RetryPolicy::default(),
             handler_timeout: Duration::from_secs(60),
             max_body_bytes: 1024 * 1024,
             on_conflict: OnConflict::default(),
@@ -104,7 +105,18 @@ impl RuntimeBuilder {
     /// dead-letter queue and delivery limit; any other queue must already exist, with
     /// a dead-letter queue named `<queue>.dlq`.
     pub fn consume<H: Handler>(mut self, queue: impl Into<String>, handler: H) -> Self {
-        self.consumers.push((queue.into(), Box::new(Arc::new(handler))));
+        self.consumers.push((queue.into(), Box::new(Arc::new(handler)), None));
+        self
+    }
+
+    /// Like [`consume`](Self::consume), with this handler's own retry policy.
+    pub fn consume_with<H: Handler>(
+        mut self,
+        queue: impl Into<String>,
+        handler: H,
+        retry: RetryPolicy,
+    ) -> Self {
+        self.consumers.push((queue.into(), Box::new(Arc::new(handler)), Some(retry)));
         self
     }
 
@@ -115,10 +127,11 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Attempts a transient handler failure gets before the message is dead-lettered
-    /// (kind `attempts-exhausted`). Default 5.
-    pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.max_attempts = attempts;
+    /// The retry policy of handlers consumed without their own: how often and how
+    /// late a transient failure is retried before the message is dead-lettered (kind
+    /// `attempts-exhausted`). Default [`RetryPolicy::default`]: 6 attempts.
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
         self
     }
 
@@ -173,11 +186,8 @@ impl RuntimeBuilder {
         if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
             return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
         }
-        if self.max_attempts == 0 {
-            return Err(Error::Config("max_attempts must be at least 1".into()));
-        }
         let mut seen = std::collections::HashSet::new();
-        for (queue, _) in &self.consumers {
+        for (queue, _, _) in &self.consumers {
             if !seen.insert(queue.as_str()) {
                 return Err(Error::Config(format!(
                     "queue '{queue}' has two consumers; give each queue one handler"
@@ -247,7 +257,6 @@ impl Runtime {
 
         let setup = connection.create_channel().await.map_err(amqp("open a channel"))?;
         b.topology.declare(&setup).await?;
-        let _ = setup.close(200, "declared".into()).await;
 
         let pool = build_pool(&b.database_url, b.concurrency)?;
         drop(pool.get().await.map_err(|err| Error::DatabaseConnect {
@@ -266,7 +275,6 @@ impl Runtime {
             pool,
             publisher: publisher.clone(),
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
-            max_attempts: b.max_attempts,
             handler_timeout: b.handler_timeout,
             on_conflict: b.on_conflict,
             stats: Arc::clone(&self.stats),
@@ -281,9 +289,13 @@ impl Runtime {
         let tracker = TaskTracker::new();
         let stop = shutdown.child_token();
         let mut loops = tokio::task::JoinSet::new();
-        for (index, (queue, handler)) in b.consumers.into_iter().enumerate() {
+        for (index, (queue, handler, retry)) in b.consumers.into_iter().enumerate() {
             let declared =
                 b.topology.find_queue(&queue).cloned().unwrap_or_else(|| Queue::new(queue.clone()));
+            let retry = retry.unwrap_or_else(|| b.retry.clone());
+            for (name, delay) in retry.wait_queues(&queue) {
+                declared.declare_wait_queue(&setup, &name, delay).await?;
+            }
             let channel = connection.create_channel().await.map_err(amqp("open a consumer channel"))?;
             // Per-consumer QoS: global QoS on a quorum queue is a connection error.
             channel
@@ -305,12 +317,15 @@ impl Runtime {
                 queue,
                 dead_letter_queue: declared.dead_letter.clone(),
                 delivery_limit: declared.delivery_limit,
+                retry,
                 handler,
                 channel,
                 shared: Arc::clone(&shared),
             });
             loops.spawn(consume(consumer, stream, tag, Arc::clone(&permits), tracker.clone(), stop.clone()));
         }
+
+        let _ = setup.close(200, "declared".into()).await;
 
         // The first consumer that ends on its own (channel or connection lost) stops all.
         let mut lost = None;

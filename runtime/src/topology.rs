@@ -6,6 +6,8 @@
 //! dead-letter queue (`<name>.dlq` unless renamed) and the broker-side backstop
 //! arguments for at-least-once dead-lettering.
 
+use std::time::Duration;
+
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, ExchangeKind};
@@ -194,18 +196,41 @@ impl Queue {
         }
     }
 
-    async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+    /// Arguments of a queue of this queue's type whose dead letters go, at least
+    /// once, to `target` through the default exchange.
+    fn dead_lettering_to(&self, target: &str) -> FieldTable {
         let mut args = FieldTable::default();
         self.type_arguments(&mut args);
         args.insert("x-dead-letter-exchange".into(), long_string(""));
-        args.insert("x-dead-letter-routing-key".into(), long_string(&self.dead_letter));
+        args.insert("x-dead-letter-routing-key".into(), long_string(target));
         if self.queue_type == QueueType::Quorum {
-            let limit = i64::from(self.delivery_limit + BROKER_LIMIT_MARGIN);
-            args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
             // Both are needed for at-least-once dead-lettering; without
             // reject-publish RabbitMQ silently falls back to at-most-once.
             args.insert("x-dead-letter-strategy".into(), long_string("at-least-once"));
             args.insert("x-overflow".into(), long_string("reject-publish"));
+        }
+        args
+    }
+
+    /// Declares the wait queue that holds retries of this queue for `delay`, then
+    /// dead-letters them back here.
+    pub(crate) async fn declare_wait_queue(
+        &self,
+        channel: &Channel,
+        name: &str,
+        delay: Duration,
+    ) -> Result<(), Error> {
+        let mut args = self.dead_lettering_to(&self.name);
+        let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ttl));
+        declare_queue(channel, name, args).await
+    }
+
+    async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        let mut args = self.dead_lettering_to(&self.dead_letter);
+        if self.queue_type == QueueType::Quorum {
+            let limit = i64::from(self.delivery_limit + BROKER_LIMIT_MARGIN);
+            args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
         }
         // The queue first: a mismatch there is the one the user is asking about.
         declare_queue(channel, &self.name, args).await?;

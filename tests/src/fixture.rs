@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use diesel::prelude::*;
 use diesel_async::RunQueryDsl;
-use idemq::{Queue, RuntimeBuilder, Settled, Stats, Topology};
+use idemq::{Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
 use idemq_example_payments::{ledger, PaymentRequested};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -37,6 +37,12 @@ pub struct Bed {
     topology: Topology,
 }
 
+/// The retry schedule of every test runtime: millisecond delays, 5 attempts. Tests
+/// that want fewer attempts use a prefix of it, so its wait queues are all cleaned up.
+pub fn test_retry_policy() -> RetryPolicy {
+    RetryPolicy::new([10, 20, 40, 80].map(Duration::from_millis))
+}
+
 impl Bed {
     /// A bed with a default quorum queue.
     pub async fn new() -> Bed {
@@ -59,13 +65,15 @@ impl Bed {
         Bed { db, broker, queue, dlq, topology }
     }
 
-    /// A runtime builder for this bed's database and queue (concurrency 8).
+    /// A runtime builder for this bed's database and queue (concurrency 8, the
+    /// [`test_retry_policy`]).
     pub fn runtime(&self) -> RuntimeBuilder {
         idemq::Runtime::builder()
             .amqp_url(amqp_url())
             .database_url(self.db.url())
             .topology(self.topology.clone())
             .concurrency(8)
+            .retry(test_retry_policy())
             .shutdown_deadline(Duration::from_secs(5))
     }
 
@@ -107,7 +115,8 @@ impl Bed {
 
 impl Drop for Bed {
     fn drop(&mut self) {
-        let queues = [self.queue.clone(), self.dlq.clone()];
+        let mut queues = vec![self.queue.clone(), self.dlq.clone()];
+        queues.extend(test_retry_policy().wait_queues(&self.queue).into_iter().map(|(name, _)| name));
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
             rt.block_on(async {

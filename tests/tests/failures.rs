@@ -5,9 +5,11 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use diesel_async::AsyncPgConnection;
-use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent};
+use std::time::Duration;
+
+use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
 use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_tests::fixture::{payment, test_retry_policy, Bed, Running};
 use idemq_tests::{header_i64, header_str};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
@@ -17,9 +19,9 @@ fn attempts() -> &'static Mutex<HashMap<String, u32>> {
     ATTEMPTS.get_or_init(Mutex::default)
 }
 
-/// Writes its effect, then fails on the first attempt of each key.
+/// Writes its effect, then fails on the first two attempts of each key.
 #[idempotent_handler(key = "payment_id")]
-async fn fails_once(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+async fn fails_twice(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     let attempt = {
         let mut attempts = attempts().lock().expect("lock");
         let n = attempts.entry(msg.payment_id.clone()).or_default();
@@ -27,35 +29,45 @@ async fn fails_once(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Resu
         *n
     };
     apply_payment::call(conn, msg).await?;
-    if attempt == 1 {
-        return Err(HandlerError::transient("the first attempt fails after writing"));
+    if attempt <= 2 {
+        return Err(HandlerError::transient("the first two attempts fail after writing"));
     }
     Ok(())
 }
 
 /// A handler error rolls back the effect and the dedup row together; the message
-/// is redelivered and then applied exactly once.
+/// comes back through the wait queues and is applied exactly once, on attempt 3.
 #[tokio::test(flavor = "multi_thread")]
-async fn handler_error_rolls_back_and_the_redelivery_applies_once() {
+async fn transient_errors_roll_back_and_attempt_three_applies_once() {
     let bed = Bed::new().await;
     let p = payment(700);
     bed.publish(&p).await;
 
-    let running = Running::start(bed.runtime().consume(&bed.queue, fails_once));
-    running.wait_settled(2).await;
+    let running = Running::start(bed.runtime().consume(&bed.queue, fails_twice));
+    running.wait_settled(3).await;
     let events = running.events();
     running.stop().await.expect("clean shutdown");
 
-    assert!(matches!(events[0].outcome, Outcome::Retry { .. }), "{events:?}");
-    // Had the failed attempt left its dedup row, the redelivery would be a Duplicate
-    // and the handler would not have run again.
-    assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
-    assert_eq!(events[1].delivery_count, 1, "applied on the redelivery");
-    assert_eq!(attempts().lock().unwrap()[&p.payment_id], 2);
-    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the first attempt's ledger row was rolled back");
+    assert!(
+        matches!(events[0].outcome, Outcome::Retry { delay, .. } if delay == Duration::from_millis(10)),
+        "{events:?}"
+    );
+    assert!(
+        matches!(events[1].outcome, Outcome::Retry { delay, .. } if delay == Duration::from_millis(20)),
+        "{events:?}"
+    );
+    // Had a failed attempt left its dedup row, the next would be a Duplicate and the
+    // handler would not have run again.
+    assert_eq!(events[2].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(events.iter().map(|e| e.attempt).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(attempts().lock().unwrap()[&p.payment_id], 3);
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the failed attempts' ledger rows were rolled back");
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
     assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
+    for (wait_queue, _) in test_retry_policy().wait_queues(&bed.queue) {
+        assert_eq!(bed.broker.message_count(&wait_queue).await, 0, "{wait_queue} is empty");
+    }
 }
 
 #[idempotent_handler(key = "payment_id")]
@@ -63,15 +75,16 @@ async fn always_fails(_conn: &mut AsyncPgConnection, _msg: PaymentRequested) -> 
     Err(std::io::Error::other("the ledger service is down"))
 }
 
-/// A handler that always fails transiently ends in the DLQ after `max_attempts`,
+/// A handler that always fails transiently ends in the DLQ after its last attempt,
 /// with every explaining header, and leaves no effect and no dedup row.
 #[tokio::test(flavor = "multi_thread")]
-async fn always_failing_handler_is_dead_lettered_after_max_attempts() {
+async fn always_failing_handler_is_dead_lettered_after_its_last_attempt() {
     let bed = Bed::new().await;
     let p = payment(5);
     bed.publish(&p).await;
 
-    let running = Running::start(bed.runtime().consume(&bed.queue, always_fails).max_attempts(3));
+    let three_attempts = RetryPolicy::new([10, 20].map(Duration::from_millis));
+    let running = Running::start(bed.runtime().consume_with(&bed.queue, always_fails, three_attempts));
     running.wait_settled(3).await;
     let events = running.events();
     running.stop().await.expect("clean shutdown");
@@ -93,7 +106,7 @@ async fn always_failing_handler_is_dead_lettered_after_max_attempts() {
     assert!(header_str(props, headers::FIRST_FAILURE).is_some());
     assert!(header_str(props, headers::LAST_FAILURE).is_some());
     assert!(header_str(props, headers::ERROR).unwrap().contains("the ledger service is down"));
-    // The DLQ (a quorum queue) sets its own count, 0 here; the original's 2 is stripped.
+    // The DLQ (a quorum queue) sets its own count, 0 here; any earlier count is stripped.
     assert_eq!(header_i64(props, headers::DELIVERY_COUNT).unwrap_or(0), 0, "the broker's count is stripped");
     assert_eq!(dead[0].delivery.data, serde_json::to_vec(&p).unwrap(), "the body is the original");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 0);
