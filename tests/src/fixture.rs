@@ -59,10 +59,16 @@ impl Bed {
         let dlq = declared.dead_letter_name().to_owned();
         let topology = Topology::new().queue(declared);
         let broker = Broker::connect(&amqp_url()).await;
-        let channel = broker.connection().create_channel().await.expect("open a channel");
-        topology.declare(&channel).await.expect("declare the test topology");
+        let bed = Bed { db, broker, queue, dlq, topology };
+        bed.declare().await;
+        bed
+    }
+
+    /// Declares (again) the bed's queue and its DLQ.
+    pub async fn declare(&self) {
+        let channel = self.broker.connection().create_channel().await.expect("open a channel");
+        self.topology.declare(&channel).await.expect("declare the test topology");
         let _ = channel.close(200, "declared".into()).await;
-        Bed { db, broker, queue, dlq, topology }
     }
 
     /// A runtime builder for this bed's database and queue (concurrency 8, the

@@ -324,3 +324,30 @@ async fn same_key_with_another_payload_is_dead_lettered_as_conflict() {
     assert_eq!(dead[0].delivery.data, serde_json::to_vec(&reused).unwrap());
     assert_eq!(bed.ledger_rows(&first.payment_id).await, 1);
 }
+
+/// A confirm is not proof of routing: with the DLQ gone, the broker returns the
+/// dead letter *and* confirms it. idemq treats that as a failure and requeues the
+/// original instead of acking it; once the DLQ exists again the message lands there.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
+    let bed = Bed::new().await;
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    // After start-up, which declares the DLQ.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    bed.broker.delete_queue(&bed.dlq).await;
+    let props = BasicProperties::default().with_content_type("application/json".into());
+    bed.broker.publish_bytes(&bed.queue, b"not json", props).await;
+    running.wait_settled(1).await;
+    let first = running.events()[0].clone();
+    assert!(
+        matches!(&first.outcome, Outcome::Requeued { error } if error.contains("unroutable")),
+        "{first:?}"
+    );
+    bed.declare().await;
+    idemq_tests::eventually("the message reaches the recreated DLQ", Duration::from_secs(20), || async {
+        bed.broker.message_count(&bed.dlq).await == 1
+    })
+    .await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
