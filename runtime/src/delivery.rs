@@ -92,6 +92,7 @@ pub(crate) struct Shared {
     pub(crate) publisher: Channel,
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
+    pub(crate) database_retry_limit: Duration,
     pub(crate) on_conflict: OnConflict,
     pub(crate) stats: Arc<Stats>,
     pub(crate) observer: Option<crate::runtime::Observer>,
@@ -137,6 +138,7 @@ impl Consumer {
     async fn decide(&self, delivery: &Delivery, counts: Counts) -> Decision {
         let content_type = delivery.properties.content_type().as_ref().map(|ct| ct.as_str());
         let mut backoff = Backoff::default();
+        let first_try = Instant::now();
         loop {
             let prepared = match self.handler.prepare(&delivery.data, content_type, self.shared.limits) {
                 Ok(prepared) => prepared,
@@ -151,6 +153,15 @@ impl Consumer {
                 Ok(outcome) => return Decision { outcome, key, began_at },
                 Err(fault) => fault,
             };
+            if first_try.elapsed() >= self.shared.database_retry_limit {
+                // Held longer, the broker's consumer_timeout (30 min by default) would
+                // close the channel and return every delivery on it.
+                let error = format!(
+                    "the database stayed unavailable for {:?} ({fault}); returned to the queue",
+                    self.shared.database_retry_limit
+                );
+                return Decision { outcome: Outcome::Requeued { error }, key, began_at };
+            }
             self.shared.stats.infrastructure_retry();
             backoff.log(&self.queue, &fault);
             tokio::select! {

@@ -44,6 +44,7 @@ pub struct RuntimeBuilder {
     concurrency: usize,
     retry: RetryPolicy,
     handler_timeout: Duration,
+    database_retry_limit: Duration,
     max_body_bytes: usize,
     on_conflict: OnConflict,
     shutdown_deadline: Duration,
@@ -74,6 +75,7 @@ impl RuntimeBuilder {
             concurrency: 16,
             retry: RetryPolicy::default(),
             handler_timeout: Duration::from_secs(60),
+            database_retry_limit: Duration::from_secs(25 * 60),
             max_body_bytes: 1024 * 1024,
             on_conflict: OnConflict::default(),
             shutdown_deadline: Duration::from_secs(10),
@@ -139,6 +141,15 @@ impl RuntimeBuilder {
     /// connection is dropped. Default 60 s.
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.handler_timeout = timeout;
+        self
+    }
+
+    /// How long a delivery is held, retrying its transaction on fresh connections,
+    /// while the database is unreachable; after that it is returned to the queue.
+    /// Keep it under the broker's `consumer_timeout` (30 min by default), which would
+    /// otherwise close the channel. Default 25 min.
+    pub fn database_retry_limit(mut self, limit: Duration) -> Self {
+        self.database_retry_limit = limit;
         self
     }
 
@@ -276,6 +287,7 @@ impl Runtime {
             publisher: publisher.clone(),
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
+            database_retry_limit: b.database_retry_limit,
             on_conflict: b.on_conflict,
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),

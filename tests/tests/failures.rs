@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use diesel_async::AsyncPgConnection;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use std::time::Duration;
 
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
@@ -350,4 +350,51 @@ async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
     .await;
     running.stop().await.expect("clean shutdown");
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
+/// On its first attempt, takes the account's row lock and then hangs.
+#[idempotent_handler(key = "payment_id")]
+async fn hangs_first(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    let attempt = {
+        let mut attempts = attempts().lock().expect("lock");
+        let n = attempts.entry(msg.payment_id.clone()).or_default();
+        *n += 1;
+        *n
+    };
+    apply_payment::call(conn, msg).await?;
+    if attempt == 1 {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    }
+    Ok(())
+}
+
+/// A hanging handler times out into a transient failure, and its connection is
+/// dropped rather than returned to the pool: the open transaction ends server-side
+/// and releases its row lock, so the retry (which needs the same row) applies.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hanging_handler_times_out_and_its_transaction_is_ended() {
+    let bed = Bed::new().await;
+    let p = payment(321);
+    bed.publish(&p).await;
+    let running = Running::start(
+        bed.runtime().consume(&bed.queue, hangs_first).handler_timeout(Duration::from_millis(300)),
+    );
+    running.wait_settled(2).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    assert!(
+        matches!(&events[0].outcome, Outcome::Retry { error, .. } if error.contains("did not finish within")),
+        "{events:?}"
+    );
+    assert_eq!(events[1].outcome, Outcome::Applied, "the retry was not blocked by a leftover lock");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+    let mut conn = bed.db.connect().await;
+    let idle_in_tx: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%'",
+        bed.db.name()
+    ))
+    .get_result(&mut conn)
+    .await
+    .expect("pg_stat_activity");
+    assert_eq!(idle_in_tx, 0, "no transaction was left open");
 }
