@@ -33,6 +33,8 @@ pub mod headers {
     pub const FIRST_FAILURE: &str = "x-idemq-first-failure";
     /// When it last failed (RFC 3339, UTC).
     pub const LAST_FAILURE: &str = "x-idemq-last-failure";
+    /// Headers dropped from a copy to keep it under `frame_max`, comma-separated.
+    pub const TRIMMED: &str = "x-idemq-trimmed";
     /// The broker's delivery counter on quorum queues; stripped from copies.
     pub const DELIVERY_COUNT: &str = "x-delivery-count";
 }
@@ -63,8 +65,9 @@ pub(crate) async fn publish(
     queue: &str,
     delivery: &Delivery,
     letter: &Letter<'_>,
+    frame_max: u32,
 ) -> Result<(), PublishError> {
-    let properties = annotate(delivery, letter);
+    let properties = annotate(delivery, letter, frame_max);
     let options = BasicPublishOptions { mandatory: true, ..Default::default() };
     let amqp = |source| PublishError::Amqp { queue: queue.to_owned(), source };
     let confirm = channel
@@ -82,9 +85,15 @@ pub(crate) async fn publish(
     }
 }
 
+/// Room left for everything in a header frame but the headers (the other
+/// properties are short strings, at most 255 bytes each) and a safety margin: a
+/// header frame over `frame_max` is a connection error that returns every in-flight
+/// delivery, so a copy must stay well under it.
+const FRAME_RESERVE: usize = 8 * 1024;
+
 /// The original's properties, persistent, with idemq's headers set and the broker's
-/// delivery count removed.
-fn annotate(delivery: &Delivery, letter: &Letter<'_>) -> BasicProperties {
+/// delivery count removed, trimmed to fit a header frame under `frame_max`.
+fn annotate(delivery: &Delivery, letter: &Letter<'_>, frame_max: u32) -> BasicProperties {
     let original = delivery.properties.headers().clone().unwrap_or_default();
     let mut headers = FieldTable::default();
     for (name, value) in original.inner() {
@@ -111,7 +120,65 @@ fn annotate(delivery: &Delivery, letter: &Letter<'_>) -> BasicProperties {
     }
     set(&mut headers, headers::HANDLER, letter.handler);
     headers.insert(headers::ATTEMPTS.into(), AMQPValue::LongLongInt(i64::from(letter.attempts)));
+    let budget = usize::try_from(frame_max).unwrap_or(usize::MAX).saturating_sub(FRAME_RESERVE);
+    let headers = fit(headers, budget);
     delivery.properties.clone().with_headers(headers).with_delivery_mode(2)
+}
+
+/// Makes `headers` encode to at most `budget` bytes: first the broker's `x-death`
+/// history goes, then the largest of the original's own headers, each named in
+/// `x-idemq-trimmed`. idemq's own headers always stay.
+fn fit(mut headers: FieldTable, budget: usize) -> FieldTable {
+    let mut trimmed: Vec<String> = Vec::new();
+    while table_len(&headers) + 64 + trimmed.iter().map(|t| t.len() + 2).sum::<usize>() > budget {
+        let victim = if headers.contains_key("x-death") {
+            Some("x-death".to_owned())
+        } else {
+            headers
+                .inner()
+                .iter()
+                .filter(|(name, _)| !name.as_str().starts_with("x-idemq-"))
+                .max_by_key(|(name, value)| name.as_str().len() + value_len(value))
+                .map(|(name, _)| name.as_str().to_owned())
+        };
+        let Some(victim) = victim else { break };
+        let mut kept = FieldTable::default();
+        for (name, value) in headers.inner() {
+            if name.as_str() != victim {
+                kept.insert(name.clone(), value.clone());
+            }
+        }
+        headers = kept;
+        trimmed.push(victim);
+    }
+    if !trimmed.is_empty() {
+        tracing::warn!(trimmed = ?trimmed, "headers dropped from a copy to keep it under frame_max");
+        headers.insert(headers::TRIMMED.into(), AMQPValue::LongString(LongString::from(trimmed.join(","))));
+    }
+    headers
+}
+
+/// The AMQP wire size of a field table: a 4-byte length, then per entry a short
+/// string name (1 + len) and a tagged value.
+fn table_len(table: &FieldTable) -> usize {
+    4 + table.inner().iter().map(|(name, value)| 1 + name.as_str().len() + value_len(value)).sum::<usize>()
+}
+
+/// The AMQP wire size of a tagged field value.
+fn value_len(value: &AMQPValue) -> usize {
+    1 + match value {
+        AMQPValue::Boolean(_) | AMQPValue::ShortShortInt(_) | AMQPValue::ShortShortUInt(_) => 1,
+        AMQPValue::ShortInt(_) | AMQPValue::ShortUInt(_) => 2,
+        AMQPValue::LongInt(_) | AMQPValue::LongUInt(_) | AMQPValue::Float(_) => 4,
+        AMQPValue::LongLongInt(_) | AMQPValue::Double(_) | AMQPValue::Timestamp(_) => 8,
+        AMQPValue::DecimalValue(_) => 5,
+        AMQPValue::ShortString(s) => 1 + s.as_str().len(),
+        AMQPValue::LongString(s) => 4 + s.as_bytes().len(),
+        AMQPValue::ByteArray(b) => 4 + b.as_slice().len(),
+        AMQPValue::FieldArray(a) => 4 + a.as_slice().iter().map(value_len).sum::<usize>(),
+        AMQPValue::FieldTable(t) => table_len(t),
+        AMQPValue::Void => 0,
+    }
 }
 
 /// The longest prefix of `s` that is at most `max` bytes and ends on a char boundary.
@@ -160,6 +227,23 @@ mod tests {
         assert_eq!(super::rfc3339(t), "2026-11-30T11:04:05.123Z");
         let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
         assert_eq!(super::rfc3339(leap), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn oversized_headers_are_trimmed_largest_first_keeping_idemqs_own() {
+        use lapin::types::{AMQPValue, FieldTable, LongString};
+        let mut table = FieldTable::default();
+        table.insert("small".into(), AMQPValue::LongString(LongString::from("s")));
+        table.insert("big".into(), AMQPValue::LongString(LongString::from("b".repeat(5_000))));
+        table.insert("x-idemq-error".into(), AMQPValue::LongString(LongString::from("e".repeat(1_000))));
+        let untouched = super::fit(table.clone(), 10_000);
+        assert_eq!(untouched, table);
+        let fitted = super::fit(table, 2_000);
+        assert!(super::table_len(&fitted) <= 2_000);
+        assert!(fitted.contains_key("small") && fitted.contains_key("x-idemq-error"));
+        assert!(!fitted.contains_key("big"));
+        let trimmed = fitted.inner().get("x-idemq-trimmed").cloned();
+        assert_eq!(trimmed, Some(AMQPValue::LongString(LongString::from("big"))));
     }
 
     #[test]

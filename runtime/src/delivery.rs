@@ -93,6 +93,8 @@ pub(crate) struct Shared {
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
     pub(crate) database_retry_limit: Duration,
+    /// The connection's negotiated frame size: copies must stay under it.
+    pub(crate) frame_max: u32,
     pub(crate) on_conflict: OnConflict,
     pub(crate) stats: Arc<Stats>,
     pub(crate) observer: Option<crate::runtime::Observer>,
@@ -333,7 +335,15 @@ impl Consumer {
             }
         };
         if let Some((target, letter)) = copy {
-            if let Err(err) = dead_letter::publish(&self.shared.publisher, &target, delivery, &letter).await {
+            if let Err(err) = dead_letter::publish(
+                &self.shared.publisher,
+                &target,
+                delivery,
+                &letter,
+                self.shared.frame_max,
+            )
+            .await
+            {
                 tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
                 decision.outcome = Outcome::Requeued { error: err.to_string() };
                 tokio::time::sleep(Duration::from_secs(1)).await;

@@ -288,6 +288,7 @@ impl Runtime {
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
             database_retry_limit: b.database_retry_limit,
+            frame_max: connection.configuration().frame_max(),
             on_conflict: b.on_conflict,
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),

@@ -398,3 +398,44 @@ async fn a_hanging_handler_times_out_and_its_transaction_is_ended() {
     .expect("pg_stat_activity");
     assert_eq!(idle_in_tx, 0, "no transaction was left open");
 }
+
+/// Publishes `body` with one header of `header_bytes` bytes.
+async fn publish_with_big_header(bed: &Bed, body: &[u8], header_bytes: usize) {
+    let mut table = FieldTable::default();
+    table.insert("x-big".into(), AMQPValue::LongString(LongString::from("h".repeat(header_bytes))));
+    let props = BasicProperties::default().with_headers(table).with_content_type("application/json".into());
+    bed.broker.publish_bytes(&bed.queue, body, props).await;
+}
+
+/// A dead letter's header frame must stay under `frame_max` (a larger one is a
+/// connection error returning every in-flight delivery): an original with ~120 KB of
+/// headers is dead-lettered with them intact; one with ~130 KB (the copy would be
+/// over 128 KiB with idemq's headers) loses its largest
+/// header in the copy, named in `x-idemq-trimmed`; the consumer's connection survives.
+#[tokio::test(flavor = "multi_thread")]
+async fn dead_letters_of_messages_with_huge_headers_stay_under_frame_max() {
+    let bed = Bed::new().await;
+    publish_with_big_header(&bed, b"not json 1", 120_000).await;
+    publish_with_big_header(&bed, b"not json 2", 130_000).await;
+    let good = payment(77);
+    bed.publish(&good).await;
+
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1));
+    running.wait_settled(3).await;
+    let events = running.events();
+    running.stop().await.expect("the connection survived");
+    assert!(events.iter().all(|e| e.settled_with_broker), "{events:?}");
+    assert_eq!(bed.ledger_rows(&good.payment_id).await, 1);
+
+    let dead = bed.broker.drain(&bed.dlq).await;
+    assert_eq!(dead.len(), 2);
+    let kept = &dead[0].delivery;
+    assert_eq!(kept.data, b"not json 1");
+    assert_eq!(header_str(&kept.properties, "x-big").map(|h| h.len()), Some(120_000));
+    assert_eq!(header_str(&kept.properties, headers::ERROR_KIND).as_deref(), Some("decode"));
+    let trimmed = &dead[1].delivery;
+    assert_eq!(trimmed.data, b"not json 2");
+    assert_eq!(header_str(&trimmed.properties, "x-big").map(|h| h.len()), None);
+    assert_eq!(header_str(&trimmed.properties, headers::TRIMMED).as_deref(), Some("x-big"));
+    assert_eq!(header_str(&trimmed.properties, headers::ERROR_KIND).as_deref(), Some("decode"));
+}
