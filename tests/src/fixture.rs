@@ -187,3 +187,59 @@ impl Running {
         with_timeout("runtime shutdown", Duration::from_secs(20), self.handle).await.expect("runtime task")
     }
 }
+
+/// A consumer child process (the `consumer` binary of this crate) on a bed's queue
+/// and database; killed on drop.
+pub struct ConsumerProcess {
+    child: std::process::Child,
+}
+
+impl ConsumerProcess {
+    /// Starts `binary` (pass `env!("CARGO_BIN_EXE_consumer")`) with extra `env`.
+    pub fn spawn(binary: &str, bed: &Bed, env: &[(&str, &str)]) -> ConsumerProcess {
+        let mut command = std::process::Command::new(binary);
+        command
+            .env("AMQP_URL", amqp_url())
+            .env("DATABASE_URL", bed.db.url())
+            .env("QUEUE", &bed.queue)
+            .stdout(std::process::Stdio::null());
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        ConsumerProcess { child: command.spawn().expect("spawn the consumer process") }
+    }
+
+    /// Its exit status if it has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("wait on the consumer")
+    }
+
+    /// Sends SIGTERM and waits (at most `timeout`) for it to exit.
+    pub async fn terminate(mut self, timeout: Duration) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        let _ = std::process::Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exited() {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the consumer did not exit within {timeout:?} of SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILLs it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ConsumerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,60 @@
+//! Consumer processes that die: a message that kills its consumer on every delivery
+//! must not loop forever.
+
+use std::time::{Duration, Instant};
+
+use idemq::{headers, FailureKind};
+use idemq_example_payments::PaymentRequested;
+use idemq_tests::fixture::{payment, Bed, ConsumerProcess};
+use idemq_tests::{header_str, unique};
+
+const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
+
+/// Stages a poison message: the consumer process is SIGKILLed inside the handler's
+/// transaction on every delivery of it, so no error is ever recorded. The quorum
+/// queue's delivery count grows with each crash; at the queue's limit (3) the runtime
+/// dead-letters it as `poison` without running the handler. The messages behind it
+/// are then applied once each, and nothing of the poison message was ever committed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit() {
+    let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
+    let poison = PaymentRequested { payment_id: unique("kill"), account: unique("acct"), amount_cents: 13 };
+    bed.publish(&poison).await;
+    let good: Vec<_> = (0..20).map(|i| payment(100 + i)).collect();
+    for p in &good {
+        bed.publish(p).await;
+    }
+
+    // Prefetch 1: only the poison message is in flight when the process dies.
+    let env = [("KILL_ON", "kill"), ("DELIVERY_LIMIT", "3"), ("CONCURRENCY", "1")];
+    let mut crashes = 0;
+    let mut consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while bed.broker.message_count(&bed.dlq).await == 0 {
+        assert!(Instant::now() < deadline, "no dead letter after {crashes} crashes");
+        if consumer.exited().is_some() {
+            crashes += 1;
+            assert!(crashes <= 3, "the consumer was killed more often than the delivery limit allows");
+            consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    idemq_tests::eventually("the good messages applied", Duration::from_secs(30), || async {
+        bed.ledger_total().await == good.len() as i64
+    })
+    .await;
+    let status = consumer.terminate(Duration::from_secs(20)).await;
+    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+
+    assert_eq!(crashes, 3, "one crash per delivery below the limit");
+    for p in &good {
+        assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "{}", p.payment_id);
+    }
+    assert_eq!(bed.ledger_rows(&poison.payment_id).await, 0, "every killed transaction rolled back");
+    let dead = bed.broker.drain(&bed.dlq).await;
+    assert_eq!(dead.len(), 1);
+    let props = &dead[0].delivery.properties;
+    assert_eq!(header_str(props, headers::ERROR_KIND).as_deref(), Some(FailureKind::Poison.as_str()));
+    assert_eq!(dead[0].delivery.data, serde_json::to_vec(&poison).unwrap());
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
