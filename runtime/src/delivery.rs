@@ -81,20 +81,26 @@ pub(crate) struct Consumer {
     pub(crate) dead_letter_queue: String,
     pub(crate) delivery_limit: u32,
     pub(crate) retry: RetryPolicy,
-    pub(crate) handler: Box<dyn ErasedHandler>,
+    pub(crate) handler: Arc<dyn ErasedHandler>,
+    /// The channel the deliveries come on. Acks go through each delivery's own
+    /// acker, which is bound to this channel: a tag from a dead channel can never be
+    /// acked on a newer one (a future multi-ack batcher must key on `session`).
     pub(crate) channel: Channel,
+    /// The confirm-mode channel for copies, on the session's publishing connection.
+    pub(crate) publisher: Channel,
+    /// The publishing connection's negotiated frame size: copies stay under it.
+    pub(crate) frame_max: u32,
+    /// Which connection session this consumer belongs to (1, 2, … after reconnects).
+    pub(crate) session: u64,
     pub(crate) shared: Arc<Shared>,
 }
 
 /// What every consumer of a runtime shares.
 pub(crate) struct Shared {
     pub(crate) pool: Pool<AsyncPgConnection>,
-    pub(crate) publisher: Channel,
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
     pub(crate) database_retry_limit: Duration,
-    /// The connection's negotiated frame size: copies must stay under it.
-    pub(crate) frame_max: u32,
     pub(crate) on_conflict: OnConflict,
     pub(crate) stats: Arc<Stats>,
     pub(crate) observer: Option<crate::runtime::Observer>,
@@ -126,6 +132,7 @@ impl Consumer {
             settled_with_broker,
             delivery_count: counts.delivery_count,
             attempt: counts.attempt,
+            session: self.session,
             received_at,
             began_at: decision.began_at,
             settled_at: Instant::now(),
@@ -335,14 +342,8 @@ impl Consumer {
             }
         };
         if let Some((target, letter)) = copy {
-            if let Err(err) = dead_letter::publish(
-                &self.shared.publisher,
-                &target,
-                delivery,
-                &letter,
-                self.shared.frame_max,
-            )
-            .await
+            if let Err(err) =
+                dead_letter::publish(&self.publisher, &target, delivery, &letter, self.frame_max).await
             {
                 tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
                 decision.outcome = Outcome::Requeued { error: err.to_string() };

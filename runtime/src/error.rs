@@ -67,14 +67,6 @@ pub enum Error {
     /// The builder was given an unusable setting.
     #[error("invalid idemq configuration: {0}")]
     Config(String),
-    /// A consumer's channel or connection went away while running.
-    #[error("the consumer of queue '{queue}' stopped: {reason}; its unacked deliveries return to the queue")]
-    ConsumerLost {
-        /// The queue it consumed.
-        queue: String,
-        /// Why, as far as the client knows.
-        reason: String,
-    },
 }
 
 /// Hides the password of a `scheme://user:password@host/...` URL.

@@ -93,6 +93,7 @@ mod outcome;
 mod prepare;
 mod retry;
 mod runtime;
+mod session;
 mod topology;
 
 pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
@@ -107,6 +108,7 @@ pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL,
 };
+pub use session::ConnectionEvent;
 pub use topology::{Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT};
 
 /// The README's examples, compiled as doc tests so they stay true.

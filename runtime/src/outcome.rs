@@ -101,6 +101,8 @@ pub struct Settled {
     pub delivery_count: u32,
     /// The handler attempt this delivery was (1 for the first; retries count up).
     pub attempt: u32,
+    /// The connection session it came on (1, then one more per reconnect).
+    pub session: u64,
     /// When the runtime received the delivery.
     pub received_at: Instant,
     /// When the handler's transaction began (the dedup insert), if it did.

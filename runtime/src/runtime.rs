@@ -10,20 +10,17 @@ use std::time::Duration;
 use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
 use diesel_async::AsyncPgConnection;
-use futures_util::StreamExt;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::delivery::{Consumer, OnConflict, Shared};
+use crate::delivery::{OnConflict, Shared};
 use crate::error::{redact, Error};
 use crate::handler::Handler;
 use crate::outcome::{Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits};
 use crate::retry::RetryPolicy;
+use crate::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
 use crate::topology::{Queue, Topology};
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
@@ -40,7 +37,7 @@ pub struct RuntimeBuilder {
     amqp_url: String,
     database_url: String,
     topology: Topology,
-    consumers: Vec<(String, Box<dyn ErasedHandler>, Option<RetryPolicy>)>,
+    consumers: Vec<(String, Arc<dyn ErasedHandler>, Option<RetryPolicy>)>,
     concurrency: usize,
     retry: RetryPolicy,
     handler_timeout: Duration,
@@ -48,7 +45,10 @@ pub struct RuntimeBuilder {
     max_body_bytes: usize,
     on_conflict: OnConflict,
     shutdown_deadline: Duration,
+    heartbeat: Duration,
+    reconnect_max: Duration,
     observer: Option<Observer>,
+    on_connection_event: Option<Arc<dyn Fn(&ConnectionEvent) + Send + Sync>>,
     #[cfg(feature = "fault-injection")]
     fault_hook: Option<crate::fault::FaultHook>,
 }
@@ -79,7 +79,10 @@ impl RuntimeBuilder {
             max_body_bytes: 1024 * 1024,
             on_conflict: OnConflict::default(),
             shutdown_deadline: Duration::from_secs(10),
+            heartbeat: Duration::from_secs(20),
+            reconnect_max: Duration::from_secs(30),
             observer: None,
+            on_connection_event: None,
             #[cfg(feature = "fault-injection")]
             fault_hook: None,
         }
@@ -107,7 +110,7 @@ impl RuntimeBuilder {
     /// dead-letter queue and delivery limit; any other queue must already exist, with
     /// a dead-letter queue named `<queue>.dlq`.
     pub fn consume<H: Handler>(mut self, queue: impl Into<String>, handler: H) -> Self {
-        self.consumers.push((queue.into(), Box::new(Arc::new(handler)), None));
+        self.consumers.push((queue.into(), Arc::new(Arc::new(handler)), None));
         self
     }
 
@@ -118,7 +121,7 @@ impl RuntimeBuilder {
         handler: H,
         retry: RetryPolicy,
     ) -> Self {
-        self.consumers.push((queue.into(), Box::new(Arc::new(handler)), Some(retry)));
+        self.consumers.push((queue.into(), Arc::new(Arc::new(handler)), Some(retry)));
         self
     }
 
@@ -170,6 +173,31 @@ impl RuntimeBuilder {
     /// queue. Default 10 s.
     pub fn shutdown_deadline(mut self, deadline: Duration) -> Self {
         self.shutdown_deadline = deadline;
+        self
+    }
+
+    /// The AMQP heartbeat: a broker that goes silent (without closing) is detected
+    /// within about two intervals, then the runtime reconnects. Default 20 s; a
+    /// `heartbeat=` in the URL wins.
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = interval;
+        self
+    }
+
+    /// The longest wait between reconnect attempts (the backoff starts at 100 ms and
+    /// doubles, with jitter). Default 30 s.
+    pub fn reconnect_max_backoff(mut self, max: Duration) -> Self {
+        self.reconnect_max = max;
+        self
+    }
+
+    /// Calls `on_event` when the runtime connects, loses its connection, or the
+    /// broker blocks or unblocks publishing.
+    pub fn on_connection_event(
+        mut self,
+        on_event: impl Fn(&ConnectionEvent) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_connection_event = Some(Arc::new(on_event));
         self
     }
 
@@ -246,49 +274,38 @@ impl Runtime {
 
     /// Connects, declares the topology, consumes until `shutdown` is cancelled, then
     /// drains: consumers are cancelled, in-flight deliveries get the shutdown deadline
-    /// to finish (and are acked if they commit), the rest return to the queue.
+    /// to finish (and are acked if they commit), the rest are cut off (rolled back)
+    /// and return to the queue; channels and connections are closed cleanly.
+    ///
+    /// A connection or channel lost while running (broker restart, closed
+    /// connection, missed heartbeats, a consumer cancelled by the broker) is not an
+    /// error: the runtime reconnects with backoff, declares the topology again and
+    /// resumes every consumer. Deliveries that were in flight on the lost channel
+    /// cannot be acked any more; the broker redelivers them and their dedup rows make
+    /// that harmless.
     ///
     /// # Errors
-    /// Start-up failures, or [`Error::ConsumerLost`] when a consumer's channel or
-    /// connection dies (after draining what can be drained).
+    /// Start-up failures (the first connection, declaration or database check), and
+    /// a topology mismatch found on a later reconnect.
     ///
     /// # Cancel safety
-    /// Not cancel safe: dropping the future drops the connection, so the broker
+    /// Not cancel safe: dropping the future drops the connections, so the broker
     /// requeues every unacked delivery (safe, but not graceful). Cancel `shutdown`
     /// instead.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let b = self.builder;
-        let connection = Connection::connect(&b.amqp_url, ConnectionProperties::default())
-            .await
-            .map_err(|source| Error::AmqpConnect { url: redact(&b.amqp_url), source })?;
-        let amqp = |action: &str| {
-            let action = action.to_owned();
-            move |source| Error::Amqp { action, source }
-        };
-
-        let setup = connection.create_channel().await.map_err(amqp("open a channel"))?;
-        b.topology.declare(&setup).await?;
-
         let pool = build_pool(&b.database_url, b.concurrency)?;
         drop(pool.get().await.map_err(|err| Error::DatabaseConnect {
             url: redact(&b.database_url),
             message: err.to_string(),
         })?);
 
-        let publisher = connection.create_channel().await.map_err(amqp("open the publisher channel"))?;
-        publisher
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(amqp("enable publisher confirms"))?;
-
         let abandon = CancellationToken::new();
         let shared = Arc::new(Shared {
             pool,
-            publisher: publisher.clone(),
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
             database_retry_limit: b.database_retry_limit,
-            frame_max: connection.configuration().frame_max(),
             on_conflict: b.on_conflict,
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),
@@ -296,110 +313,97 @@ impl Runtime {
             #[cfg(feature = "fault-injection")]
             fault_hook: b.fault_hook.clone(),
         });
-
-        let prefetch = u16::try_from(b.concurrency).unwrap_or(u16::MAX);
-        let permits = Arc::new(Semaphore::new(b.concurrency));
-        let tracker = TaskTracker::new();
-        let stop = shutdown.child_token();
-        let mut loops = tokio::task::JoinSet::new();
-        for (index, (queue, handler, retry)) in b.consumers.into_iter().enumerate() {
-            let declared =
-                b.topology.find_queue(&queue).cloned().unwrap_or_else(|| Queue::new(queue.clone()));
-            let retry = retry.unwrap_or_else(|| b.retry.clone());
-            for (name, delay) in retry.wait_queues(&queue) {
-                declared.declare_wait_queue(&setup, &name, delay).await?;
-            }
-            let channel = connection.create_channel().await.map_err(amqp("open a consumer channel"))?;
-            // Per-consumer QoS: global QoS on a quorum queue is a connection error.
-            channel
-                .basic_qos(prefetch, BasicQosOptions { global: false })
-                .await
-                .map_err(amqp("set the prefetch"))?;
-            let tag = format!("idemq-{}-{}-{index}", handler.name(), std::process::id());
-            let stream = channel
-                .basic_consume(
-                    queue.as_str().into(),
-                    tag.as_str().into(),
-                    BasicConsumeOptions { no_ack: false, ..Default::default() },
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(amqp(&format!("consume queue '{queue}'")))?;
-            tracing::info!(queue = %queue, handler = handler.name(), "consuming");
-            let consumer = Arc::new(Consumer {
+        let consumers = b
+            .consumers
+            .into_iter()
+            .map(|(queue, handler, retry)| ConsumerSpec {
+                declared: b.topology.find_queue(&queue).cloned().unwrap_or_else(|| Queue::new(queue.clone())),
+                retry: retry.unwrap_or_else(|| b.retry.clone()),
                 queue,
-                dead_letter_queue: declared.dead_letter.clone(),
-                delivery_limit: declared.delivery_limit,
-                retry,
                 handler,
-                channel,
-                shared: Arc::clone(&shared),
-            });
-            loops.spawn(consume(consumer, stream, tag, Arc::clone(&permits), tracker.clone(), stop.clone()));
-        }
+            })
+            .collect();
+        let ctx = SessionContext {
+            amqp_url: with_heartbeat(&b.amqp_url, b.heartbeat),
+            topology: b.topology,
+            consumers,
+            prefetch: u16::try_from(b.concurrency).unwrap_or(u16::MAX),
+            shared,
+            permits: Arc::new(Semaphore::new(b.concurrency)),
+            tracker: TaskTracker::new(),
+            hard_stop: CancellationToken::new(),
+            on_event: b.on_connection_event.clone(),
+        };
 
-        let _ = setup.close(200, "declared".into()).await;
-
-        // The first consumer that ends on its own (channel or connection lost) stops all.
-        let mut lost = None;
-        while let Some(ended) = loops.join_next().await {
-            if let Ok(Err(err)) = ended {
-                lost.get_or_insert(err);
-                stop.cancel();
+        let mut session = 0;
+        let mut backoff = Reconnect::new(b.reconnect_max);
+        let (result, connections) = loop {
+            session += 1;
+            match session::run(&ctx, session, &shutdown).await {
+                SessionEnd::Shutdown { consuming, publishing } => {
+                    break (Ok(()), Some((consuming, publishing)))
+                }
+                SessionEnd::Fatal(err) => break (Err(err), None),
+                SessionEnd::Lost { reason, connected } => {
+                    if connected {
+                        // Logged once per loss, not once per attempt.
+                        tracing::warn!(session, %reason, "connection to the broker lost; reconnecting");
+                        ctx.notify(&ConnectionEvent::Lost { session, reason });
+                        backoff = Reconnect::new(b.reconnect_max);
+                    } else {
+                        tracing::debug!(session, %reason, attempt = backoff.attempts, "reconnect attempt failed");
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => break (Ok(()), None),
+                        () = backoff.wait() => {}
+                    }
+                }
             }
-        }
+        };
 
-        tracker.close();
-        if tokio::time::timeout(b.shutdown_deadline, tracker.wait()).await.is_err() {
-            tracing::warn!(deadline = ?b.shutdown_deadline, "shutdown deadline passed; undecided deliveries return to the queue");
+        ctx.tracker.close();
+        if tokio::time::timeout(b.shutdown_deadline, ctx.tracker.wait()).await.is_err() {
+            tracing::warn!(deadline = ?b.shutdown_deadline, "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
             abandon.cancel();
-            if tokio::time::timeout(Duration::from_secs(2), tracker.wait()).await.is_err() {
-                tracing::warn!(
-                    "handlers still running after the deadline are cut off; their transactions roll back"
-                );
-            }
+            ctx.hard_stop.cancel();
+            ctx.tracker.wait().await;
         }
-        let _ = publisher.close(200, "shutdown".into()).await;
-        let _ = connection.close(200, "shutdown".into()).await;
-        match lost {
-            Some(err) => Err(err),
-            None => Ok(()),
+        if let Some((consuming, publishing)) = connections {
+            let _ = consuming.close(200, "shutdown".into()).await;
+            let _ = publishing.close(200, "shutdown".into()).await;
         }
+        result
     }
 }
 
-/// One consumer's intake loop: take a permit, spawn the delivery, repeat.
-async fn consume(
-    consumer: Arc<Consumer>,
-    mut stream: lapin::Consumer,
-    tag: String,
-    permits: Arc<Semaphore>,
-    tracker: TaskTracker,
-    stop: CancellationToken,
-) -> Result<(), Error> {
-    let lost = |reason: String| Error::ConsumerLost { queue: consumer.queue.clone(), reason };
-    loop {
-        let permit = tokio::select! {
-            () = stop.cancelled() => break,
-            permit = Arc::clone(&permits).acquire_owned() => permit.expect("the semaphore is never closed"),
-        };
-        let delivery = tokio::select! {
-            () = stop.cancelled() => break,
-            next = stream.next() => match next {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(err)) => return Err(lost(err.to_string())),
-                None => return Err(lost("the broker cancelled the consumer or the channel closed".into())),
-            },
-        };
-        let consumer = Arc::clone(&consumer);
-        tracker.spawn(async move {
-            consumer.process(delivery).await;
-            drop(permit);
-        });
+/// Exponential backoff with jitter between reconnect attempts, from 100 ms up to a
+/// bound.
+struct Reconnect {
+    next: Duration,
+    max: Duration,
+    attempts: u32,
+}
+
+impl Reconnect {
+    fn new(max: Duration) -> Self {
+        Self { next: Duration::from_millis(100), max, attempts: 0 }
     }
-    // Stop intake; prefetched deliveries not yet taken return when the channel closes.
-    let _ = consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
-    Ok(())
+
+    async fn wait(&mut self) {
+        self.attempts += 1;
+        let delay = self.next.mul_f64(0.5 + crate::delivery::jitter_fraction());
+        tokio::time::sleep(delay.min(self.max)).await;
+        self.next = (self.next * 2).min(self.max);
+    }
+}
+
+/// `url` with `heartbeat=<secs>` in its query, unless it already sets one.
+fn with_heartbeat(url: &str, heartbeat: Duration) -> String {
+    if url.contains("heartbeat=") {
+        return url.to_owned();
+    }
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}heartbeat={}", heartbeat.as_secs().max(1))
 }
 
 fn build_pool(database_url: &str, size: usize) -> Result<Pool<AsyncPgConnection>, Error> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use diesel::prelude::*;
 use diesel_async::RunQueryDsl;
-use idemq::{Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
+use idemq::{ConnectionEvent, Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
 use idemq_example_payments::{ledger, PaymentRequested};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -149,6 +149,8 @@ pub struct Running {
     pub handle: JoinHandle<Result<(), idemq::Error>>,
     /// Every settled delivery, in order.
     pub events: Arc<Mutex<Vec<Settled>>>,
+    /// Every connection event, in order.
+    pub connection_events: Arc<Mutex<Vec<ConnectionEvent>>>,
     /// Its counters.
     pub stats: Arc<Stats>,
 }
@@ -157,20 +159,30 @@ impl Running {
     /// Builds and starts `builder` with an observer recording events.
     pub fn start(builder: RuntimeBuilder) -> Running {
         let events: Arc<Mutex<Vec<Settled>>> = Arc::default();
+        let connection_events: Arc<Mutex<Vec<ConnectionEvent>>> = Arc::default();
         let sink = Arc::clone(&events);
+        let connection_sink = Arc::clone(&connection_events);
         let runtime = builder
             .observer(move |settled| sink.lock().expect("events lock").push(settled.clone()))
+            .on_connection_event(move |event| {
+                connection_sink.lock().expect("events lock").push(event.clone())
+            })
             .build()
             .expect("build the runtime");
         let stats = runtime.stats();
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn(runtime.run(shutdown.clone()));
-        Running { shutdown, handle, events, stats }
+        Running { shutdown, handle, events, connection_events, stats }
     }
 
     /// A copy of the events so far.
     pub fn events(&self) -> Vec<Settled> {
         self.events.lock().expect("events lock").clone()
+    }
+
+    /// A copy of the connection events so far.
+    pub fn connection_events(&self) -> Vec<ConnectionEvent> {
+        self.connection_events.lock().expect("events lock").clone()
     }
 
     /// Waits until `n` deliveries are settled (at most 30 s).

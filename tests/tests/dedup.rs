@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
-use idemq::{idempotent_handler, Outcome, Settled};
+use idemq::{idempotent_handler, ConnectionEvent, Outcome, Settled};
 use idemq_example_payments::{apply_payment, PaymentRequested};
 use idemq_tests::fixture::{payment, Bed, Running};
 use idemq_tests::with_timeout;
@@ -106,8 +106,8 @@ async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
 }
 
 /// COMMIT succeeded, then the channel died before the ack (a fault hook closes it at
-/// exactly that point). The ack must fail visibly, the broker redelivers, and the
-/// redelivery is skipped as a duplicate: one ledger row.
+/// exactly that point). The ack must fail visibly; the runtime reconnects, the broker
+/// redelivers to the new session, and the redelivery is skipped as a duplicate.
 #[tokio::test(flavor = "multi_thread")]
 async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
     let bed = Bed::new().await;
@@ -130,29 +130,31 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
             }
         })
     });
-    let first = Running::start(bed.runtime().consume(&bed.queue, apply_payment).fault_hook(hook));
-    first.wait_settled(1).await;
-    let first_events = first.events();
-    let ended = first.stop().await;
-    assert!(fired.load(Ordering::SeqCst), "the fault hook ran");
-    assert_eq!(first_events[0].outcome, Outcome::Applied);
-    assert!(
-        !first_events[0].settled_with_broker,
-        "the ack after the closed channel must fail: {first_events:?}"
-    );
-    assert!(
-        matches!(ended, Err(idemq::Error::ConsumerLost { .. })),
-        "the lost channel is reported: {ended:?}"
-    );
-    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "committed before the ack");
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).fault_hook(hook));
+    running.wait_settled(2).await;
+    let events = running.events();
+    let connection_events = running.connection_events();
+    running.stop().await.expect("clean shutdown");
 
-    let second = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
-    second.wait_settled(1).await;
-    let second_events = second.events();
-    second.stop().await.expect("clean shutdown");
-    assert_eq!(second_events[0].outcome, Outcome::Duplicate, "{second_events:?}");
-    assert!(second_events[0].delivery_count >= 1, "it was a redelivery: {second_events:?}");
-    assert!(second_events[0].settled_with_broker);
+    assert!(fired.load(Ordering::SeqCst), "the fault hook ran");
+    let (first, second) = (&events[0], &events[1]);
+    assert_eq!(first.outcome, Outcome::Applied);
+    assert!(!first.settled_with_broker, "the ack after the closed channel must fail: {events:?}");
+    assert_eq!(second.outcome, Outcome::Duplicate, "{events:?}");
+    assert!(second.delivery_count >= 1, "it was a redelivery: {events:?}");
+    assert!(second.settled_with_broker);
+    assert_eq!((first.session, second.session), (1, 2), "redelivered to the reconnected session");
+    assert!(
+        matches!(
+            connection_events.as_slice(),
+            [
+                ConnectionEvent::Connected { session: 1 },
+                ConnectionEvent::Lost { session: 1, .. },
+                ConnectionEvent::Connected { session: 2 }
+            ]
+        ),
+        "{connection_events:?}"
+    );
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }

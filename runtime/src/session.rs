@@ -1,0 +1,307 @@
+//! One connection session: connect, declare, consume — until the broker goes away or
+//! shutdown begins. The runtime's supervisor runs sessions one after another,
+//! reconnecting with backoff, so a broker restart or a dropped connection needs no
+//! restart by hand.
+//!
+//! Each session has two connections: one consumes (and acks), one publishes retry
+//! and dead-letter copies. RabbitMQ blocks a *publishing* connection under a resource
+//! alarm (`connection.blocked`) and stops reading from it; on a shared connection the
+//! acks would stall too. Kept apart, consumption goes on while copies wait.
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::delivery::{Consumer, Shared};
+use crate::error::{redact, Error};
+use crate::prepare::ErasedHandler;
+use crate::retry::RetryPolicy;
+use crate::topology::{Queue, Topology};
+
+/// A change in the runtime's connection to the broker, for an
+/// [observer](crate::RuntimeBuilder::on_connection_event).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectionEvent {
+    /// Session `session` is connected, declared and consuming.
+    Connected {
+        /// 1 for the first session, then one more per reconnect.
+        session: u64,
+    },
+    /// Session `session` lost its connection or a channel; the runtime reconnects.
+    Lost {
+        /// The session that ended.
+        session: u64,
+        /// Why, as far as the client knows.
+        reason: String,
+    },
+    /// The broker blocked the publishing connection (resource alarm): retry and
+    /// dead-letter copies wait; consumption goes on.
+    Blocked {
+        /// The broker's reason.
+        reason: String,
+    },
+    /// The broker unblocked the publishing connection.
+    Unblocked,
+}
+
+/// What a consumed queue needs, for every session.
+pub(crate) struct ConsumerSpec {
+    pub(crate) queue: String,
+    pub(crate) declared: Queue,
+    pub(crate) handler: Arc<dyn ErasedHandler>,
+    pub(crate) retry: RetryPolicy,
+}
+
+/// What every session shares.
+pub(crate) struct SessionContext {
+    pub(crate) amqp_url: String,
+    pub(crate) topology: Topology,
+    pub(crate) consumers: Vec<ConsumerSpec>,
+    pub(crate) prefetch: u16,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) tracker: TaskTracker,
+    /// Cancelled when in-flight deliveries must be cut off (after the shutdown deadline).
+    pub(crate) hard_stop: CancellationToken,
+    pub(crate) on_event: Option<Arc<dyn Fn(&ConnectionEvent) + Send + Sync>>,
+}
+
+impl SessionContext {
+    pub(crate) fn notify(&self, event: &ConnectionEvent) {
+        if let Some(on_event) = &self.on_event {
+            on_event(event);
+        }
+    }
+}
+
+/// How a session ended.
+pub(crate) enum SessionEnd {
+    /// Shutdown began; consumers are cancelled. The connections stay open so that
+    /// in-flight deliveries can still be acked; close them after draining.
+    Shutdown { consuming: Connection, publishing: Connection },
+    /// The connection or a channel was lost (both connections are closed), or
+    /// could not be made: reconnect. `connected` tells which.
+    Lost { reason: String, connected: bool },
+    /// A failure that reconnecting cannot fix (a topology mismatch, refused
+    /// credentials at start-up).
+    Fatal(Error),
+}
+
+/// Runs session number `session` until shutdown or loss.
+pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationToken) -> SessionEnd {
+    let (consuming, publishing, mut loops, session_stop) = match start(ctx, session).await {
+        Ok(started) => started,
+        Err(end) => return end,
+    };
+    if session > 1 {
+        tracing::info!(session, "reconnected; consuming again");
+    }
+    ctx.notify(&ConnectionEvent::Connected { session });
+    let mut consuming_events = consuming.events_listener();
+    let mut publishing_events = publishing.events_listener();
+    let reason = loop {
+        tokio::select! {
+            () = stop.cancelled() => {
+                session_stop.cancel();
+                while loops.join_next().await.is_some() {}
+                return SessionEnd::Shutdown { consuming, publishing };
+            }
+            Some(ended) = loops.join_next() => {
+                break match ended {
+                    Ok(reason) => reason,
+                    Err(err) => format!("a consumer task failed: {err}"),
+                };
+            }
+            Some(event) = consuming_events.next() => {
+                if let lapin::Event::Error(err) = event {
+                    break format!("the consuming connection failed: {err}");
+                }
+            }
+            Some(event) = publishing_events.next() => match event {
+                lapin::Event::ConnectionBlocked(reason) => {
+                    tracing::warn!(%reason, "the broker blocked publishing (resource alarm); retry and dead-letter copies wait");
+                    ctx.notify(&ConnectionEvent::Blocked { reason });
+                }
+                lapin::Event::ConnectionUnblocked => {
+                    tracing::info!("the broker unblocked publishing");
+                    ctx.notify(&ConnectionEvent::Unblocked);
+                }
+                lapin::Event::Error(err) => break format!("the publishing connection failed: {err}"),
+                _ => {}
+            },
+        }
+    };
+    session_stop.cancel();
+    while loops.join_next().await.is_some() {}
+    // Whatever is still open goes: unacked deliveries return to the queue, and
+    // in-flight tasks of this session can no longer ack (their acker's channel is
+    // closed), so the broker redelivers them to the next session.
+    let _ = consuming.close(200, "reconnecting".into()).await;
+    let _ = publishing.close(200, "reconnecting".into()).await;
+    SessionEnd::Lost { reason, connected: true }
+}
+
+type Started = (Connection, Connection, tokio::task::JoinSet<String>, CancellationToken);
+
+/// Connects both connections, declares the topology and starts every consumer.
+async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd> {
+    let first = session == 1;
+    // At start-up any failure is reported (fail fast, with the reason); later ones
+    // are retried by the supervisor.
+    let fail = |err: Error| {
+        if first {
+            SessionEnd::Fatal(err)
+        } else {
+            SessionEnd::Lost { reason: err.to_string(), connected: false }
+        }
+    };
+    let connect = || async {
+        Connection::connect(&ctx.amqp_url, ConnectionProperties::default())
+            .await
+            .map_err(|source| Error::AmqpConnect { url: redact(&ctx.amqp_url), source })
+    };
+    let amqp = |action: &str| {
+        let action = action.to_owned();
+        move |source| Error::Amqp { action, source }
+    };
+    let consuming = connect().await.map_err(fail)?;
+    let publishing = connect().await.map_err(fail)?;
+    let started = async {
+        let publisher = publishing.create_channel().await.map_err(amqp("open the publisher channel"))?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(amqp("enable publisher confirms"))?;
+
+        let setup = consuming.create_channel().await.map_err(amqp("open a channel"))?;
+        ctx.topology.declare(&setup).await?;
+        for spec in &ctx.consumers {
+            for (name, delay) in spec.retry.wait_queues(&spec.queue) {
+                spec.declared.declare_wait_queue(&setup, &name, delay).await?;
+            }
+        }
+        let _ = setup.close(200, "declared".into()).await;
+
+        let session_stop = CancellationToken::new();
+        let mut loops = tokio::task::JoinSet::new();
+        for (index, spec) in ctx.consumers.iter().enumerate() {
+            let channel = consuming.create_channel().await.map_err(amqp("open a consumer channel"))?;
+            // Per-consumer QoS: global QoS on a quorum queue is a connection error.
+            channel
+                .basic_qos(ctx.prefetch, BasicQosOptions { global: false })
+                .await
+                .map_err(amqp("set the prefetch"))?;
+            let tag = format!("idemq-{}-{}-{session}-{index}", spec.handler.name(), std::process::id());
+            let stream = channel
+                .basic_consume(
+                    spec.queue.as_str().into(),
+                    tag.as_str().into(),
+                    BasicConsumeOptions { no_ack: false, ..Default::default() },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(amqp(&format!("consume queue '{}'", spec.queue)))?;
+            tracing::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
+            let consumer = Arc::new(Consumer {
+                queue: spec.queue.clone(),
+                dead_letter_queue: spec.declared.dead_letter.clone(),
+                delivery_limit: spec.declared.delivery_limit,
+                retry: spec.retry.clone(),
+                handler: Arc::clone(&spec.handler),
+                channel,
+                publisher: publisher.clone(),
+                frame_max: publishing.configuration().frame_max(),
+                session,
+                shared: Arc::clone(&ctx.shared),
+            });
+            loops.spawn(consume(consumer, stream, tag, ctx.clone_intake(), session_stop.clone()));
+        }
+        Ok::<_, Error>((loops, session_stop))
+    }
+    .await;
+    match started {
+        Ok((loops, session_stop)) => Ok((consuming, publishing, loops, session_stop)),
+        Err(err) => {
+            let _ = consuming.close(200, "start-up failed".into()).await;
+            let _ = publishing.close(200, "start-up failed".into()).await;
+            // A topology mismatch cannot be fixed by reconnecting.
+            let fatal = first || matches!(err, Error::QueueMismatch { .. } | Error::ExchangeMismatch { .. });
+            Err(if fatal {
+                SessionEnd::Fatal(err)
+            } else {
+                SessionEnd::Lost { reason: err.to_string(), connected: false }
+            })
+        }
+    }
+}
+
+/// What an intake loop needs from the context.
+struct Intake {
+    permits: Arc<Semaphore>,
+    tracker: TaskTracker,
+    hard_stop: CancellationToken,
+}
+
+impl SessionContext {
+    fn clone_intake(&self) -> Intake {
+        Intake {
+            permits: Arc::clone(&self.permits),
+            tracker: self.tracker.clone(),
+            hard_stop: self.hard_stop.clone(),
+        }
+    }
+}
+
+/// One consumer's intake loop: take a permit, spawn the delivery, repeat. Returns
+/// why it stopped on its own (the channel or connection went away, or the broker
+/// cancelled the consumer, e.g. because its queue was deleted); after `stop` it
+/// cancels the consumer and returns.
+async fn consume(
+    consumer: Arc<Consumer>,
+    mut stream: lapin::Consumer,
+    tag: String,
+    intake: Intake,
+    stop: CancellationToken,
+) -> String {
+    loop {
+        let permit = tokio::select! {
+            () = stop.cancelled() => break,
+            permit = Arc::clone(&intake.permits).acquire_owned() => permit.expect("the semaphore is never closed"),
+        };
+        let delivery = tokio::select! {
+            () = stop.cancelled() => break,
+            next = stream.next() => match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(err)) => return format!("queue '{}': {err}", consumer.queue),
+                None => {
+                    return format!(
+                        "queue '{}': the broker cancelled the consumer (queue deleted?) or the channel closed",
+                        consumer.queue
+                    )
+                }
+            },
+        };
+        let consumer = Arc::clone(&consumer);
+        let hard_stop = intake.hard_stop.clone();
+        intake.tracker.spawn(async move {
+            tokio::select! {
+                () = consumer.process(delivery) => {}
+                // Cut off after the shutdown deadline: the transaction is dropped
+                // uncommitted (rolled back when its connection closes) and the
+                // unacked delivery returns to the queue.
+                () = hard_stop.cancelled() => {}
+            }
+            drop(permit);
+        });
+    }
+    // Stop intake; prefetched deliveries not yet taken return when the channel closes.
+    let _ = consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+    String::from("stopped")
+}
