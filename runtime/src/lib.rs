@@ -108,7 +108,7 @@ pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL,
 };
-pub use session::ConnectionEvent;
+pub use session::{ConnectionEvent, ConnectionObserver};
 pub use topology::{Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT};
 
 /// The README's examples, compiled as doc tests so they stay true.

@@ -20,7 +20,7 @@ use crate::handler::Handler;
 use crate::outcome::{Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits};
 use crate::retry::RetryPolicy;
-use crate::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
+use crate::session::{self, ConnectionEvent, ConnectionObserver, ConsumerSpec, SessionContext, SessionEnd};
 use crate::topology::{Queue, Topology};
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
@@ -48,7 +48,7 @@ pub struct RuntimeBuilder {
     heartbeat: Duration,
     reconnect_max: Duration,
     observer: Option<Observer>,
-    on_connection_event: Option<Arc<dyn Fn(&ConnectionEvent) + Send + Sync>>,
+    on_connection_event: Option<ConnectionObserver>,
     #[cfg(feature = "fault-injection")]
     fault_hook: Option<crate::fault::FaultHook>,
 }
@@ -368,9 +368,9 @@ impl Runtime {
             ctx.hard_stop.cancel();
             ctx.tracker.wait().await;
         }
-        if let Some((consuming, publishing)) = connections {
-            let _ = consuming.close(200, "shutdown".into()).await;
-            let _ = publishing.close(200, "shutdown".into()).await;
+        if let Some(connections) = connections {
+            let _ = connections.consuming.close(200, "shutdown".into()).await;
+            let _ = connections.publishing.close(200, "shutdown".into()).await;
         }
         result
     }

@@ -51,6 +51,9 @@ pub enum ConnectionEvent {
     Unblocked,
 }
 
+/// A callback told of every [`ConnectionEvent`].
+pub type ConnectionObserver = Arc<dyn Fn(&ConnectionEvent) + Send + Sync>;
+
 /// What a consumed queue needs, for every session.
 pub(crate) struct ConsumerSpec {
     pub(crate) queue: String,
@@ -70,7 +73,7 @@ pub(crate) struct SessionContext {
     pub(crate) tracker: TaskTracker,
     /// Cancelled when in-flight deliveries must be cut off (after the shutdown deadline).
     pub(crate) hard_stop: CancellationToken,
-    pub(crate) on_event: Option<Arc<dyn Fn(&ConnectionEvent) + Send + Sync>>,
+    pub(crate) on_event: Option<ConnectionObserver>,
 }
 
 impl SessionContext {
@@ -81,11 +84,17 @@ impl SessionContext {
     }
 }
 
+/// A session's two connections.
+pub(crate) struct Connections {
+    pub(crate) consuming: Connection,
+    pub(crate) publishing: Connection,
+}
+
 /// How a session ended.
 pub(crate) enum SessionEnd {
     /// Shutdown began; consumers are cancelled. The connections stay open so that
     /// in-flight deliveries can still be acked; close them after draining.
-    Shutdown { consuming: Connection, publishing: Connection },
+    Shutdown(Box<Connections>),
     /// The connection or a channel was lost (both connections are closed), or
     /// could not be made: reconnect. `connected` tells which.
     Lost { reason: String, connected: bool },
@@ -111,7 +120,7 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
             () = stop.cancelled() => {
                 session_stop.cancel();
                 while loops.join_next().await.is_some() {}
-                return SessionEnd::Shutdown { consuming, publishing };
+                return SessionEnd::Shutdown(Box::new(Connections { consuming, publishing }));
             }
             Some(ended) = loops.join_next() => {
                 break match ended {
