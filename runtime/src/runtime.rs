@@ -340,9 +340,7 @@ impl Runtime {
         let (result, connections) = loop {
             session += 1;
             match session::run(&ctx, session, &shutdown).await {
-                SessionEnd::Shutdown { consuming, publishing } => {
-                    break (Ok(()), Some((consuming, publishing)))
-                }
+                SessionEnd::Shutdown(connections) => break (Ok(()), Some(connections)),
                 SessionEnd::Fatal(err) => break (Err(err), None),
                 SessionEnd::Lost { reason, connected } => {
                     if connected {
