@@ -13,6 +13,13 @@ struct RawOption {
 
 impl Parse for RawOption {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        if input.peek(LitStr) {
+            let lit: LitStr = input.parse()?;
+            return Err(syn::Error::new(
+                lit.span(),
+                format!("name the option: write `key = {}`", lit.token()),
+            ));
+        }
         let lookahead = input.lookahead1();
         if !lookahead.peek(Ident) {
             return Err(lookahead.error());
@@ -52,15 +59,29 @@ impl Options {
         };
         let mut key: Option<LitStr> = None;
         let mut name: Option<LitStr> = None;
+        // Whether `key` was written (even misspelled or malformed), so that a missing
+        // key is not reported on top of the error that explains it.
+        let mut key_attempted = false;
         for option in raw {
             let slot = match option.name.to_string().as_str() {
-                "key" => &mut key,
+                "key" => {
+                    key_attempted = true;
+                    &mut key
+                }
                 "name" => &mut name,
                 other => {
+                    let hint = match closest_option(other) {
+                        Some(known) => {
+                            key_attempted |= known == "key";
+                            format!("did you mean `{known}`? ")
+                        }
+                        None => String::new(),
+                    };
                     push(syn::Error::new(
                         option.name.span(),
                         format!(
-                            "unknown option `{other}`; expected `key = \"field.path\"` or `name = \"handler_name\"`"
+                            "unknown option `{other}`; {hint}the options are `key = \"field.path\"` \
+                             and `name = \"handler_name\"`"
                         ),
                     ));
                     continue;
@@ -75,10 +96,22 @@ impl Options {
             }
             match option.value {
                 Expr::Lit(ExprLit { lit: Lit::Str(lit), .. }) => *slot = Some(lit),
-                other => push(syn::Error::new_spanned(
-                    other,
-                    format!("`{}` takes a string literal, e.g. `{} = \"...\"`", option.name, option.name),
-                )),
+                other => {
+                    // `key = order.id` → suggest `key = "order.id"`.
+                    let example = match &other {
+                        Expr::Path(_) | Expr::Field(_) => {
+                            quote::quote!(#other).to_string().split_whitespace().collect::<String>()
+                        }
+                        _ => "...".to_owned(),
+                    };
+                    push(syn::Error::new_spanned(
+                        other,
+                        format!(
+                            "`{name}` takes a string literal: write `{name} = \"{example}\"`",
+                            name = option.name
+                        ),
+                    ));
+                }
             }
         }
         if let Some(name) = &name {
@@ -97,6 +130,7 @@ impl Options {
                     None
                 }
             },
+            None if key_attempted => None,
             None => {
                 push(syn::Error::new(
                     Span::call_site(),
@@ -109,37 +143,84 @@ impl Options {
         match (errors, key) {
             (Some(errors), _) => Err(errors),
             (None, Some(key)) => Ok(Self { key, name }),
-            (None, None) => unreachable!("a missing key always records an error"),
+            (None, None) => unreachable!("a missing or misspelled key always records an error"),
         }
     }
+}
+
+/// The known option an unknown one is most likely a typo of (edit distance ≤ 2).
+fn closest_option(unknown: &str) -> Option<&'static str> {
+    ["key", "name"]
+        .into_iter()
+        .map(|known| (edit_distance(unknown, known), known))
+        .filter(|(distance, _)| *distance <= 2)
+        .min()
+        .map(|(_, known)| known)
+}
+
+/// Levenshtein distance, counting an adjacent transposition (`kye`) as one edit.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let mut d = vec![vec![0; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
+        }
+    }
+    d[a.len()][b.len()]
 }
 
 impl KeyPath {
     fn parse(lit: LitStr) -> syn::Result<Self> {
         let value = lit.value();
+        let invalid = |why: String| {
+            syn::Error::new(
+                lit.span(),
+                format!(
+                    "`{value}` is not a field path: {why}; write the message field holding the key, \
+                     e.g. \"payment_id\" or \"order.id\""
+                ),
+            )
+        };
+        if value.is_empty() {
+            return Err(syn::Error::new(
+                lit.span(),
+                "`key` is empty; write the message field holding the key, e.g. \"payment_id\" or \"order.id\"",
+            ));
+        }
         let mut segments = Vec::new();
         for part in value.split('.') {
-            let member = if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            let member = if part.is_empty() {
+                return Err(invalid("it has an empty segment (fields are separated by a single `.`)".into()));
+            } else if part.bytes().all(|b| b.is_ascii_digit()) {
+                // A tuple field, e.g. "ids.0".
                 part.parse::<u32>()
                     .ok()
                     .map(|index| syn::Member::Unnamed(syn::Index { index, span: lit.span() }))
             } else {
-                syn::parse_str::<Ident>(part).ok().map(|mut ident| {
-                    ident.set_span(lit.span());
-                    syn::Member::Named(ident)
-                })
+                // `type` names the field `r#type`.
+                syn::parse_str::<Ident>(part)
+                    .or_else(|_| syn::parse_str::<Ident>(&format!("r#{part}")))
+                    .ok()
+                    .map(|mut ident| {
+                        ident.set_span(lit.span());
+                        syn::Member::Named(ident)
+                    })
             };
             match member {
                 Some(member) => segments.push(member),
-                None => {
-                    return Err(syn::Error::new(
-                        lit.span(),
-                        format!(
-                            "`{value}` is not a field path; write the message field holding the key, \
-                             e.g. \"payment_id\" or \"order.id\""
-                        ),
-                    ))
-                }
+                None => return Err(invalid(format!("`{part}` is not a field name"))),
             }
         }
         Ok(Self { lit, segments })

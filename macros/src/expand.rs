@@ -1,7 +1,13 @@
 //! Code generation: the unit struct that replaces the fn and its `idemq::Handler` impl.
+//!
+//! The type checks the macro cannot make itself go through traits local to
+//! `Handler::handle` (`__IdemqConnection`, `__IdemqResult`, `__IdemqError`): each has an
+//! `on_unimplemented` message saying what to write, is used on the user's own tokens
+//! (so the error underlines them), and its impl is `do_not_recommend` (so rustc
+//! reports that message, not the impl's unmet bound or a pointer into the expansion).
 
-use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned};
+use proc_macro2::{TokenStream, TokenTree};
+use quote::{quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
 use syn::ItemFn;
 
@@ -39,7 +45,7 @@ fn fallback(item: &ItemFn, err: &syn::Error) -> TokenStream {
 }
 
 fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
-    let HandlerFn { item, conn_ty, message_ty, output } = handler;
+    let HandlerFn { item, conn_ty, message_ty, output, error_ty } = handler;
     let ItemFn { attrs, vis, sig, block } = item;
     let ident = &sig.ident;
     let inputs = &sig.inputs;
@@ -51,17 +57,38 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     let key_path = key_lit.value();
     let segments = &options.key.segments;
     // Spanned on the key literal: a wrong field underlines the `key` string, a key of
-    // an unusable type says so there.
+    // an unusable type says so there. The explicit deref names the message type (not
+    // `&Message`) in "no field" errors.
     let key_expr = quote_spanned! {key_lit.span()=>
-        ::idemq::KeyField::to_key(&__idemq_message #(. #segments)*)
+        ::idemq::KeyField::to_key(&(*__idemq_message) #(. #segments)*)
     };
-    // Spanned on the user's types, so a mismatch underlines what they wrote.
+    // The checks only the compiler can make go through local traits whose
+    // `on_unimplemented` says what to write, each spanned on the user's own tokens.
     let message_assoc = quote_spanned! {message_ty.span()=> type Message = #message_ty; };
     let conn_expr = quote_spanned! {conn_ty.span()=>
-        <#conn_ty as __IdemqConn<'_>>::__idemq_conn(__idemq_conn)
+        <#conn_ty as __IdemqConnection<'_>>::__idemq_connection(__idemq_conn)
     };
-    let into_result = quote_spanned! {output.span()=>
-        __IdemqResult::__idemq_into(result)
+    // Naming the return type underlines all of it; `impl Trait` (legal in an async
+    // fn's return type) cannot be named in an expression, so it is inferred instead.
+    let result_expr = if mentions_impl_trait(output.to_token_stream()) {
+        quote_spanned! {output.span()=> __IdemqResult::__idemq_result(result) }
+    } else {
+        quote_spanned! {output.span()=> <#output as __IdemqResult<_>>::__idemq_result(result) }
+    };
+    let error_span = error_ty.as_ref().map_or_else(|| output.span(), Spanned::span);
+    let error_expr = quote_spanned! {error_span=>
+        __IdemqError::__idemq_error(error)
+    };
+    // Spanned on the fn's name: a future that is not `Send` is reported there (with
+    // rustc's note on the value held across an `.await`), not on the attribute.
+    let boxed = quote_spanned! {ident.span()=>
+        ::std::boxed::Box::pin(async move {
+            let result = #ident::call(__idemq_conn, __idemq_message).await;
+            match #result_expr {
+                ::core::result::Result::Ok(()) => ::core::result::Result::Ok(()),
+                ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
+            }
+        })
     };
     let doc = format!(
         "Idempotent handler `{name}` (dedup key `{key_path}`); register it with the runtime. \
@@ -105,35 +132,65 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 #[diagnostic::on_unimplemented(
                     message = "a handler's first argument is the transaction's connection, not `{Self}`",
                     label = "write `&mut AsyncPgConnection` here",
-                    note = "the handler runs inside idemq's dedup transaction: take `conn: &mut diesel_async::AsyncPgConnection`"
+                    note = "the handler runs inside idemq's dedup transaction: \
+                            take `conn: &mut diesel_async::AsyncPgConnection`"
                 )]
-                trait __IdemqConn<'c> {
-                    fn __idemq_conn(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self;
+                trait __IdemqConnection<'c> {
+                    fn __idemq_connection(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self;
                 }
-                impl<'c> __IdemqConn<'c> for &'c mut ::idemq::__private::AsyncPgConnection {
-                    fn __idemq_conn(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self {
+                #[diagnostic::do_not_recommend]
+                impl<'c> __IdemqConnection<'c> for &'c mut ::idemq::__private::AsyncPgConnection {
+                    fn __idemq_connection(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self {
                         conn
                     }
                 }
+
                 #[diagnostic::on_unimplemented(
                     message = "a handler returns `Result<(), E>`, not `{Self}`",
-                    label = "write `Result<(), YourError>` here",
-                    note = "`E` is any `std::error::Error + Send + Sync + 'static` (retried) or `idemq::HandlerError`"
+                    label = "write `Result<(), E>` here",
+                    note = "`E` is your error type (any `std::error::Error + Send + Sync + 'static`, \
+                            retried) or `idemq::HandlerError`"
                 )]
-                trait __IdemqResult {
-                    fn __idemq_into(self) -> ::core::result::Result<(), ::idemq::HandlerError>;
+                trait __IdemqResult<E> {
+                    fn __idemq_result(self) -> ::core::result::Result<(), E>;
                 }
-                impl<E: ::core::convert::Into<::idemq::HandlerError>> __IdemqResult for ::core::result::Result<(), E> {
-                    fn __idemq_into(self) -> ::core::result::Result<(), ::idemq::HandlerError> {
-                        self.map_err(::core::convert::Into::into)
+                #[diagnostic::do_not_recommend]
+                impl<E> __IdemqResult<E> for ::core::result::Result<(), E> {
+                    fn __idemq_result(self) -> ::core::result::Result<(), E> {
+                        self
                     }
                 }
+
+                #[diagnostic::on_unimplemented(
+                    message = "`{Self}` cannot be a handler's error type",
+                    label = "`{Self}` is not an error",
+                    note = "the error must implement `std::error::Error + Send + Sync + 'static`, \
+                            or be `idemq::HandlerError`",
+                    note = "for a plain message, return `Result<(), idemq::HandlerError>` \
+                            and `Err(HandlerError::transient(msg))` (or `Permanent(msg).into()`)"
+                )]
+                trait __IdemqError {
+                    fn __idemq_error(self) -> ::idemq::HandlerError;
+                }
+                #[diagnostic::do_not_recommend]
+                impl<E: ::core::convert::Into<::idemq::HandlerError>> __IdemqError for E {
+                    fn __idemq_error(self) -> ::idemq::HandlerError {
+                        ::core::convert::Into::into(self)
+                    }
+                }
+
                 let __idemq_conn = #conn_expr;
-                ::std::boxed::Box::pin(async move {
-                    let result = #ident::call(__idemq_conn, __idemq_message).await;
-                    #into_result
-                })
+                #boxed
             }
         }
     }
+}
+
+/// Whether the tokens hold an `impl` (e.g. `Result<(), impl Error>`).
+fn mentions_impl_trait(tokens: TokenStream) -> bool {
+    tokens.into_iter().any(|token| match token {
+        TokenTree::Ident(ident) => ident == "impl",
+        TokenTree::Group(group) => mentions_impl_trait(group.stream()),
+        _ => false,
+    })
 }

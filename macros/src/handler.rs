@@ -2,10 +2,10 @@
 //!
 //! Checks that only the compiler can make (the connection type, the message's
 //! `Deserialize`, the error's conversion) are left to it, with the generated code
-//! spanned on the user's tokens so its errors underline them.
+//! spanned on the user's tokens so its errors underline them (see `expand`).
 
 use syn::spanned::Spanned;
-use syn::{FnArg, ItemFn, PatType, ReturnType, Type};
+use syn::{FnArg, GenericArgument, ItemFn, PatType, PathArguments, ReturnType, Type};
 
 /// A handler fn that has the right shape.
 pub(crate) struct HandlerFn {
@@ -16,6 +16,8 @@ pub(crate) struct HandlerFn {
     pub(crate) message_ty: Type,
     /// The declared return type.
     pub(crate) output: Type,
+    /// The `E` of a written-out `Result<(), E>`, to underline error-type errors on it.
+    pub(crate) error_ty: Option<Type>,
 }
 
 impl HandlerFn {
@@ -29,12 +31,12 @@ impl HandlerFn {
                 format!("#[idempotent_handler] needs an async fn: write `async fn {}(...)`", sig.ident),
             ));
         }
-        if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
-            errors.push(syn::Error::new(
-                sig.generics.span(),
-                "a handler cannot be generic: the runtime needs one concrete message type; \
-                 write one handler per message type",
-            ));
+        let generic = "a handler cannot be generic: the runtime needs one concrete message type; \
+                       write one handler per message type";
+        if !sig.generics.params.is_empty() {
+            errors.push(syn::Error::new_spanned(&sig.generics, generic));
+        } else if let Some(where_clause) = &sig.generics.where_clause {
+            errors.push(syn::Error::new_spanned(where_clause, generic));
         }
         if let Some(variadic) = &sig.variadic {
             errors.push(syn::Error::new(variadic.span(), "a handler cannot be variadic"));
@@ -43,8 +45,8 @@ impl HandlerFn {
         let mut typed = Vec::new();
         for arg in &sig.inputs {
             match arg {
-                FnArg::Receiver(receiver) => errors.push(syn::Error::new(
-                    receiver.span(),
+                FnArg::Receiver(receiver) => errors.push(syn::Error::new_spanned(
+                    receiver,
                     format!("a handler is a free fn, not a method: remove `self`; {expected}"),
                 )),
                 FnArg::Typed(pat) => typed.push(pat),
@@ -77,42 +79,83 @@ impl HandlerFn {
             return Err(first);
         }
         match (conn_ty, message_ty, output) {
-            (Some(conn_ty), Some(message_ty), Some(output)) => Ok(Self { item, conn_ty, message_ty, output }),
+            (Some(conn_ty), Some(message_ty), Some(output)) => {
+                let error_ty = error_type(&output);
+                Ok(Self { item, conn_ty, message_ty, output, error_ty })
+            }
             _ => unreachable!("every missing part records an error"),
         }
     }
 }
 
-fn check_conn(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
-    match &*arg.ty {
-        Type::Reference(reference) if reference.mutability.is_some() => Some((*arg.ty).clone()),
-        other => {
-            errors.push(syn::Error::new(
-                other.span(),
-                "the first argument is the transaction's connection: write `conn: &mut AsyncPgConnection`",
-            ));
-            None
-        }
+/// The type inside any invisible groups (from `macro_rules!` fragments) or parentheses.
+fn peel(ty: &Type) -> &Type {
+    match ty {
+        Type::Group(group) => peel(&group.elem),
+        Type::Paren(paren) => peel(&paren.elem),
+        ty => ty,
     }
 }
 
+fn check_conn(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
+    let message = match peel(&arg.ty) {
+        Type::Reference(reference) if matches!(peel(&reference.elem), Type::ImplTrait(_)) => {
+            "a handler cannot be generic over its connection: write `conn: &mut AsyncPgConnection`"
+        }
+        // The type itself is checked by the compiler, through the expansion.
+        Type::Reference(reference) if reference.mutability.is_some() => return Some((*arg.ty).clone()),
+        Type::Reference(_) => {
+            "the connection must be mutable: write `conn: &mut AsyncPgConnection` \
+             (the handler writes through it, inside the dedup transaction)"
+        }
+        _ => {
+            "the first argument is the transaction's connection: \
+             write `conn: &mut AsyncPgConnection`"
+        }
+    };
+    errors.push(syn::Error::new_spanned(&arg.ty, message));
+    None
+}
+
 fn check_message(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
-    match &*arg.ty {
+    match peel(&arg.ty) {
         Type::Reference(reference) => {
-            errors.push(syn::Error::new(
-                reference.span(),
-                "take the message by value (e.g. `message: PaymentRequested`): \
-                 the runtime decodes it and hands it over",
+            let amp = if reference.mutability.is_some() { "&mut" } else { "&" };
+            errors.push(syn::Error::new_spanned(
+                &arg.ty,
+                format!(
+                    "take the message by value: remove the `{amp}`; \
+                     the runtime decodes each message and hands it over"
+                ),
             ));
             None
         }
         Type::ImplTrait(_) | Type::Infer(_) => {
-            errors.push(syn::Error::new(
-                arg.ty.span(),
-                "the message needs a concrete type the body is decoded into",
+            errors.push(syn::Error::new_spanned(
+                &arg.ty,
+                "the message needs a concrete type the body is decoded into, \
+                 e.g. `message: PaymentRequested`",
             ));
             None
         }
-        ty => Some(ty.clone()),
+        _ => Some((*arg.ty).clone()),
+    }
+}
+
+/// `E` in `Result<(), E>` (any path ending in `Result` with two type arguments).
+fn error_type(output: &Type) -> Option<Type> {
+    let Type::Path(path) = peel(output) else { return None };
+    let last = path.path.segments.last()?;
+    if last.ident != "Result" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(args) = &last.arguments else { return None };
+    let mut types = args.args.iter().filter_map(|arg| match arg {
+        GenericArgument::Type(ty) => Some(ty),
+        _ => None,
+    });
+    match (types.next(), types.next(), types.next()) {
+        (Some(_), Some(error), None) => Some(error.clone()),
+        _ => None,
     }
 }

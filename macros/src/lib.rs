@@ -3,7 +3,14 @@
 //!
 //! The pipeline is parse ([`attr`], [`handler`]) → validate → expand ([`expand`]);
 //! on error the user's fn is emitted unchanged next to the `compile_error!`s, so
-//! IDEs and later diagnostics keep working.
+//! IDEs and later diagnostics keep working. What only the compiler can check (the
+//! connection type, the return and error types, the key field's type, the message's
+//! `Deserialize`) is left to it, through code spanned on the user's tokens and local
+//! traits whose `#[diagnostic::on_unimplemented]` says what to write instead.
+//!
+//! `tests/ui` holds what the macro accepts (`pass/`) and a snapshot of every
+//! diagnostic it gives (`fail/*.stderr`); regenerate them with
+//! `TRYBUILD=overwrite cargo test -p idemq-macros --test ui` and review the diff.
 
 mod attr;
 mod expand;

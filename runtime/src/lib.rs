@@ -120,11 +120,4 @@ struct ReadmeDoctests;
 #[doc(hidden)]
 pub mod __private {
     pub use diesel_async::AsyncPgConnection;
-
-    use crate::HandlerError;
-
-    /// Converts the user's `Result<(), E>` into the runtime's.
-    pub fn into_handler_result<E: Into<HandlerError>>(result: Result<(), E>) -> Result<(), HandlerError> {
-        result.map_err(Into::into)
-    }
 }

@@ -12,7 +12,7 @@ use idemq_example_payments::{ledger, PaymentRequested};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::{amqp_url, unique, with_timeout, Broker, TestDb};
+use crate::{amqp_url, unique, with_timeout, Broker, TestDb, TestVhost};
 
 diesel::table! {
     /// idemq's dedup table, for assertions.
@@ -34,6 +34,10 @@ pub struct Bed {
     pub queue: String,
     /// Its dead-letter queue.
     pub dlq: String,
+    /// The broker URL the bed uses (its own vhost's, for isolated beds).
+    pub amqp_url: String,
+    /// The bed's own vhost, for tests whose faults are scoped by vhost.
+    pub vhost: Option<TestVhost>,
     topology: Topology,
 }
 
@@ -51,6 +55,16 @@ impl Bed {
 
     /// A bed whose queue is shaped by `shape` (e.g. a lower delivery limit).
     pub async fn with_queue(shape: impl FnOnce(Queue) -> Queue) -> Bed {
+        Self::build(shape, None).await
+    }
+
+    /// A bed in a vhost of its own, for faults scoped by vhost (closing all its
+    /// connections) that must not touch other tests.
+    pub async fn isolated() -> Bed {
+        Self::build(|q| q, Some(TestVhost::create().await)).await
+    }
+
+    async fn build(shape: impl FnOnce(Queue) -> Queue, vhost: Option<TestVhost>) -> Bed {
         crate::init_tracing();
         let db = TestDb::create().await;
         idemq_example_payments::migrate(&db.url()).await.expect("migrate the test database");
@@ -58,8 +72,9 @@ impl Bed {
         let declared = shape(Queue::new(queue.clone()));
         let dlq = declared.dead_letter_name().to_owned();
         let topology = Topology::new().queue(declared);
-        let broker = Broker::connect(&amqp_url()).await;
-        let bed = Bed { db, broker, queue, dlq, topology };
+        let amqp_url = vhost.as_ref().map_or_else(amqp_url, TestVhost::amqp_url);
+        let broker = Broker::connect(&amqp_url).await;
+        let bed = Bed { db, broker, queue, dlq, amqp_url, vhost, topology };
         bed.declare().await;
         bed
     }
@@ -75,7 +90,7 @@ impl Bed {
     /// [`test_retry_policy`]).
     pub fn runtime(&self) -> RuntimeBuilder {
         idemq::Runtime::builder()
-            .amqp_url(amqp_url())
+            .amqp_url(self.amqp_url.clone())
             .database_url(self.db.url())
             .topology(self.topology.clone())
             .concurrency(8)
@@ -101,6 +116,18 @@ impl Bed {
             .expect("count ledger")
     }
 
+    /// Payment ids with more than one ledger row (must stay empty).
+    pub async fn doubled(&self) -> Vec<String> {
+        let mut conn = self.db.connect().await;
+        ledger::table
+            .group_by(ledger::payment_id)
+            .having(diesel::dsl::count_star().gt(1))
+            .select(ledger::payment_id)
+            .load(&mut conn)
+            .await
+            .expect("find doubles")
+    }
+
     /// All ledger rows.
     pub async fn ledger_total(&self) -> i64 {
         let mut conn = self.db.connect().await;
@@ -121,6 +148,9 @@ impl Bed {
 
 impl Drop for Bed {
     fn drop(&mut self) {
+        if self.vhost.is_some() {
+            return; // deleting the vhost deletes its queues
+        }
         let mut queues = vec![self.queue.clone(), self.dlq.clone()];
         queues.extend(test_retry_policy().wait_queues(&self.queue).into_iter().map(|(name, _)| name));
         let _ = std::thread::spawn(move || {
@@ -211,7 +241,7 @@ impl ConsumerProcess {
     pub fn spawn(binary: &str, bed: &Bed, env: &[(&str, &str)]) -> ConsumerProcess {
         let mut command = std::process::Command::new(binary);
         command
-            .env("AMQP_URL", amqp_url())
+            .env("AMQP_URL", &bed.amqp_url)
             .env("DATABASE_URL", bed.db.url())
             .env("QUEUE", &bed.queue)
             .stdout(std::process::Stdio::null());

@@ -15,6 +15,7 @@
 //! database on which test databases are created) and `AMQP_URL`.
 
 pub mod fixture;
+pub mod proxy;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};

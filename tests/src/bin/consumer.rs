@@ -4,7 +4,8 @@
 //! Environment: `AMQP_URL`, `DATABASE_URL`, `QUEUE` (required), `CONCURRENCY`
 //! (default 8), `DELIVERY_LIMIT` (default 20), `SLOW_MS` (the handler sleeps this long
 //! inside its transaction), `KILL_ON` (SIGKILL this process when a payment id starts
-//! with it, inside the transaction), `RETRY_MS` (comma-separated retry delays).
+//! with it, inside the transaction), `RETRY_MS` (comma-separated retry delays),
+//! `SHUTDOWN_MS` (the shutdown deadline).
 //! Exits 0 after SIGTERM/SIGINT, 1 on a runtime error.
 
 use std::process::ExitCode;
@@ -63,6 +64,9 @@ async fn main() -> ExitCode {
         .topology(Topology::new().queue(Queue::new(queue.clone()).delivery_limit(limit)))
         .consume(queue, payments)
         .concurrency(usize::try_from(env_number("CONCURRENCY", 8)).unwrap_or(8));
+    if let Ok(ms) = std::env::var("SHUTDOWN_MS") {
+        builder = builder.shutdown_deadline(Duration::from_millis(ms.parse().unwrap_or(10_000)));
+    }
     if let Ok(delays) = std::env::var("RETRY_MS") {
         let delays = delays.split(',').filter_map(|d| d.trim().parse().ok()).map(Duration::from_millis);
         builder = builder.retry(RetryPolicy::new(delays));

@@ -13,4 +13,11 @@ async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> R
     Ok(())
 }
 
+
+#[idempotent_handler(key = "amount")]
+async fn refund(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    let _ = (conn, msg.payment_id);
+    Ok(())
+}
+
 fn main() {}

@@ -1,0 +1,16 @@
+use diesel_async::AsyncPgConnection;
+use idemq::{idempotent_handler, HandlerError};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct PaymentRequested {
+    payment_id: String,
+}
+
+#[idempotent_handler(key = "payment_id")]
+async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<u64, HandlerError> {
+    let _ = (conn, msg.payment_id);
+    Ok(1)
+}
+
+fn main() {}

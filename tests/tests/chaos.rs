@@ -1,0 +1,293 @@
+//! The chaos suite: real faults while a stream of payments with duplicates flows
+//! through several consumers. After each, the books must balance: every payment
+//! applied exactly once, nothing left in the queue, nothing in the DLQ.
+//!
+//! Every test has its own vhost and database, so faults scoped by vhost (closing
+//! connections) or by database (killing sessions) run beside other tests. Faults
+//! that touch the whole broker or server live in `broker_faults.rs` and
+//! `database_faults.rs`, which run serially.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel_async::AsyncPgConnection;
+use idemq::fault::{FaultContext, FaultHook, FaultPoint};
+use idemq::{idempotent_handler, ConnectionEvent, Outcome};
+use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_tests::fixture::{payment, Bed, ConsumerProcess, Running};
+use idemq_tests::{eventually, proxy::Proxy, Broker};
+use tokio::process::Command;
+
+const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
+const PAYMENTS: usize = 600;
+
+/// The payments handler, a little slow, so that faults find work in flight.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn slow_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    apply_payment::call(conn, msg).await?;
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    Ok(())
+}
+
+/// Publishes the stream: `PAYMENTS` distinct payments, every fifth one twice.
+async fn publish_stream(bed: &Bed) -> Vec<PaymentRequested> {
+    let payments: Vec<_> = (0..PAYMENTS).map(|i| payment(1 + i as i64)).collect();
+    for (i, p) in payments.iter().enumerate() {
+        bed.publish(p).await;
+        if i % 5 == 0 {
+            bed.publish(p).await;
+        }
+    }
+    payments
+}
+
+async fn wait_applied(bed: &Bed, at_least: usize) {
+    eventually(&format!("{at_least} payments applied"), Duration::from_secs(120), || async {
+        bed.ledger_total().await >= at_least as i64
+    })
+    .await;
+}
+
+/// The books after the consumers stopped: each payment once, nothing left anywhere.
+async fn assert_books_balance(bed: &Bed, payments: &[PaymentRequested]) {
+    assert_eq!(bed.doubled().await, Vec::<String>::new(), "no payment applied twice");
+    assert_eq!(bed.ledger_total().await, payments.len() as i64, "every payment applied");
+    for p in payments.iter().step_by(53) {
+        assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "{}", p.payment_id);
+    }
+    // A fresh client: faults may have closed the bed's own connection.
+    let broker = Broker::connect(&bed.amqp_url).await;
+    assert_eq!(broker.message_count(&bed.queue).await, 0, "nothing left in the queue");
+    assert_eq!(broker.message_count(&bed.dlq).await, 0, "nothing dead-lettered");
+}
+
+fn two_runtimes(bed: &Bed, tune: impl Fn(idemq::RuntimeBuilder) -> idemq::RuntimeBuilder) -> [Running; 2] {
+    let start = || {
+        Running::start(tune(
+            bed.runtime().consume(&bed.queue, slow_payment).reconnect_max_backoff(Duration::from_millis(500)),
+        ))
+    };
+    [start(), start()]
+}
+
+fn lost(running: &Running) -> usize {
+    running.connection_events().iter().filter(|e| matches!(e, ConnectionEvent::Lost { .. })).count()
+}
+
+/// Fault 1: a consumer process is SIGKILLed mid-stream (its prefetch window and any
+/// open transaction die with it), then started again.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_sigkill_a_consumer_process_mid_stream() {
+    let bed = Bed::isolated().await;
+    let payments = publish_stream(&bed).await;
+    let env = [("SLOW_MS", "3")];
+    let mut a = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+    let b = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+    wait_applied(&bed, PAYMENTS / 3).await;
+    a.kill();
+    assert!(a.exited().is_some(), "killed");
+    let a = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+    wait_applied(&bed, PAYMENTS).await;
+    assert!(a.terminate(Duration::from_secs(20)).await.success());
+    assert!(b.terminate(Duration::from_secs(20)).await.success());
+    assert_books_balance(&bed, &payments).await;
+}
+
+/// Fault 2: the broker closes every connection of the vhost, twice, mid-stream
+/// (`rabbitmqctl close_all_connections -p <vhost>`). Both runtimes reconnect by
+/// themselves.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_broker_closes_the_consumers_connections() {
+    let bed = Bed::isolated().await;
+    let payments = publish_stream(&bed).await;
+    let runtimes = two_runtimes(&bed, |b| b);
+    let vhost = bed.vhost.as_ref().expect("isolated");
+    wait_applied(&bed, PAYMENTS / 3).await;
+    vhost.close_all_connections().await;
+    wait_applied(&bed, PAYMENTS * 2 / 3).await;
+    vhost.close_all_connections().await;
+    wait_applied(&bed, PAYMENTS).await;
+    for running in runtimes {
+        assert!(lost(&running) >= 2, "{:?}", running.connection_events());
+        running.stop().await.expect("clean shutdown");
+    }
+    assert_books_balance(&bed, &payments).await;
+}
+
+/// Fault 4: PostgreSQL kills the consumers' sessions (`pg_terminate_backend`, scoped
+/// to the test's database) three times mid-stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_postgres_kills_the_consumers_sessions() {
+    let bed = Bed::isolated().await;
+    let payments = publish_stream(&bed).await;
+    let runtimes = two_runtimes(&bed, |b| b);
+    let kill = format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
+        bed.db.name()
+    );
+    for fraction in 1..=3 {
+        wait_applied(&bed, PAYMENTS * fraction / 4).await;
+        let status = Command::new("psql")
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-qAtc", &kill])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .await
+            .expect("psql");
+        assert!(status.success());
+    }
+    wait_applied(&bed, PAYMENTS).await;
+    let mut infrastructure_retries = 0;
+    for running in runtimes {
+        let stats = running.stats.snapshot();
+        infrastructure_retries += stats.infrastructure_retries;
+        assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "database faults burn no attempts");
+        running.stop().await.expect("clean shutdown");
+    }
+    assert!(infrastructure_retries > 0, "the kills hit transactions");
+    assert_books_balance(&bed, &payments).await;
+}
+
+/// Fault 5: COMMIT succeeds and then the ack is lost — the channel is closed between
+/// the two, on every 100th commit of each runtime. Each loss forces a reconnect and
+/// a redelivery that must be skipped as a duplicate.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_ack_lost_after_commit() {
+    let bed = Bed::isolated().await;
+    let payments = publish_stream(&bed).await;
+    let hook = || -> FaultHook {
+        let commits = Arc::new(AtomicU64::new(0));
+        Arc::new(move |ctx: FaultContext| {
+            let commits = Arc::clone(&commits);
+            Box::pin(async move {
+                if ctx.point == FaultPoint::AfterCommit
+                    && ctx.outcome == Outcome::Applied
+                    && commits.fetch_add(1, Ordering::SeqCst) % 100 == 99
+                {
+                    let _ = ctx.channel.close(200, "fault: ack lost after commit".into()).await;
+                }
+            })
+        })
+    };
+    let runtimes = two_runtimes(&bed, |b| b.fault_hook(hook()));
+    wait_applied(&bed, PAYMENTS).await;
+    // Let the last redeliveries settle before stopping.
+    eventually("the queue drained", Duration::from_secs(30), || async {
+        bed.broker.message_count(&bed.queue).await == 0
+    })
+    .await;
+    let mut unsettled = 0;
+    for running in runtimes {
+        unsettled += running.stats.snapshot().unsettled;
+        running.stop().await.expect("clean shutdown");
+    }
+    assert!(unsettled >= 2, "acks were lost after commit: {unsettled}");
+    assert_books_balance(&bed, &payments).await;
+}
+
+/// Fault 6: SIGTERM while a handler is slower than the shutdown deadline (1 s). The
+/// process exits 0 soon after the deadline, the cut-off transactions roll back, their
+/// messages return to the queue, and a later consumer applies them exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_sigterm_with_a_handler_slower_than_the_shutdown_deadline() {
+    let bed = Bed::isolated().await;
+    let payments: Vec<_> = (0..3).map(|i| payment(500 + i)).collect();
+    for p in &payments {
+        bed.publish(p).await;
+    }
+    let slow = ConsumerProcess::spawn(CONSUMER, &bed, &[("SLOW_MS", "60000"), ("SHUTDOWN_MS", "1000")]);
+    // Wait until all three handlers sleep inside their open transactions.
+    eventually("the slow handlers are in flight", Duration::from_secs(20), || async {
+        use diesel_async::RunQueryDsl;
+        let mut conn = bed.db.connect().await;
+        let busy: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%'",
+            bed.db.name()
+        ))
+        .get_result(&mut conn)
+        .await
+        .unwrap_or(0);
+        busy >= 3
+    })
+    .await;
+    let signalled = Instant::now();
+    let status = slow.terminate(Duration::from_secs(15)).await;
+    let took = signalled.elapsed();
+    assert!(status.success(), "exit 0 after SIGTERM: {status:?}");
+    assert!(took < Duration::from_secs(8), "exited {took:?} after SIGTERM with a 1 s deadline");
+    assert_eq!(bed.ledger_total().await, 0, "the cut-off transactions rolled back");
+
+    let fast = ConsumerProcess::spawn(CONSUMER, &bed, &[]);
+    wait_applied(&bed, payments.len()).await;
+    assert!(fast.terminate(Duration::from_secs(20)).await.success());
+    assert_books_balance(&bed, &payments).await;
+}
+
+/// A broker that goes silent without closing (a TCP proxy stops forwarding) is
+/// detected by heartbeats within a bounded time; the runtime reconnects (through
+/// the proxy, which forwards new connections) and goes on consuming.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_broker_is_detected_by_heartbeats_and_the_runtime_reconnects() {
+    let bed = Bed::isolated().await;
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    let via_proxy = bed.amqp_url.replace("127.0.0.1:5672", &proxy.address());
+    let running = Running::start(
+        bed.runtime()
+            .amqp_url(via_proxy)
+            .heartbeat(Duration::from_secs(1))
+            .reconnect_max_backoff(Duration::from_millis(500))
+            .consume(&bed.queue, apply_payment),
+    );
+    let first = payment(1);
+    bed.publish(&first).await;
+    running.wait_settled(1).await;
+
+    proxy.freeze_existing();
+    let frozen = Instant::now();
+    eventually("the silent connection is detected", Duration::from_secs(15), || async {
+        lost(&running) >= 1
+    })
+    .await;
+    let detected = frozen.elapsed();
+    assert!(detected < Duration::from_secs(6), "detected after {detected:?} with a 1 s heartbeat");
+    eventually("reconnected", Duration::from_secs(15), || async {
+        running.connection_events().contains(&ConnectionEvent::Connected { session: 2 })
+    })
+    .await;
+
+    let second = payment(2);
+    bed.publish(&second).await;
+    running.wait_settled(2).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events[1].session, 2, "consumed on the new connection");
+    assert_eq!(bed.ledger_rows(&first.payment_id).await, 1);
+    assert_eq!(bed.ledger_rows(&second.payment_id).await, 1);
+}
+
+/// The broker cancels the consumer (`basic.cancel`) because its queue was deleted:
+/// the runtime declares the topology again and re-subscribes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_cancelled_by_the_broker_resubscribes() {
+    let bed = Bed::isolated().await;
+    let running = Running::start(
+        bed.runtime().reconnect_max_backoff(Duration::from_millis(500)).consume(&bed.queue, apply_payment),
+    );
+    eventually("consuming", Duration::from_secs(10), || async {
+        running.connection_events().contains(&ConnectionEvent::Connected { session: 1 })
+    })
+    .await;
+    bed.broker.delete_queue(&bed.queue).await;
+    eventually("re-subscribed", Duration::from_secs(15), || async {
+        running.connection_events().contains(&ConnectionEvent::Connected { session: 2 })
+    })
+    .await;
+    let p = payment(9);
+    bed.publish(&p).await;
+    running.wait_settled(1).await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+}
