@@ -1,0 +1,134 @@
+//! Faults of the whole RabbitMQ node: a restart of the broker app and a memory
+//! alarm. They disturb every connection on the machine, so they live in their own
+//! test binary (`cargo test` runs binaries one after another), run one at a time,
+//! and restore the broker even when they fail.
+
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+use idemq::{idempotent_handler, ConnectionEvent};
+use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_tests::{eventually, Broker};
+use lapin::BasicProperties;
+use tokio::sync::Mutex;
+
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+/// The memory watermark this broker runs with (RabbitMQ's default).
+const NORMAL_WATERMARK: &str = "0.4";
+
+fn rabbitmqctl(args: &[&str]) -> bool {
+    std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .is_ok_and(|out| out.status.success())
+}
+
+/// Brings the broker back to normal when dropped: app started, no memory alarm.
+struct RestoreBroker;
+
+impl Drop for RestoreBroker {
+    fn drop(&mut self) {
+        rabbitmqctl(&["start_app"]);
+        rabbitmqctl(&["await_startup"]);
+        rabbitmqctl(&["set_vm_memory_high_watermark", NORMAL_WATERMARK]);
+    }
+}
+
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn slow_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    apply_payment::call(conn, msg).await?;
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    Ok(())
+}
+
+/// Fault 3: the broker restarts mid-stream (`rabbitmqctl stop_app`, then
+/// `start_app`). Both runtimes reconnect by themselves, declare again and finish
+/// the stream: every payment once, nothing left, nothing dead-lettered.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_broker_restarts_mid_stream() {
+    let _serial = SERIAL.lock().await;
+    let bed = Bed::isolated().await;
+    let payments: Vec<_> = (0..600).map(|i| payment(1 + i)).collect();
+    for (i, p) in payments.iter().enumerate() {
+        bed.publish(p).await;
+        if i % 5 == 0 {
+            bed.publish(p).await;
+        }
+    }
+    let start = || {
+        Running::start(
+            bed.runtime().consume(&bed.queue, slow_payment).reconnect_max_backoff(Duration::from_millis(500)),
+        )
+    };
+    let runtimes = [start(), start()];
+    eventually("a third applied", Duration::from_secs(60), || async { bed.ledger_total().await >= 200 })
+        .await;
+    {
+        let _restore = RestoreBroker;
+        assert!(rabbitmqctl(&["stop_app"]), "rabbitmqctl stop_app");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    eventually("every payment applied", Duration::from_secs(120), || async {
+        bed.ledger_total().await >= payments.len() as i64
+    })
+    .await;
+    for running in runtimes {
+        assert!(
+            running.connection_events().iter().any(|e| matches!(e, ConnectionEvent::Lost { .. })),
+            "{:?}",
+            running.connection_events()
+        );
+        running.stop().await.expect("clean shutdown");
+    }
+    assert_eq!(bed.doubled().await, Vec::<String>::new(), "no payment applied twice");
+    assert_eq!(bed.ledger_total().await, payments.len() as i64);
+    let broker = Broker::connect(&bed.amqp_url).await;
+    assert_eq!(broker.message_count(&bed.queue).await, 0);
+    assert_eq!(broker.message_count(&bed.dlq).await, 0);
+}
+
+/// A memory alarm blocks publishing connections (`connection.blocked`). The
+/// runtime publishes copies on a connection of its own, so while a dead letter
+/// waits for the alarm to clear, consumption and acks go on; afterwards the dead
+/// letter is published and its original acked. (The runtime's prefetch is 8: all 50
+/// good messages can only be applied during the alarm if their acks reach the broker.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_blocked_publishing_connection_does_not_stall_consumption() {
+    let _serial = SERIAL.lock().await;
+    let bed = Bed::isolated().await;
+    let json = BasicProperties::default().with_content_type("application/json".into());
+    bed.broker.publish_bytes(&bed.queue, b"not json: must be dead-lettered", json).await;
+    let good: Vec<_> = (0..50).map(|i| payment(1 + i)).collect();
+    for p in &good {
+        bed.publish(p).await;
+    }
+
+    let restore = RestoreBroker;
+    assert!(rabbitmqctl(&["set_vm_memory_high_watermark", "0"]), "raise a memory alarm");
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    eventually("the good messages applied during the alarm", Duration::from_secs(30), || async {
+        bed.ledger_total().await == good.len() as i64
+    })
+    .await;
+    assert_eq!(bed.broker.message_count(&bed.dlq).await, 0, "the dead letter waits for the alarm");
+    drop(restore);
+
+    eventually("the dead letter published after the alarm", Duration::from_secs(30), || async {
+        bed.broker.message_count(&bed.dlq).await == 1
+    })
+    .await;
+    running.wait_settled(good.len() + 1).await;
+    let connection_events = running.connection_events();
+    running.stop().await.expect("clean shutdown");
+    assert!(
+        connection_events.iter().any(|e| matches!(e, ConnectionEvent::Blocked { .. })),
+        "{connection_events:?}"
+    );
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
