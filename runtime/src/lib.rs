@@ -60,6 +60,11 @@
 //!   broker's `x-delivery-limit` as a backstop.
 //! - **Database faults are not handler failures:** the delivery stays unacked and its
 //!   transaction is retried in-process on a fresh connection.
+//! - **Faults are ordinary:** a lost connection or channel, a broker restart, a
+//!   silent broker (heartbeats) or a consumer cancelled by the broker ends a
+//!   *session*; the runtime reconnects with backoff, declares again and resumes.
+//!   Copies are published on a connection of their own, so a broker memory alarm
+//!   never stalls consumption. SIGTERM drains within a deadline.
 //! - **Batches later, same machine:** the pipeline is prepare (pure, per delivery) →
 //!   transact → settle, so group commit (one transaction, a savepoint per handler,
 //!   multi-ack) slots in with per-message mode as a batch of one.
