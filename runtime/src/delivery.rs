@@ -104,8 +104,6 @@ pub(crate) struct Shared {
     pub(crate) on_conflict: OnConflict,
     pub(crate) stats: Arc<Stats>,
     pub(crate) observer: Option<crate::runtime::Observer>,
-    /// Cancelled when undecided deliveries must give up (shutdown deadline).
-    pub(crate) abandon: CancellationToken,
     #[cfg(feature = "fault-injection")]
     pub(crate) fault_hook: Option<crate::fault::FaultHook>,
 }
@@ -118,12 +116,28 @@ struct Decision {
 }
 
 impl Consumer {
-    /// Processes one delivery to its end: decided, then settled with the broker.
-    pub(crate) async fn process(&self, delivery: Delivery) {
+    /// Processes one delivery to its end: decided, then settled with the broker —
+    /// unless `cut_off` fires first (the shutdown deadline passed): then the work in
+    /// flight is dropped (an open transaction rolls back when its connection closes)
+    /// and the delivery is returned to the queue.
+    pub(crate) async fn process(&self, delivery: Delivery, cut_off: &CancellationToken) {
         let received_at = Instant::now();
         let counts = Counts::of(&delivery);
-        let mut decision = self.decide(&delivery, counts).await;
-        let settled_with_broker = self.settle(&delivery, &mut decision, counts).await;
+        let acker = delivery.acker.clone();
+        let work = async {
+            let mut decision = self.decide(&delivery, counts).await;
+            let settled_with_broker = self.settle(&delivery, &mut decision, counts).await;
+            (decision, settled_with_broker)
+        };
+        let (decision, settled_with_broker) = tokio::select! {
+            done = work => done,
+            () = cut_off.cancelled() => {
+                let decision = Decision { outcome: Outcome::Abandoned, key: None, began_at: None };
+                let requeue = BasicNackOptions { requeue: true, ..Default::default() };
+                let sent = report(acker.nack(requeue).await, self, &decision);
+                (decision, sent)
+            }
+        };
         let settled = Settled {
             queue: self.queue.clone(),
             handler: self.handler.name(),
@@ -173,12 +187,7 @@ impl Consumer {
             }
             self.shared.stats.infrastructure_retry();
             backoff.log(&self.queue, &fault);
-            tokio::select! {
-                () = self.shared.abandon.cancelled() => {
-                    return Decision { outcome: Outcome::Abandoned, key, began_at };
-                }
-                () = backoff.wait() => {}
-            }
+            backoff.wait().await;
         }
     }
 

@@ -78,7 +78,8 @@ pub enum Outcome {
         /// The error, as in `x-idemq-error`.
         error: String,
     },
-    /// The runtime shut down before the delivery was decided: it returns to the queue.
+    /// Cut off by the shutdown deadline before it was settled: any open transaction
+    /// is rolled back and the delivery returns to the queue.
     Abandoned,
 }
 
@@ -138,7 +139,7 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Deliveries returned to the queue because their copy could not be published.
     pub requeued: u64,
-    /// Deliveries left undecided at shutdown.
+    /// Deliveries cut off by the shutdown deadline (returned to the queue).
     pub abandoned: u64,
     /// Deliveries whose ack/nack could not be sent (channel gone): the broker redelivers.
     pub unsettled: u64,

@@ -300,7 +300,6 @@ impl Runtime {
             message: err.to_string(),
         })?);
 
-        let abandon = CancellationToken::new();
         let shared = Arc::new(Shared {
             pool,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
@@ -309,7 +308,6 @@ impl Runtime {
             on_conflict: b.on_conflict,
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),
-            abandon: abandon.clone(),
             #[cfg(feature = "fault-injection")]
             fault_hook: b.fault_hook.clone(),
         });
@@ -362,7 +360,6 @@ impl Runtime {
         ctx.tracker.close();
         if tokio::time::timeout(b.shutdown_deadline, ctx.tracker.wait()).await.is_err() {
             tracing::warn!(deadline = ?b.shutdown_deadline, "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
-            abandon.cancel();
             ctx.hard_stop.cancel();
             ctx.tracker.wait().await;
         }

@@ -300,13 +300,7 @@ async fn consume(
         let consumer = Arc::clone(&consumer);
         let hard_stop = intake.hard_stop.clone();
         intake.tracker.spawn(async move {
-            tokio::select! {
-                () = consumer.process(delivery) => {}
-                // Cut off after the shutdown deadline: the transaction is dropped
-                // uncommitted (rolled back when its connection closes) and the
-                // unacked delivery returns to the queue.
-                () = hard_stop.cancelled() => {}
-            }
+            consumer.process(delivery, &hard_stop).await;
             drop(permit);
         });
     }
