@@ -6,9 +6,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diesel::prelude::*;
+use diesel_async::AsyncPgConnection;
 use diesel_async::RunQueryDsl;
+use idemq::idempotent_handler;
 use idemq::{ConnectionEvent, Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
-use idemq_example_payments::{ledger, PaymentRequested};
+use idemq_example_payments::{apply_payment, ledger, PaymentRequested};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -164,6 +166,35 @@ impl Drop for Bed {
         })
         .join();
     }
+}
+
+/// The payments handler, a little slow (3 ms inside its transaction), so that
+/// faults find work in flight. Same name as `apply_payment`: same dedup rows.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+pub async fn slow_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    apply_payment::call(conn, msg).await?;
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    Ok(())
+}
+
+/// Publishes a stream of `n` distinct payments, every fifth one twice; returns them.
+pub async fn publish_stream(bed: &Bed, n: usize) -> Vec<PaymentRequested> {
+    let payments: Vec<_> = (0..n).map(|i| payment(1 + i as i64)).collect();
+    for (i, p) in payments.iter().enumerate() {
+        bed.publish(p).await;
+        if i % 5 == 0 {
+            bed.publish(p).await;
+        }
+    }
+    payments
+}
+
+/// How many deliveries [`publish_stream`] makes for `n` payments.
+pub fn stream_deliveries(n: usize) -> usize {
+    n + n.div_ceil(5)
 }
 
 /// A payment with a unique id.

@@ -5,10 +5,9 @@
 
 use std::time::Duration;
 
-use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, ConnectionEvent};
-use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, Bed, Running};
+use idemq::ConnectionEvent;
+use idemq_example_payments::apply_payment;
+use idemq_tests::fixture::{payment, publish_stream, slow_payment, Bed, Running};
 use idemq_tests::{eventually, Broker};
 use lapin::BasicProperties;
 use tokio::sync::Mutex;
@@ -37,16 +36,6 @@ impl Drop for RestoreBroker {
     }
 }
 
-#[idempotent_handler(key = "payment_id", name = "apply_payment")]
-async fn slow_payment(
-    conn: &mut AsyncPgConnection,
-    msg: PaymentRequested,
-) -> Result<(), diesel::result::Error> {
-    apply_payment::call(conn, msg).await?;
-    tokio::time::sleep(Duration::from_millis(2)).await;
-    Ok(())
-}
-
 /// Fault 3: the broker restarts mid-stream (`rabbitmqctl stop_app`, then
 /// `start_app`). Both runtimes reconnect by themselves, declare again and finish
 /// the stream: every payment once, nothing left, nothing dead-lettered.
@@ -54,13 +43,7 @@ async fn slow_payment(
 async fn chaos_broker_restarts_mid_stream() {
     let _serial = SERIAL.lock().await;
     let bed = Bed::isolated().await;
-    let payments: Vec<_> = (0..600).map(|i| payment(1 + i)).collect();
-    for (i, p) in payments.iter().enumerate() {
-        bed.publish(p).await;
-        if i % 5 == 0 {
-            bed.publish(p).await;
-        }
-    }
+    let payments = publish_stream(&bed, 600).await;
     let start = || {
         Running::start(
             bed.runtime().consume(&bed.queue, slow_payment).reconnect_max_backoff(Duration::from_millis(500)),

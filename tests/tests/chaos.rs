@@ -11,39 +11,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use diesel_async::AsyncPgConnection;
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
-use idemq::{idempotent_handler, ConnectionEvent, Outcome};
+use idemq::{ConnectionEvent, Outcome};
 use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, Bed, ConsumerProcess, Running};
+use idemq_tests::fixture::{payment, publish_stream, slow_payment, Bed, ConsumerProcess, Running};
 use idemq_tests::{eventually, proxy::Proxy, Broker};
 use tokio::process::Command;
 
 const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
 const PAYMENTS: usize = 600;
-
-/// The payments handler, a little slow, so that faults find work in flight.
-#[idempotent_handler(key = "payment_id", name = "apply_payment")]
-async fn slow_payment(
-    conn: &mut AsyncPgConnection,
-    msg: PaymentRequested,
-) -> Result<(), diesel::result::Error> {
-    apply_payment::call(conn, msg).await?;
-    tokio::time::sleep(Duration::from_millis(2)).await;
-    Ok(())
-}
-
-/// Publishes the stream: `PAYMENTS` distinct payments, every fifth one twice.
-async fn publish_stream(bed: &Bed) -> Vec<PaymentRequested> {
-    let payments: Vec<_> = (0..PAYMENTS).map(|i| payment(1 + i as i64)).collect();
-    for (i, p) in payments.iter().enumerate() {
-        bed.publish(p).await;
-        if i % 5 == 0 {
-            bed.publish(p).await;
-        }
-    }
-    payments
-}
 
 async fn wait_applied(bed: &Bed, at_least: usize) {
     eventually(&format!("{at_least} payments applied"), Duration::from_secs(120), || async {
@@ -83,7 +59,7 @@ fn lost(running: &Running) -> usize {
 #[tokio::test(flavor = "multi_thread")]
 async fn chaos_sigkill_a_consumer_process_mid_stream() {
     let bed = Bed::isolated().await;
-    let payments = publish_stream(&bed).await;
+    let payments = publish_stream(&bed, PAYMENTS).await;
     let env = [("SLOW_MS", "3")];
     let mut a = ConsumerProcess::spawn(CONSUMER, &bed, &env);
     let b = ConsumerProcess::spawn(CONSUMER, &bed, &env);
@@ -103,7 +79,7 @@ async fn chaos_sigkill_a_consumer_process_mid_stream() {
 #[tokio::test(flavor = "multi_thread")]
 async fn chaos_broker_closes_the_consumers_connections() {
     let bed = Bed::isolated().await;
-    let payments = publish_stream(&bed).await;
+    let payments = publish_stream(&bed, PAYMENTS).await;
     let runtimes = two_runtimes(&bed, |b| b);
     let vhost = bed.vhost.as_ref().expect("isolated");
     wait_applied(&bed, PAYMENTS / 3).await;
@@ -123,7 +99,7 @@ async fn chaos_broker_closes_the_consumers_connections() {
 #[tokio::test(flavor = "multi_thread")]
 async fn chaos_postgres_kills_the_consumers_sessions() {
     let bed = Bed::isolated().await;
-    let payments = publish_stream(&bed).await;
+    let payments = publish_stream(&bed, PAYMENTS).await;
     let runtimes = two_runtimes(&bed, |b| b);
     let kill = format!(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
@@ -157,7 +133,7 @@ async fn chaos_postgres_kills_the_consumers_sessions() {
 #[tokio::test(flavor = "multi_thread")]
 async fn chaos_ack_lost_after_commit() {
     let bed = Bed::isolated().await;
-    let payments = publish_stream(&bed).await;
+    let payments = publish_stream(&bed, PAYMENTS).await;
     let hook = || -> FaultHook {
         let commits = Arc::new(AtomicU64::new(0));
         Arc::new(move |ctx: FaultContext| {

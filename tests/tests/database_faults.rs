@@ -9,37 +9,18 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, Outcome, StatsSnapshot};
-use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, Bed, Running};
+use idemq::{Outcome, StatsSnapshot};
+use idemq_tests::fixture::{publish_stream, slow_payment, stream_deliveries, Bed, Running};
 use tokio::process::Command;
 use tokio::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
-/// The payments handler, a little slow, so that faults find transactions in flight.
-#[idempotent_handler(key = "payment_id", name = "apply_payment")]
-async fn slow_payment(
-    conn: &mut AsyncPgConnection,
-    msg: PaymentRequested,
-) -> Result<(), diesel::result::Error> {
-    apply_payment::call(conn, msg).await?;
-    tokio::time::sleep(Duration::from_millis(3)).await;
-    Ok(())
-}
-
-/// Streams 400 payments (+10% duplicates) and runs `fault` once 60 have settled;
+/// Streams 400 payments (+20% duplicates) and runs `fault` once 60 have settled;
 /// returns the runtime's counters after everything settled.
 async fn stream_through<F: std::future::Future<Output = ()>>(bed: &Bed, fault: F) -> StatsSnapshot {
-    let payments: Vec<_> = (0..400).map(|i| payment(10 + i)).collect();
-    for (i, p) in payments.iter().enumerate() {
-        bed.publish(p).await;
-        if i % 10 == 0 {
-            bed.publish(p).await;
-        }
-    }
-    let total = 440;
+    let payments = publish_stream(bed, 400).await;
+    let total = stream_deliveries(payments.len());
     let running = Running::start(bed.runtime().consume(&bed.queue, slow_payment));
     running.wait_settled(60).await;
     fault.await;
