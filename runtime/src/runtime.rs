@@ -333,10 +333,10 @@ impl Runtime {
             on_event: b.on_connection_event.clone(),
         };
 
-        let mut session = 0;
+        // Numbered per session that connected: failed attempts keep the number.
+        let mut session = 1;
         let mut backoff = Reconnect::new(b.reconnect_max);
         let (result, connections) = loop {
-            session += 1;
             match session::run(&ctx, session, &shutdown).await {
                 SessionEnd::Shutdown(connections) => break (Ok(()), Some(connections)),
                 SessionEnd::Fatal(err) => break (Err(err), None),
@@ -346,6 +346,7 @@ impl Runtime {
                         tracing::warn!(session, %reason, "connection to the broker lost; reconnecting");
                         ctx.notify(&ConnectionEvent::Lost { session, reason });
                         backoff = Reconnect::new(b.reconnect_max);
+                        session += 1;
                     } else {
                         tracing::debug!(session, %reason, attempt = backoff.attempts, "reconnect attempt failed");
                     }

@@ -163,7 +163,8 @@ type Started = (Connection, Connection, tokio::task::JoinSet<String>, Cancellati
 async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd> {
     let first = session == 1;
     // At start-up any failure is reported (fail fast, with the reason); later ones
-    // are retried by the supervisor.
+    // are retried by the supervisor. (Session 1 is only ever the first attempt: the
+    // number grows once a session has connected.)
     let fail = |err: Error| {
         if first {
             SessionEnd::Fatal(err)
