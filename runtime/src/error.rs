@@ -61,6 +61,12 @@ pub enum Error {
         /// What failed.
         message: String,
     },
+    /// Connecting to the broker and declaring the topology did not finish in time.
+    #[error("connecting to RabbitMQ and declaring the topology took longer than {after:?}; is the broker at AMQP_URL healthy (not still starting, not under an alarm)?")]
+    StartTimeout {
+        /// How long the runtime waited.
+        after: std::time::Duration,
+    },
     /// The embedded migrations failed.
     #[error("running idemq's migrations failed: {0}")]
     Migration(String),

@@ -338,7 +338,7 @@ impl Runtime {
         let mut backoff = Reconnect::new(b.reconnect_max);
         let (result, connections) = loop {
             match session::run(&ctx, session, &shutdown).await {
-                SessionEnd::Shutdown(connections) => break (Ok(()), Some(connections)),
+                SessionEnd::Shutdown(connections) => break (Ok(()), connections),
                 SessionEnd::Fatal(err) => break (Err(err), None),
                 SessionEnd::Lost { reason, connected } => {
                     if connected {
@@ -365,8 +365,8 @@ impl Runtime {
             ctx.tracker.wait().await;
         }
         if let Some(connections) = connections {
-            let _ = connections.consuming.close(200, "shutdown".into()).await;
-            let _ = connections.publishing.close(200, "shutdown".into()).await;
+            session::bounded(connections.consuming.close(200, "shutdown".into())).await;
+            session::bounded(connections.publishing.close(200, "shutdown".into())).await;
         }
         result
     }

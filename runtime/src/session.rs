@@ -9,6 +9,7 @@
 //! acks would stall too. Kept apart, consumption goes on while copies wait.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
@@ -23,6 +24,17 @@ use crate::error::{redact, Error};
 use crate::prepare::ErasedHandler;
 use crate::retry::RetryPolicy;
 use crate::topology::{Queue, Topology};
+
+/// The longest a session may take to connect, declare and start consuming.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The longest a close or cancel handshake is awaited; past it the peer is gone.
+pub(crate) const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Awaits a close/cancel handshake for at most [`CLOSE_TIMEOUT`], ignoring its result.
+pub(crate) async fn bounded<T>(handshake: impl std::future::Future<Output = T>) {
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, handshake).await;
+}
 
 /// A change in the runtime's connection to the broker, for an
 /// [observer](crate::RuntimeBuilder::on_connection_event).
@@ -92,9 +104,10 @@ pub(crate) struct Connections {
 
 /// How a session ended.
 pub(crate) enum SessionEnd {
-    /// Shutdown began; consumers are cancelled. The connections stay open so that
-    /// in-flight deliveries can still be acked; close them after draining.
-    Shutdown(Box<Connections>),
+    /// Shutdown began; consumers are cancelled. The connections (if the session got
+    /// that far) stay open so that in-flight deliveries can still be acked; close
+    /// them after draining.
+    Shutdown(Option<Box<Connections>>),
     /// The connection or a channel was lost (both connections are closed), or
     /// could not be made: reconnect. `connected` tells which.
     Lost { reason: String, connected: bool },
@@ -105,9 +118,23 @@ pub(crate) enum SessionEnd {
 
 /// Runs session number `session` until shutdown or loss.
 pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationToken) -> SessionEnd {
-    let (consuming, publishing, mut loops, session_stop) = match start(ctx, session).await {
-        Ok(started) => started,
-        Err(end) => return end,
+    // Connecting and declaring are bounded, and give way to shutdown: a broker that
+    // accepts TCP but never answers (still booting) must not hold the runtime.
+    let started = tokio::select! {
+        () = stop.cancelled() => return SessionEnd::Shutdown(None),
+        started = tokio::time::timeout(START_TIMEOUT, start(ctx, session)) => started,
+    };
+    let (consuming, publishing, mut loops, session_stop) = match started {
+        Ok(Ok(started)) => started,
+        Ok(Err(end)) => return end,
+        Err(_elapsed) => {
+            let err = Error::StartTimeout { after: START_TIMEOUT };
+            return if session == 1 {
+                SessionEnd::Fatal(err)
+            } else {
+                SessionEnd::Lost { reason: err.to_string(), connected: false }
+            };
+        }
     };
     if session > 1 {
         tracing::info!(session, "reconnected; consuming again");
@@ -120,7 +147,7 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
             () = stop.cancelled() => {
                 session_stop.cancel();
                 while loops.join_next().await.is_some() {}
-                return SessionEnd::Shutdown(Box::new(Connections { consuming, publishing }));
+                return SessionEnd::Shutdown(Some(Box::new(Connections { consuming, publishing })));
             }
             Some(ended) = loops.join_next() => {
                 break match ended {
@@ -152,8 +179,8 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
     // Whatever is still open goes: unacked deliveries return to the queue, and
     // in-flight tasks of this session can no longer ack (their acker's channel is
     // closed), so the broker redelivers them to the next session.
-    let _ = consuming.close(200, "reconnecting".into()).await;
-    let _ = publishing.close(200, "reconnecting".into()).await;
+    bounded(consuming.close(200, "reconnecting".into())).await;
+    bounded(publishing.close(200, "reconnecting".into())).await;
     SessionEnd::Lost { reason, connected: true }
 }
 
@@ -197,7 +224,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 spec.declared.declare_wait_queue(&setup, &name, delay).await?;
             }
         }
-        let _ = setup.close(200, "declared".into()).await;
+        bounded(setup.close(200, "declared".into())).await;
 
         let session_stop = CancellationToken::new();
         let mut loops = tokio::task::JoinSet::new();
@@ -239,8 +266,8 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     match started {
         Ok((loops, session_stop)) => Ok((consuming, publishing, loops, session_stop)),
         Err(err) => {
-            let _ = consuming.close(200, "start-up failed".into()).await;
-            let _ = publishing.close(200, "start-up failed".into()).await;
+            bounded(consuming.close(200, "start-up failed".into())).await;
+            bounded(publishing.close(200, "start-up failed".into())).await;
             // A topology mismatch cannot be fixed by reconnecting.
             let fatal = first || matches!(err, Error::QueueMismatch { .. } | Error::ExchangeMismatch { .. });
             Err(if fatal {
@@ -306,6 +333,6 @@ async fn consume(
         });
     }
     // Stop intake; prefetched deliveries not yet taken return when the channel closes.
-    let _ = consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+    bounded(consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
     String::from("stopped")
 }
