@@ -365,8 +365,7 @@ impl Runtime {
             ctx.tracker.wait().await;
         }
         if let Some(connections) = connections {
-            session::bounded(connections.consuming.close(200, "shutdown".into())).await;
-            session::bounded(connections.publishing.close(200, "shutdown".into())).await;
+            connections.close("shutdown").await;
         }
         result
     }

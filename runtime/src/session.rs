@@ -14,7 +14,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -29,10 +29,10 @@ use crate::topology::{Queue, Topology};
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The longest a close or cancel handshake is awaited; past it the peer is gone.
-pub(crate) const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Awaits a close/cancel handshake for at most [`CLOSE_TIMEOUT`], ignoring its result.
-pub(crate) async fn bounded<T>(handshake: impl std::future::Future<Output = T>) {
+async fn bounded<T>(handshake: impl std::future::Future<Output = T>) {
     let _ = tokio::time::timeout(CLOSE_TIMEOUT, handshake).await;
 }
 
@@ -96,10 +96,24 @@ impl SessionContext {
     }
 }
 
-/// A session's two connections.
+/// A session's two connections and the channels open on them.
 pub(crate) struct Connections {
-    pub(crate) consuming: Connection,
-    pub(crate) publishing: Connection,
+    consuming: Connection,
+    publishing: Connection,
+    channels: Vec<Channel>,
+}
+
+impl Connections {
+    /// Closes the channels, then the connections (each handshake bounded). Closing
+    /// the channels first keeps lapin's own close from racing channel closes against
+    /// the connection close, which it reports as errors.
+    pub(crate) async fn close(self, reason: &str) {
+        for channel in &self.channels {
+            bounded(channel.close(200, reason.into())).await;
+        }
+        bounded(self.consuming.close(200, reason.into())).await;
+        bounded(self.publishing.close(200, reason.into())).await;
+    }
 }
 
 /// How a session ended.
@@ -124,7 +138,7 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
         () = stop.cancelled() => return SessionEnd::Shutdown(None),
         started = tokio::time::timeout(START_TIMEOUT, start(ctx, session)) => started,
     };
-    let (consuming, publishing, mut loops, session_stop) = match started {
+    let (connections, mut loops, session_stop) = match started {
         Ok(Ok(started)) => started,
         Ok(Err(end)) => return end,
         Err(_elapsed) => {
@@ -140,14 +154,14 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
         tracing::info!(session, "reconnected; consuming again");
     }
     ctx.notify(&ConnectionEvent::Connected { session });
-    let mut consuming_events = consuming.events_listener();
-    let mut publishing_events = publishing.events_listener();
+    let mut consuming_events = connections.consuming.events_listener();
+    let mut publishing_events = connections.publishing.events_listener();
     let reason = loop {
         tokio::select! {
             () = stop.cancelled() => {
                 session_stop.cancel();
                 while loops.join_next().await.is_some() {}
-                return SessionEnd::Shutdown(Some(Box::new(Connections { consuming, publishing })));
+                return SessionEnd::Shutdown(Some(Box::new(connections)));
             }
             Some(ended) = loops.join_next() => {
                 break match ended {
@@ -179,12 +193,11 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
     // Whatever is still open goes: unacked deliveries return to the queue, and
     // in-flight tasks of this session can no longer ack (their acker's channel is
     // closed), so the broker redelivers them to the next session.
-    bounded(consuming.close(200, "reconnecting".into())).await;
-    bounded(publishing.close(200, "reconnecting".into())).await;
+    connections.close("reconnecting").await;
     SessionEnd::Lost { reason, connected: true }
 }
 
-type Started = (Connection, Connection, tokio::task::JoinSet<String>, CancellationToken);
+type Started = (Connections, tokio::task::JoinSet<String>, CancellationToken);
 
 /// Connects both connections, declares the topology and starts every consumer.
 async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd> {
@@ -228,6 +241,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
 
         let session_stop = CancellationToken::new();
         let mut loops = tokio::task::JoinSet::new();
+        let mut channels = vec![publisher.clone()];
         for (index, spec) in ctx.consumers.iter().enumerate() {
             let channel = consuming.create_channel().await.map_err(amqp("open a consumer channel"))?;
             // Per-consumer QoS: global QoS on a quorum queue is a connection error.
@@ -246,6 +260,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 .await
                 .map_err(amqp(&format!("consume queue '{}'", spec.queue)))?;
             tracing::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
+            channels.push(channel.clone());
             let consumer = Arc::new(Consumer {
                 queue: spec.queue.clone(),
                 dead_letter_queue: spec.declared.dead_letter.clone(),
@@ -260,11 +275,13 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
             });
             loops.spawn(consume(consumer, stream, tag, ctx.clone_intake(), session_stop.clone()));
         }
-        Ok::<_, Error>((loops, session_stop))
+        Ok::<_, Error>((loops, session_stop, channels))
     }
     .await;
     match started {
-        Ok((loops, session_stop)) => Ok((consuming, publishing, loops, session_stop)),
+        Ok((loops, session_stop, channels)) => {
+            Ok((Connections { consuming, publishing, channels }, loops, session_stop))
+        }
         Err(err) => {
             bounded(consuming.close(200, "start-up failed".into())).await;
             bounded(publishing.close(200, "start-up failed".into())).await;
