@@ -19,15 +19,18 @@ fn attempts() -> &'static Mutex<HashMap<String, u32>> {
     ATTEMPTS.get_or_init(Mutex::default)
 }
 
+/// Counts a handler attempt for `key`; returns its number (1 for the first).
+fn next_attempt(key: &str) -> u32 {
+    let mut attempts = attempts().lock().expect("lock");
+    let n = attempts.entry(key.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
 /// Writes its effect, then fails on the first two attempts of each key.
 #[idempotent_handler(key = "payment_id")]
 async fn fails_twice(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
-    let attempt = {
-        let mut attempts = attempts().lock().expect("lock");
-        let n = attempts.entry(msg.payment_id.clone()).or_default();
-        *n += 1;
-        *n
-    };
+    let attempt = next_attempt(&msg.payment_id);
     apply_payment::call(conn, msg).await?;
     if attempt <= 2 {
         return Err(HandlerError::transient("the first two attempts fail after writing"));
@@ -355,12 +358,7 @@ async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
 /// On its first attempt, takes the account's row lock and then hangs.
 #[idempotent_handler(key = "payment_id")]
 async fn hangs_first(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
-    let attempt = {
-        let mut attempts = attempts().lock().expect("lock");
-        let n = attempts.entry(msg.payment_id.clone()).or_default();
-        *n += 1;
-        *n
-    };
+    let attempt = next_attempt(&msg.payment_id);
     apply_payment::call(conn, msg).await?;
     if attempt == 1 {
         tokio::time::sleep(Duration::from_secs(60)).await;
