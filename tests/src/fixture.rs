@@ -282,6 +282,11 @@ impl ConsumerProcess {
         ConsumerProcess { child: command.spawn().expect("spawn the consumer process") }
     }
 
+    /// Its process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Its exit status if it has exited.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().expect("wait on the consumer")

@@ -41,6 +41,19 @@ async fn assert_books_balance(bed: &Bed, payments: &[PaymentRequested]) {
     assert_eq!(broker.message_count(&bed.dlq).await, 0, "nothing dead-lettered");
 }
 
+/// Sessions of the bed's database sitting inside a transaction (slow handlers).
+async fn open_transactions(bed: &Bed) -> i64 {
+    use diesel_async::RunQueryDsl;
+    let mut conn = bed.db.connect().await;
+    diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%'",
+        bed.db.name()
+    ))
+    .get_result(&mut conn)
+    .await
+    .unwrap_or(0)
+}
+
 fn two_runtimes(bed: &Bed, tune: impl Fn(idemq::RuntimeBuilder) -> idemq::RuntimeBuilder) -> [Running; 2] {
     let start = || {
         Running::start(tune(
@@ -177,16 +190,7 @@ async fn chaos_sigterm_with_a_handler_slower_than_the_shutdown_deadline() {
     let slow = ConsumerProcess::spawn(CONSUMER, &bed, &[("SLOW_MS", "60000"), ("SHUTDOWN_MS", "1000")]);
     // Wait until all three handlers sleep inside their open transactions.
     eventually("the slow handlers are in flight", Duration::from_secs(20), || async {
-        use diesel_async::RunQueryDsl;
-        let mut conn = bed.db.connect().await;
-        let busy: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%'",
-            bed.db.name()
-        ))
-        .get_result(&mut conn)
-        .await
-        .unwrap_or(0);
-        busy >= 3
+        open_transactions(&bed).await >= 3
     })
     .await;
     let signalled = Instant::now();
@@ -266,4 +270,31 @@ async fn a_consumer_cancelled_by_the_broker_resubscribes() {
     running.wait_settled(1).await;
     running.stop().await.expect("clean shutdown");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+}
+
+/// A second SIGTERM during the drain exits at once (status 130) instead of waiting
+/// out the shutdown deadline; still safe: the unacked delivery is redelivered and a
+/// later consumer applies it exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_signal_exits_at_once_and_loses_nothing() {
+    let bed = Bed::isolated().await;
+    let p = payment(42);
+    bed.publish(&p).await;
+    let slow = ConsumerProcess::spawn(CONSUMER, &bed, &[("SLOW_MS", "60000"), ("SHUTDOWN_MS", "30000")]);
+    eventually("the slow handler is in flight", Duration::from_secs(20), || async {
+        open_transactions(&bed).await >= 1
+    })
+    .await;
+    let pid = slow.id().to_string();
+    let _ = Command::new("kill").args(["-TERM", &pid]).status().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let signalled = Instant::now();
+    let status = slow.terminate(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(130), "the second signal exits at once: {status:?}");
+    assert!(signalled.elapsed() < Duration::from_secs(5), "well before the 30 s deadline");
+
+    let fast = ConsumerProcess::spawn(CONSUMER, &bed, &[]);
+    wait_applied(&bed, 1).await;
+    assert!(fast.terminate(Duration::from_secs(20)).await.success());
+    assert_books_balance(&bed, &[p]).await;
 }
