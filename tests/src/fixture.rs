@@ -46,8 +46,11 @@ pub struct Bed {
 /// The retry schedule of every test runtime: millisecond delays, 5 attempts. Tests
 /// that want fewer attempts use a prefix of it, so its wait queues are all cleaned up.
 pub fn test_retry_policy() -> RetryPolicy {
-    RetryPolicy::new([10, 20, 40, 80].map(Duration::from_millis))
+    RetryPolicy::new(TEST_RETRY_MS.map(Duration::from_millis))
 }
+
+/// The delays of [`test_retry_policy`], in milliseconds.
+const TEST_RETRY_MS: [u64; 4] = [10, 20, 40, 80];
 
 impl Bed {
     /// A bed with a default quorum queue.
@@ -270,11 +273,14 @@ pub struct ConsumerProcess {
 impl ConsumerProcess {
     /// Starts `binary` (pass `env!("CARGO_BIN_EXE_consumer")`) with extra `env`.
     pub fn spawn(binary: &str, bed: &Bed, env: &[(&str, &str)]) -> ConsumerProcess {
+        let retry_ms = TEST_RETRY_MS.map(|ms| ms.to_string()).join(",");
         let mut command = std::process::Command::new(binary);
         command
             .env("AMQP_URL", &bed.amqp_url)
             .env("DATABASE_URL", bed.db.url())
             .env("QUEUE", &bed.queue)
+            // The test schedule, whose wait queues the bed deletes.
+            .env("RETRY_MS", retry_ms)
             .stdout(std::process::Stdio::null());
         for (name, value) in env {
             command.env(name, value);
