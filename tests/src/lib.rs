@@ -212,21 +212,23 @@ async fn drop_stale_databases(admin: &mut AsyncPgConnection) {
                 return;
             }
         };
-    for name in names {
-        let Some(pid) = name
-            .strip_prefix("idemq_t_")
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|pid| pid.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid == std::process::id() || std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
+    for name in names.into_iter().filter(|name| left_by_dead_process(name, TEST_DB_PREFIX)) {
         if let Err(e) = drop_database(admin, &name).await {
             eprintln!("warning: cannot drop stale test database {name}: {e}");
         }
     }
+}
+
+/// Whether `name` is `<prefix>_<pid>_...` of a process that no longer runs.
+fn left_by_dead_process(name: &str, prefix: &str) -> bool {
+    let pid = name
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.strip_prefix('_'))
+        .and_then(|rest| rest.split('_').next())
+        .and_then(|pid| pid.parse::<u32>().ok());
+    pid.is_some_and(|pid| {
+        pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -247,6 +249,8 @@ impl TestVhost {
     /// Creates the vhost and grants `guest` configure/write/read on it.
     /// Panics (with `rabbitmqctl`'s stderr) on failure.
     pub async fn create() -> TestVhost {
+        static STALE_CLEANUP: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+        STALE_CLEANUP.get_or_init(delete_stale_vhosts).await;
         let name = unique(TEST_VHOST_PREFIX);
         rabbitmqctl(&["add_vhost", &name]).await;
         // From here on, Drop deletes the vhost even if the next step panics.
@@ -293,6 +297,28 @@ impl Drop for TestVhost {
 }
 
 /// Runs `rabbitmqctl -q <args>`, panicking with its output on failure.
+/// Deletes `idemq_v_<pid>_...` vhosts whose creating process is gone (a killed
+/// test run). Failures are ignored: another process may race us.
+async fn delete_stale_vhosts() {
+    let Ok(out) = tokio::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_vhosts", "name"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+    else {
+        return;
+    };
+    for name in String::from_utf8_lossy(&out.stdout).lines().map(str::trim) {
+        if left_by_dead_process(name, TEST_VHOST_PREFIX) {
+            let _ = tokio::process::Command::new("rabbitmqctl")
+                .args(["-q", "delete_vhost", name])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .await;
+        }
+    }
+}
+
 async fn rabbitmqctl(args: &[&str]) {
     let out = tokio::process::Command::new("rabbitmqctl")
         .arg("-q")
