@@ -239,6 +239,16 @@ impl Running {
         Running { shutdown, handle, events, connection_events, stats }
     }
 
+    /// Runs `builder` until `n` deliveries are settled, shuts it down cleanly and
+    /// returns what it settled.
+    pub async fn settle(builder: RuntimeBuilder, n: usize) -> Vec<Settled> {
+        let running = Running::start(builder);
+        running.wait_settled(n).await;
+        let events = running.events();
+        running.stop().await.expect("clean shutdown");
+        events
+    }
+
     /// A copy of the events so far.
     pub fn events(&self) -> Vec<Settled> {
         self.events.lock().expect("events lock").clone()

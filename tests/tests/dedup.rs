@@ -21,10 +21,7 @@ async fn the_same_message_twice_is_applied_once_and_both_are_acked() {
     bed.publish(&p).await;
     bed.publish(&p).await;
 
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
-    running.wait_settled(2).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment), 2).await;
 
     let outcomes: Vec<_> = events.iter().map(|e| e.outcome.clone()).collect();
     assert_eq!(outcomes, [Outcome::Applied, Outcome::Duplicate]);

@@ -46,10 +46,7 @@ async fn transient_errors_roll_back_and_attempt_three_applies_once() {
     let p = payment(700);
     bed.publish(&p).await;
 
-    let running = Running::start(bed.runtime().consume(&bed.queue, fails_twice));
-    running.wait_settled(3).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let events = Running::settle(bed.runtime().consume(&bed.queue, fails_twice), 3).await;
 
     assert!(
         matches!(events[0].outcome, Outcome::Retry { delay, .. } if delay == Duration::from_millis(10)),
@@ -87,10 +84,8 @@ async fn always_failing_handler_is_dead_lettered_after_its_last_attempt() {
     bed.publish(&p).await;
 
     let three_attempts = RetryPolicy::new([10, 20].map(Duration::from_millis));
-    let running = Running::start(bed.runtime().consume_with(&bed.queue, always_fails, three_attempts));
-    running.wait_settled(3).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let events =
+        Running::settle(bed.runtime().consume_with(&bed.queue, always_fails, three_attempts), 3).await;
 
     assert!(matches!(events[0].outcome, Outcome::Retry { .. }));
     assert!(matches!(events[1].outcome, Outcome::Retry { .. }));
@@ -128,10 +123,7 @@ async fn permanent_error_is_dead_lettered_without_retry() {
     let bed = Bed::new().await;
     let p = payment(5);
     bed.publish(&p).await;
-    let running = Running::start(bed.runtime().consume(&bed.queue, refuses));
-    running.wait_settled(1).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let events = Running::settle(bed.runtime().consume(&bed.queue, refuses), 1).await;
     assert!(
         matches!(&events[0].outcome, Outcome::DeadLettered { kind: FailureKind::Handler, .. }),
         "{events:?}"
@@ -154,10 +146,7 @@ async fn a_message_past_its_delivery_limit_is_dead_lettered_as_poison() {
     table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(3));
     let props = BasicProperties::default().with_headers(table).with_content_type("application/json".into());
     bed.broker.publish_bytes(&bed.queue, &serde_json::to_vec(&p).unwrap(), props).await;
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
-    running.wait_settled(1).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment), 1).await;
     assert!(
         matches!(&events[0].outcome, Outcome::DeadLettered { kind: FailureKind::Poison, .. }),
         "{events:?}"
@@ -270,10 +259,11 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
     let good = payment(42);
     bed.publish(&good).await;
 
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).max_body_bytes(4_096));
-    running.wait_settled(cases.len() + 2).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let events = Running::settle(
+        bed.runtime().consume(&bed.queue, apply_payment).max_body_bytes(4_096),
+        cases.len() + 2,
+    )
+    .await;
 
     assert_eq!(bed.ledger_rows(&good.payment_id).await, 1, "the consumer lived on: {events:?}");
     assert_eq!(bed.ledger_rows(&long.payment_id).await, 1, "the long key was applied");
@@ -309,10 +299,7 @@ async fn same_key_with_another_payload_is_dead_lettered_as_conflict() {
     bed.publish(&first).await;
     bed.publish(&reused).await;
     // One at a time, so the first payload is the one applied.
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1));
-    running.wait_settled(3).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1), 3).await;
 
     assert_eq!(events[0].outcome, Outcome::Applied);
     assert_eq!(events[1].outcome, Outcome::Duplicate, "the identical copy is a plain duplicate");
@@ -374,12 +361,8 @@ async fn a_hanging_handler_times_out_and_its_transaction_is_ended() {
     let bed = Bed::new().await;
     let p = payment(321);
     bed.publish(&p).await;
-    let running = Running::start(
-        bed.runtime().consume(&bed.queue, hangs_first).handler_timeout(Duration::from_millis(300)),
-    );
-    running.wait_settled(2).await;
-    let events = running.events();
-    running.stop().await.expect("clean shutdown");
+    let builder = bed.runtime().consume(&bed.queue, hangs_first).handler_timeout(Duration::from_millis(300));
+    let events = Running::settle(builder, 2).await;
     assert!(
         matches!(&events[0].outcome, Outcome::Retry { error, .. } if error.contains("did not finish within")),
         "{events:?}"
