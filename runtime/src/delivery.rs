@@ -48,6 +48,7 @@ use lapin::types::AMQPValue;
 use lapin::Channel;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::dead_letter::{self, headers, Letter};
 use crate::handler::{ErrorClass, HandlerError};
 use crate::key::hex;
@@ -160,7 +161,8 @@ impl Consumer {
     /// decode → key → transaction (retried in-process on infrastructure faults).
     async fn decide(&self, delivery: &Delivery, counts: Counts) -> Decision {
         let content_type = delivery.properties.content_type().as_ref().map(|ct| ct.as_str());
-        let mut backoff = Backoff::default();
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
+        let mut last_logged: Option<String> = None;
         let first_try = Instant::now();
         loop {
             let prepared = match self.handler.prepare(&delivery.data, content_type, self.shared.limits) {
@@ -186,7 +188,12 @@ impl Consumer {
                 return Decision { outcome: Outcome::Requeued { error }, key, began_at };
             }
             self.shared.stats.infrastructure_retry();
-            backoff.log(&self.queue, &fault);
+            // Logged once per change of fault, not once per retry.
+            let message = fault.to_string();
+            if last_logged.as_deref() != Some(message.as_str()) {
+                tracing::error!(queue = %self.queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
+                last_logged = Some(message);
+            }
             backoff.wait().await;
         }
     }
@@ -442,43 +449,4 @@ impl Counts {
             attempt: header(headers::ATTEMPTS).saturating_add(1),
         }
     }
-}
-
-/// Exponential backoff with jitter for infrastructure faults, logging once per
-/// change of fault rather than once per retry.
-struct Backoff {
-    next: Duration,
-    last_logged: Option<String>,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self { next: Duration::from_millis(50), last_logged: None }
-    }
-}
-
-impl Backoff {
-    const MAX: Duration = Duration::from_secs(5);
-
-    fn log(&mut self, queue: &str, fault: &InfraFault) {
-        let message = fault.to_string();
-        if self.last_logged.as_deref() != Some(message.as_str()) {
-            tracing::error!(queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
-            self.last_logged = Some(message);
-        }
-    }
-
-    async fn wait(&mut self) {
-        let jitter = jitter_fraction();
-        tokio::time::sleep(self.next.mul_f64(0.5 + jitter)).await;
-        self.next = (self.next * 2).min(Self::MAX);
-    }
-}
-
-/// A number in [0, 1) that differs between calls and processes; enough for jitter.
-pub(crate) fn jitter_fraction() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(Instant::now().elapsed().as_nanos());
-    (hasher.finish() >> 11) as f64 / (1_u64 << 53) as f64
 }

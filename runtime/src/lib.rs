@@ -86,6 +86,7 @@
 
 #![warn(missing_docs)]
 
+mod backoff;
 mod dead_letter;
 mod delivery;
 mod error;

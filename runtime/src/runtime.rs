@@ -14,6 +14,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::backoff::Backoff;
 use crate::delivery::{OnConflict, Shared};
 use crate::error::{redact, Error};
 use crate::handler::Handler;
@@ -335,7 +336,7 @@ impl Runtime {
 
         // Numbered per session that connected: failed attempts keep the number.
         let mut session = 1;
-        let mut backoff = Reconnect::new(b.reconnect_max);
+        let mut backoff = Backoff::new(Duration::from_millis(100), b.reconnect_max);
         let (result, connections) = loop {
             match session::run(&ctx, session, &shutdown).await {
                 SessionEnd::Shutdown(connections) => break (Ok(()), connections),
@@ -345,7 +346,7 @@ impl Runtime {
                         // Logged once per loss, not once per attempt.
                         tracing::warn!(session, %reason, "connection to the broker lost; reconnecting");
                         ctx.notify(&ConnectionEvent::Lost { session, reason });
-                        backoff = Reconnect::new(b.reconnect_max);
+                        backoff = Backoff::new(Duration::from_millis(100), b.reconnect_max);
                         session += 1;
                     } else {
                         tracing::debug!(session, %reason, attempt = backoff.attempts, "reconnect attempt failed");
@@ -368,27 +369,6 @@ impl Runtime {
             connections.close("shutdown").await;
         }
         result
-    }
-}
-
-/// Exponential backoff with jitter between reconnect attempts, from 100 ms up to a
-/// bound.
-struct Reconnect {
-    next: Duration,
-    max: Duration,
-    attempts: u32,
-}
-
-impl Reconnect {
-    fn new(max: Duration) -> Self {
-        Self { next: Duration::from_millis(100), max, attempts: 0 }
-    }
-
-    async fn wait(&mut self) {
-        self.attempts += 1;
-        let delay = self.next.mul_f64(0.5 + crate::delivery::jitter_fraction());
-        tokio::time::sleep(delay.min(self.max)).await;
-        self.next = (self.next * 2).min(self.max);
     }
 }
 
