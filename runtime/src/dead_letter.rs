@@ -37,6 +37,16 @@ pub mod headers {
     pub const TRIMMED: &str = "x-idemq-trimmed";
     /// The broker's delivery counter on quorum queues; stripped from copies.
     pub const DELIVERY_COUNT: &str = "x-delivery-count";
+    /// The copy's identity, `<lineage>:<attempt>`: the same for every copy of one
+    /// message made at one attempt, so a second one is recognised (set on every copy).
+    pub const COPY_ID: &str = "x-idemq-copy-id";
+    /// On retry copies only: the queue the copy returns to. With the broker's
+    /// `x-death` entry of that queue's wait queue, it is what makes idemq trust the
+    /// copy's `x-idemq-attempts`; a dead letter has none, so a replay starts afresh.
+    pub const RETRY_OF: &str = "x-idemq-retry-of";
+    /// The original's per-message TTL (`expiration` property), which copies do not
+    /// carry: a dead letter must not expire in the DLQ.
+    pub const ORIGINAL_EXPIRATION: &str = "x-idemq-original-expiration";
 }
 
 /// Why a dead letter could not be published. The original stays unacked.
@@ -48,6 +58,8 @@ pub(crate) enum PublishError {
     Unroutable { queue: String },
     #[error("the broker nacked the copy for '{queue}'")]
     Nacked { queue: String },
+    #[error("the copy for '{queue}' was not confirmed before the shutdown cut-off")]
+    CutOff { queue: String },
 }
 
 /// What to say about the failure.
@@ -57,6 +69,10 @@ pub(crate) struct Letter<'a> {
     pub(crate) error: &'a str,
     pub(crate) handler: &'a str,
     pub(crate) attempts: u32,
+    /// See [`headers::COPY_ID`].
+    pub(crate) copy_id: &'a str,
+    /// Set on retry copies: the queue they return to (see [`headers::RETRY_OF`]).
+    pub(crate) retry_of: Option<&'a str>,
 }
 
 /// Publishes `delivery` to `queue` (default exchange) with the failure headers.
@@ -91,13 +107,14 @@ pub(crate) async fn publish(
 /// delivery, so a copy must stay well under it.
 const FRAME_RESERVE: usize = 8 * 1024;
 
-/// The original's properties, persistent, with idemq's headers set and the broker's
-/// delivery count removed, trimmed to fit a header frame under `frame_max`.
+/// The original's properties, persistent and without `expiration`, with idemq's
+/// headers set and the broker's delivery count (and a retry copy's marker) removed,
+/// trimmed to fit a header frame under `frame_max`.
 fn annotate(delivery: &Delivery, letter: &Letter<'_>, frame_max: u32) -> BasicProperties {
     let original = delivery.properties.headers().clone().unwrap_or_default();
     let mut headers = FieldTable::default();
     for (name, value) in original.inner() {
-        if name.as_str() != headers::DELIVERY_COUNT {
+        if ![headers::DELIVERY_COUNT, headers::RETRY_OF].contains(&name.as_str()) {
             headers.insert(name.clone(), value.clone());
         }
     }
@@ -119,10 +136,44 @@ fn annotate(delivery: &Delivery, letter: &Letter<'_>, frame_max: u32) -> BasicPr
         set(&mut headers, headers::ERROR_KIND, kind.as_str());
     }
     set(&mut headers, headers::HANDLER, letter.handler);
+    set(&mut headers, headers::COPY_ID, letter.copy_id);
+    if let Some(queue) = letter.retry_of {
+        set(&mut headers, headers::RETRY_OF, queue);
+    }
+    if let Some(expiration) = delivery.properties.expiration() {
+        set_if_absent(&mut headers, headers::ORIGINAL_EXPIRATION, expiration.as_str());
+    }
     headers.insert(headers::ATTEMPTS.into(), AMQPValue::LongLongInt(i64::from(letter.attempts)));
     let budget = usize::try_from(frame_max).unwrap_or(usize::MAX).saturating_sub(FRAME_RESERVE);
     let headers = fit(headers, budget);
-    delivery.properties.clone().with_headers(headers).with_delivery_mode(2)
+    without_expiration(&delivery.properties).with_headers(headers).with_delivery_mode(2)
+}
+
+/// `properties` without `expiration`: lapin's builder can set a property but not
+/// clear one, so the rest are copied over.
+fn without_expiration(properties: &BasicProperties) -> BasicProperties {
+    let mut copy = BasicProperties::default();
+    macro_rules! keep {
+        ($($get:ident => $set:ident),* $(,)?) => {$(
+            if let Some(value) = properties.$get().clone() {
+                copy = copy.$set(value);
+            }
+        )*};
+    }
+    keep!(
+        content_type => with_content_type,
+        content_encoding => with_content_encoding,
+        priority => with_priority,
+        correlation_id => with_correlation_id,
+        reply_to => with_reply_to,
+        message_id => with_message_id,
+        timestamp => with_timestamp,
+        kind => with_type,
+        user_id => with_user_id,
+        app_id => with_app_id,
+        cluster_id => with_cluster_id,
+    );
+    copy
 }
 
 /// Makes `headers` encode to at most `budget` bytes: first the broker's `x-death`

@@ -61,6 +61,15 @@ pub enum Error {
         /// What failed.
         message: String,
     },
+    /// idemq's tables are missing or out of date, or this user may not use them:
+    /// found at start-up, or when one of idemq's own statements is refused.
+    #[error("the database is not ready for idemq: {problem}. Fix: {fix}")]
+    Schema {
+        /// What is wrong.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
     /// Connecting to the broker and declaring the topology did not finish in time.
     #[error("connecting to RabbitMQ and declaring the topology took longer than {after:?}; is the broker at AMQP_URL healthy (not still starting, not under an alarm)?")]
     StartTimeout {

@@ -14,6 +14,9 @@ use crate::outcome::Outcome;
 pub enum FaultPoint {
     /// The transaction committed (or found a duplicate); the ack is not yet sent.
     AfterCommit,
+    /// A copy (retry or dead letter) was confirmed and recorded; the original is not
+    /// yet acked.
+    AfterCopy,
 }
 
 /// What the hook sees.

@@ -87,6 +87,7 @@
 #![warn(missing_docs)]
 
 mod backoff;
+mod db;
 mod dead_letter;
 mod delivery;
 mod error;

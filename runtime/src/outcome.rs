@@ -21,8 +21,8 @@ pub enum FailureKind {
     TooLarge,
     /// The content-type is not JSON.
     ContentType,
-    /// The message was delivered too many times without an outcome (it crashes or
-    /// hangs the consumer).
+    /// The message's handler started too many times without an outcome (it crashes
+    /// or hangs the consumer).
     Poison,
 }
 
@@ -57,6 +57,13 @@ pub enum Outcome {
     Applied,
     /// The dedup row already existed: the handler was skipped.
     Duplicate,
+    /// A redelivered original whose copy (retry or dead letter) the broker had
+    /// already confirmed (the ack after it was lost): acked without running the
+    /// handler, so the message keeps one lineage and at most one dead letter.
+    AlreadyCopied {
+        /// The copy's `x-idemq-copy-id`.
+        copy_id: String,
+    },
     /// The handler failed transiently: rolled back; a copy waits `delay` in a wait
     /// queue, then returns for the next attempt.
     Retry {
@@ -98,8 +105,11 @@ pub struct Settled {
     /// Whether the broker was told (ack, nack or reject) and the frame was sent.
     /// `false` means the channel was gone: the broker will redeliver.
     pub settled_with_broker: bool,
-    /// The broker's delivery count before this delivery (`x-delivery-count`, 0 if absent).
+    /// The broker's delivery count before this delivery (`x-delivery-count`; 0 if
+    /// absent or if the broker did not redeliver it: a publisher can set the header).
     pub delivery_count: u32,
+    /// Whether the broker redelivered it (delivered before, never acked).
+    pub redelivered: bool,
     /// The handler attempt this delivery was (1 for the first; retries count up).
     pub attempt: u32,
     /// The connection session it came on (1, then one more per reconnect).
@@ -117,6 +127,7 @@ pub struct Settled {
 pub struct Stats {
     applied: AtomicU64,
     duplicates: AtomicU64,
+    already_copied: AtomicU64,
     retried: AtomicU64,
     dead_lettered: AtomicU64,
     requeued: AtomicU64,
@@ -133,6 +144,8 @@ pub struct StatsSnapshot {
     pub applied: u64,
     /// Deliveries skipped as duplicates.
     pub duplicates: u64,
+    /// Redelivered originals acked because their copy was already confirmed.
+    pub already_copied: u64,
     /// Deliveries sent to a wait queue for a later attempt after a handler error.
     pub retried: u64,
     /// Deliveries dead-lettered.
@@ -154,6 +167,7 @@ impl Stats {
         StatsSnapshot {
             applied: get(&self.applied),
             duplicates: get(&self.duplicates),
+            already_copied: get(&self.already_copied),
             retried: get(&self.retried),
             dead_lettered: get(&self.dead_lettered),
             requeued: get(&self.requeued),
@@ -167,6 +181,7 @@ impl Stats {
         let counter = match settled.outcome {
             Outcome::Applied => &self.applied,
             Outcome::Duplicate => &self.duplicates,
+            Outcome::AlreadyCopied { .. } => &self.already_copied,
             Outcome::Retry { .. } => &self.retried,
             Outcome::Requeued { .. } => &self.requeued,
             Outcome::DeadLettered { .. } => &self.dead_lettered,

@@ -38,6 +38,8 @@ pub(crate) struct InputLimits {
 /// A handler without its message type.
 pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn name(&self) -> &'static str;
+    /// The handler type's path (e.g. `billing::ledger::apply`), for messages.
+    fn type_path(&self) -> &'static str;
     fn prepare(
         &self,
         body: &[u8],
@@ -49,6 +51,10 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
 impl<H: Handler> ErasedHandler for Arc<H> {
     fn name(&self) -> &'static str {
         H::name(self)
+    }
+
+    fn type_path(&self) -> &'static str {
+        std::any::type_name::<H>()
     }
 
     fn prepare(

@@ -7,15 +7,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel_async::pooled_connection::deadpool::Pool;
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
-use diesel_async::AsyncPgConnection;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::backoff::Backoff;
-use crate::delivery::{OnConflict, Shared};
+use crate::db::{self, SessionLimits};
+use crate::delivery::{Fatal, OnConflict, Shared};
 use crate::error::{redact, Error};
 use crate::handler::Handler;
 use crate::outcome::{Settled, Stats};
@@ -45,6 +43,7 @@ pub struct RuntimeBuilder {
     database_retry_limit: Duration,
     max_body_bytes: usize,
     on_conflict: OnConflict,
+    namespace: Option<String>,
     shutdown_deadline: Duration,
     heartbeat: Duration,
     reconnect_max: Duration,
@@ -79,6 +78,7 @@ impl RuntimeBuilder {
             database_retry_limit: Duration::from_secs(25 * 60),
             max_body_bytes: 1024 * 1024,
             on_conflict: OnConflict::default(),
+            namespace: None,
             shutdown_deadline: Duration::from_secs(10),
             heartbeat: Duration::from_secs(20),
             reconnect_max: Duration::from_secs(30),
@@ -170,6 +170,17 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Scopes every handler's dedup rows under `namespace` (stored as
+    /// `<namespace>/<handler name>`), for services that share one database: two
+    /// services each with a handler `apply_payment` would otherwise share its dedup
+    /// rows, and one's messages would be acked as the other's duplicates. Default:
+    /// none (rows are scoped by handler name alone). Changing it makes every earlier
+    /// message look new: set it once, before the first run.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
+    }
+
     /// How long shutdown waits for in-flight deliveries before returning them to the
     /// queue. Default 10 s.
     pub fn shutdown_deadline(mut self, deadline: Duration) -> Self {
@@ -234,6 +245,37 @@ impl RuntimeBuilder {
                 )));
             }
         }
+        if let Some(namespace) = &self.namespace {
+            if namespace.is_empty() || namespace.contains('/') {
+                return Err(Error::Config(format!(
+                    "namespace {namespace:?} must be non-empty and hold no '/' (it is joined to handler names with one)"
+                )));
+            }
+        }
+        // The name scopes dedup rows: two handlers sharing one would share rows, and
+        // the second's messages would be acked as duplicates without ever running.
+        // The same handler on two queues is one handler (its rows are shared on
+        // purpose: a key applied from either queue is applied).
+        let mut names: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+        for (_, handler, _) in &self.consumers {
+            let (name, path) = (handler.name(), handler.type_path());
+            if name.is_empty() || name.contains('/') {
+                return Err(Error::Config(format!(
+                    "handler `{path}` is named {name:?}; a handler name must be non-empty and hold no '/': \
+                     set another with #[idempotent_handler(name = \"...\")]"
+                )));
+            }
+            match names.insert(name, path) {
+                Some(other) if other != path => {
+                    return Err(Error::Config(format!(
+                        "handlers `{other}` and `{path}` are both named `{name}`, so they would share one dedup \
+                         namespace and one's messages would be acked as duplicates of the other's; give each a \
+                         stable name of its own with #[idempotent_handler(name = \"...\")]"
+                    )));
+                }
+                _ => {}
+            }
+        }
         Ok(Runtime { builder: self, stats: Arc::default() })
     }
 }
@@ -295,11 +337,23 @@ impl Runtime {
     /// instead.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let b = self.builder;
-        let pool = build_pool(&b.database_url, b.concurrency)?;
-        drop(pool.get().await.map_err(|err| Error::DatabaseConnect {
-            url: redact(&b.database_url),
-            message: err.to_string(),
-        })?);
+        let connect_error =
+            |message: String| Error::DatabaseConnect { url: redact(&b.database_url), message };
+        let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
+        let pool = db::build_pool(&b.database_url, b.concurrency, limits)
+            .map_err(|err| connect_error(err.to_string()))?;
+        {
+            // Fail fast, with the fix, on what no retry can mend: without idemq's
+            // tables every delivery would fail until someone runs the migrations.
+            let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
+            match db::check_schema(&mut conn).await {
+                Ok(None) => {}
+                Ok(Some(problem)) => {
+                    return Err(Error::Schema { problem: problem.problem, fix: problem.fix })
+                }
+                Err(err) => return Err(connect_error(format!("checking idemq's tables failed: {err}"))),
+            }
+        }
 
         let shared = Arc::new(Shared {
             pool,
@@ -309,15 +363,31 @@ impl Runtime {
             on_conflict: b.on_conflict,
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),
+            turns: tokio::sync::RwLock::new(()),
+            fatal: Fatal::default(),
             #[cfg(feature = "fault-injection")]
             fault_hook: b.fault_hook.clone(),
         });
+        // Consumers stop on the caller's signal, or when a delivery meets a fault no
+        // retry can fix (then `run` returns that error after draining).
+        let stop = shared.fatal.stop.clone();
+        let stop_on_shutdown = {
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    () = shutdown.cancelled() => stop.cancel(),
+                    () = stop.cancelled() => {}
+                }
+            }
+        };
+        let _stop_on_shutdown = tokio::spawn(stop_on_shutdown);
         let consumers = b
             .consumers
             .into_iter()
             .map(|(queue, handler, retry)| ConsumerSpec {
                 declared: b.topology.find_queue(&queue).cloned().unwrap_or_else(|| Queue::new(queue.clone())),
                 retry: retry.unwrap_or_else(|| b.retry.clone()),
+                scope: dedup_scope(b.namespace.as_deref(), handler.name()),
                 queue,
                 handler,
             })
@@ -338,7 +408,7 @@ impl Runtime {
         let mut session = 1;
         let mut backoff = Backoff::new(Duration::from_millis(100), b.reconnect_max);
         let (result, connections) = loop {
-            match session::run(&ctx, session, &shutdown).await {
+            match session::run(&ctx, session, &stop).await {
                 SessionEnd::Shutdown(connections) => break (Ok(()), connections),
                 SessionEnd::Fatal(err) => break (Err(err), None),
                 SessionEnd::Lost { reason, connected } => {
@@ -352,7 +422,7 @@ impl Runtime {
                         tracing::debug!(session, %reason, attempt = backoff.attempts, "reconnect attempt failed");
                     }
                     tokio::select! {
-                        () = shutdown.cancelled() => break (Ok(()), None),
+                        () = stop.cancelled() => break (Ok(()), None),
                         () = backoff.wait() => {}
                     }
                 }
@@ -368,7 +438,18 @@ impl Runtime {
         if let Some(connections) = connections {
             connections.close("shutdown").await;
         }
-        result
+        match ctx.shared.fatal.take() {
+            Some(fatal) => Err(fatal),
+            None => result,
+        }
+    }
+}
+
+/// The `handler` value of a handler's dedup rows.
+fn dedup_scope(namespace: Option<&str>, name: &str) -> String {
+    match namespace {
+        Some(namespace) => format!("{namespace}/{name}"),
+        None => name.to_owned(),
     }
 }
 
@@ -379,21 +460,6 @@ fn with_heartbeat(url: &str, heartbeat: Duration) -> String {
     }
     let separator = if url.contains('?') { '&' } else { '?' };
     format!("{url}{separator}heartbeat={}", heartbeat.as_secs().max(1))
-}
-
-fn build_pool(database_url: &str, size: usize) -> Result<Pool<AsyncPgConnection>, Error> {
-    let mut config = ManagerConfig::default();
-    // Broken connections are detected and dropped by the delivery state machine, so
-    // the per-checkout `SELECT 1` of `Verified` buys nothing but latency.
-    config.recycling_method = RecyclingMethod::Fast;
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
-    Pool::builder(manager)
-        .max_size(size)
-        .wait_timeout(Some(Duration::from_secs(30)))
-        .create_timeout(Some(Duration::from_secs(10)))
-        .runtime(deadpool::Runtime::Tokio1)
-        .build()
-        .map_err(|err| Error::DatabaseConnect { url: redact(database_url), message: err.to_string() })
 }
 
 /// A token cancelled by the first SIGINT or SIGTERM; a second signal exits the

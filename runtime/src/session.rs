@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, ConfirmSelectOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 use tokio::sync::Semaphore;
@@ -71,6 +73,8 @@ pub(crate) struct ConsumerSpec {
     pub(crate) queue: String,
     pub(crate) declared: Queue,
     pub(crate) handler: Arc<dyn ErasedHandler>,
+    /// The handler's dedup scope (see `Consumer::scope`).
+    pub(crate) scope: String,
     pub(crate) retry: RetryPolicy,
 }
 
@@ -267,6 +271,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 delivery_limit: spec.declared.delivery_limit,
                 retry: spec.retry.clone(),
                 handler: Arc::clone(&spec.handler),
+                scope: spec.scope.clone(),
                 channel,
                 publisher: publisher.clone(),
                 frame_max: publishing.configuration().frame_max(),
@@ -313,10 +318,11 @@ impl SessionContext {
     }
 }
 
-/// One consumer's intake loop: take a permit, spawn the delivery, repeat. Returns
-/// why it stopped on its own (the channel or connection went away, or the broker
-/// cancelled the consumer, e.g. because its queue was deleted); after `stop` it
-/// cancels the consumer and returns.
+/// One consumer's intake loop: receive a delivery, wait for a permit, spawn it,
+/// repeat. Receiving comes first: a consumer waiting on an idle queue holds no
+/// permit, so it cannot starve the busy ones. Returns why it stopped on its own (the
+/// channel or connection went away, or the broker cancelled the consumer, e.g.
+/// because its queue was deleted); after `stop` it cancels the consumer and returns.
 async fn consume(
     consumer: Arc<Consumer>,
     mut stream: lapin::Consumer,
@@ -325,10 +331,6 @@ async fn consume(
     stop: CancellationToken,
 ) -> String {
     loop {
-        let permit = tokio::select! {
-            () = stop.cancelled() => break,
-            permit = Arc::clone(&intake.permits).acquire_owned() => permit.expect("the semaphore is never closed"),
-        };
         let delivery = tokio::select! {
             () = stop.cancelled() => break,
             next = stream.next() => match next {
@@ -342,6 +344,18 @@ async fn consume(
                 }
             },
         };
+        let permit = tokio::select! {
+            permit = Arc::clone(&intake.permits).acquire_owned() => permit.expect("the semaphore is never closed"),
+            () = stop.cancelled() => {
+                let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                break;
+            }
+            // Waiting for a slot must not hide a dead channel: its delivery can no
+            // longer be settled (the broker requeues it), and the session must end.
+            () = closed(&consumer.channel) => {
+                return format!("queue '{}': the channel closed", consumer.queue);
+            }
+        };
         let consumer = Arc::clone(&consumer);
         let hard_stop = intake.hard_stop.clone();
         intake.tracker.spawn(async move {
@@ -352,4 +366,12 @@ async fn consume(
     // Stop intake; prefetched deliveries not yet taken return when the channel closes.
     bounded(consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
     String::from("stopped")
+}
+
+/// Resolves once `channel` is no longer usable (polled: lapin has no close event
+/// per channel).
+async fn closed(channel: &Channel) {
+    while channel.status().connected() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

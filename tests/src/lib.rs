@@ -468,6 +468,19 @@ impl Broker {
     }
 }
 
+/// Takes the message at the head of `queue` without acking it and closes the
+/// channel, so the broker requeues it as *redelivered* — what a consumer that died
+/// holding it leaves behind. Panics if the queue is empty.
+pub async fn redeliver_once(broker: &Broker, queue: &str) {
+    let channel = broker.fresh_channel().await;
+    let message = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap_or_else(|e| panic!("basic.get on queue {queue} failed: {e}"));
+    assert!(message.is_some(), "queue {queue} is empty: nothing to redeliver");
+    close_channel(&channel).await;
+}
+
 async fn get_one(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
     let message = channel
         .basic_get(queue.into(), BasicGetOptions { no_ack: false })

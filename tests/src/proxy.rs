@@ -16,6 +16,8 @@ pub struct Proxy {
     address: SocketAddr,
     next_id: Arc<AtomicU64>,
     frozen_before: Arc<AtomicU64>,
+    /// Cancelled to close every connection made so far; replaced by a fresh one.
+    sever: Arc<std::sync::Mutex<CancellationToken>>,
     stop: CancellationToken,
 }
 
@@ -27,8 +29,10 @@ impl Proxy {
         let next_id = Arc::new(AtomicU64::new(0));
         let frozen_before = Arc::new(AtomicU64::new(0));
         let stop = CancellationToken::new();
+        let sever = Arc::new(std::sync::Mutex::new(CancellationToken::new()));
         let (ids, frozen, stopped, upstream) =
             (Arc::clone(&next_id), Arc::clone(&frozen_before), stop.clone(), upstream.to_owned());
+        let severs = Arc::clone(&sever);
         tokio::spawn(async move {
             loop {
                 let client = tokio::select! {
@@ -42,23 +46,33 @@ impl Proxy {
                 let id = ids.fetch_add(1, Ordering::SeqCst);
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
+                let severed = severs.lock().expect("sever lock").clone();
                 for (from, to) in [(client_read, server_write), (server_read, client_write)] {
-                    let (frozen, stopped) = (Arc::clone(&frozen), stopped.clone());
+                    let (frozen, stopped, severed) = (Arc::clone(&frozen), stopped.clone(), severed.clone());
                     tokio::spawn(async move {
                         tokio::select! {
                             () = stopped.cancelled() => {}
+                            () = severed.cancelled() => {}
                             () = pump(from, to, id, frozen) => {}
                         }
                     });
                 }
             }
         });
-        Proxy { address, next_id, frozen_before, stop }
+        Proxy { address, next_id, frozen_before, sever, stop }
     }
 
     /// `host:port` to connect to instead of the upstream.
     pub fn address(&self) -> String {
         self.address.to_string()
+    }
+
+    /// Every connection made so far is closed at once, both ways, whatever is in
+    /// flight (a network cut); new connections are forwarded normally.
+    pub fn sever_existing(&self) {
+        let mut current = self.sever.lock().expect("sever lock");
+        current.cancel();
+        *current = CancellationToken::new();
     }
 
     /// Every connection made so far stops forwarding (and stays open).

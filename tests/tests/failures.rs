@@ -134,19 +134,26 @@ async fn permanent_error_is_dead_lettered_without_retry() {
     assert_eq!(header_i64(&dead[0].delivery.properties, headers::ATTEMPTS), Some(1));
 }
 
-/// A message whose delivery count already reached the queue's limit (it crashed or
-/// hung consumers before) is dead-lettered as `poison` without running the handler.
+/// A redelivered message whose handler already started `delivery_limit` times
+/// without an outcome (recorded before each start, so it survives the crashes it
+/// caused) is dead-lettered as `poison` without running the handler again.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_message_past_its_delivery_limit_is_dead_lettered_as_poison() {
+async fn a_message_whose_handler_started_limit_times_is_dead_lettered_as_poison() {
     let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
     let p = payment(5);
-    let mut table = FieldTable::default();
-    // A client-set count survives until the broker's first redelivery: this stages a
-    // message that was delivered 3 times already.
-    table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(3));
-    let props = BasicProperties::default().with_headers(table).with_content_type("application/json".into());
-    bed.broker.publish_bytes(&bed.queue, &serde_json::to_vec(&p).unwrap(), props).await;
+    bed.publish(&p).await;
+    // Two earlier starts that never ended (the consumer died in them) ...
+    let mut conn = bed.db.connect().await;
+    diesel::sql_query("INSERT INTO idemq_started (handler, key, starts) VALUES ('apply_payment', $1, 2)")
+        .bind::<diesel::sql_types::Text, _>(&p.payment_id)
+        .execute(&mut conn)
+        .await
+        .expect("stage the earlier starts");
+    // ... and the broker's redelivery after the last one.
+    idemq_tests::redeliver_once(&bed.broker, &bed.queue).await;
+
     let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment), 1).await;
+    assert!(events[0].redelivered, "{events:?}");
     assert!(
         matches!(&events[0].outcome, Outcome::DeadLettered { kind: FailureKind::Poison, .. }),
         "{events:?}"
@@ -155,6 +162,23 @@ async fn a_message_past_its_delivery_limit_is_dead_lettered_as_poison() {
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 0);
     let dead = bed.broker.drain(&bed.dlq).await;
     assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("poison"));
+}
+
+/// A publisher may set `x-delivery-count` itself (it survives publishing): on a
+/// first delivery it is not the broker's word, and the message is applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_first_delivery_with_a_client_set_delivery_count_is_applied_not_poison() {
+    let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
+    let p = payment(5);
+    let mut table = FieldTable::default();
+    table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(50));
+    let props = BasicProperties::default().with_headers(table).with_content_type("application/json".into());
+    bed.broker.publish_bytes(&bed.queue, &serde_json::to_vec(&p).unwrap(), props).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment), 1).await;
+    assert_eq!(events[0].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(events[0].delivery_count, 0, "the client's count is not reported as the broker's");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+    assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
 }
 
 /// A bad message: name, body, content-type, expected kind, a phrase the error must hold.

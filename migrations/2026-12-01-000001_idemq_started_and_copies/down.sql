@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS idemq_copies;
+DROP TABLE IF EXISTS idemq_started;

@@ -1,0 +1,355 @@
+//! idemq's own statements: the dedup row, the checked COMMIT, start marks, copy
+//! records, the schema check and the pool's session settings. One place for every
+//! table idemq owns and for how its errors are read.
+
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::{Bool, Text};
+use diesel_async::pooled_connection::deadpool::Pool;
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
+};
+use futures_util::FutureExt;
+
+diesel::table! {
+    /// One row per (handler scope, key) applied; exists if and only if the effect does.
+    idemq_dedup (handler, key) {
+        handler -> Text,
+        key -> Text,
+        fingerprint -> Nullable<Bytea>,
+    }
+}
+
+diesel::table! {
+    /// Handler starts of redelivered messages, committed before the handler runs.
+    idemq_started (handler, key) {
+        handler -> Text,
+        key -> Text,
+        starts -> Integer,
+        last_started_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    /// Copies (retry copies, dead letters) the broker confirmed.
+    idemq_copies (copy_id) {
+        copy_id -> Text,
+    }
+}
+
+/// The tables [`check_schema`] requires, with the privileges idemq uses on them.
+const TABLES: [&str; 3] = ["idemq_dedup", "idemq_started", "idemq_copies"];
+
+/// Set by the dedup insert for the rest of the transaction (`set_config(.., true)` is
+/// transaction-local): if it is gone at COMMIT, the transaction that holds the dedup
+/// row was ended (COMMIT/ROLLBACK) by the handler and what follows is another one.
+const OPEN_MARK: &str = "set_config('idemq.tx', 'open', true)";
+
+/// Sent as one simple-query message, so it costs the same round trip as `COMMIT`
+/// alone. PostgreSQL runs the statements in order and stops at the first error:
+/// - a transaction aborted by a failed statement (whose error the handler ignored)
+///   fails the `SELECT` (25P02) and COMMIT is never sent — without the `SELECT`,
+///   COMMIT would answer `ROLLBACK` and no error, and the delivery would be acked;
+/// - a transaction the handler ended fails the `SELECT` with [`ENDED_MARKER`] in the
+///   message (the `ELSE` is evaluated only then: `current_setting` is not constant);
+/// - otherwise COMMIT runs, and any error it answers is the server's refusal.
+const CHECKED_COMMIT: &str = "SELECT CASE WHEN current_setting('idemq.tx', true) = 'open' THEN 0 \
+     ELSE ('idemq_transaction_ended' || coalesce(current_setting('idemq.tx', true), ''))::int END; \
+     COMMIT";
+
+/// What the cast error of [`CHECKED_COMMIT`] quotes, whatever the server's language.
+const ENDED_MARKER: &str = "idemq_transaction_ended";
+
+/// Inserts the dedup row if absent, inside the open transaction; `true` if this
+/// transaction inserted it (the message is new). Marks the transaction as idemq's.
+pub(crate) async fn insert_dedup(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+) -> QueryResult<bool> {
+    let inserted = diesel::insert_into(idemq_dedup::table)
+        .values((
+            idemq_dedup::handler.eq(scope),
+            idemq_dedup::key.eq(key),
+            idemq_dedup::fingerprint.eq(fingerprint),
+        ))
+        .on_conflict_do_nothing()
+        // Evaluated per inserted row: only a new message marks the transaction.
+        .returning(diesel::dsl::sql::<Text>(OPEN_MARK))
+        .get_result::<String>(conn)
+        .await
+        .optional()?;
+    Ok(inserted.is_some())
+}
+
+/// The fingerprint stored with an existing dedup row.
+pub(crate) async fn stored_fingerprint(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    key: &str,
+) -> QueryResult<Option<Vec<u8>>> {
+    idemq_dedup::table.find((scope, key)).select(idemq_dedup::fingerprint).get_result(conn).await
+}
+
+/// Why the checked COMMIT did not commit.
+#[derive(Debug)]
+pub(crate) enum CommitFailure {
+    /// A statement in the handler failed and its error was ignored: rolled back.
+    Aborted,
+    /// The handler ended idemq's transaction itself (COMMIT, ROLLBACK): rolled back
+    /// whatever it began after.
+    Ended,
+    /// The server refused the COMMIT (deferred constraint, serialization failure,
+    /// deadlock): rolled back. `contention` for the ones worth running again at once.
+    Refused { error: DieselError, contention: bool },
+    /// The connection failed: the COMMIT may or may not have landed.
+    Unknown(DieselError),
+}
+
+/// COMMITs the open top-level transaction, refusing one that is aborted or is not
+/// the one the dedup row was written in (see [`CHECKED_COMMIT`]). On any refusal the
+/// transaction is rolled back and the connection stays usable; on
+/// [`CommitFailure::Unknown`] it must be dropped.
+pub(crate) async fn commit_checked(conn: &mut AsyncPgConnection) -> Result<(), CommitFailure> {
+    match conn.batch_execute(CHECKED_COMMIT).await {
+        Ok(()) => {
+            // The COMMIT went out by hand, so diesel's bookkeeping must be told; a
+            // connection it believes to be in a transaction is discarded by the pool.
+            left_transaction(conn).map_err(CommitFailure::Unknown)?;
+            Ok(())
+        }
+        Err(error) if is_connection_error(&error) => Err(CommitFailure::Unknown(error)),
+        Err(error) => {
+            let failure = match &error {
+                DieselError::DatabaseError(_, info) if info.message().contains(ENDED_MARKER) => {
+                    CommitFailure::Ended
+                }
+                DieselError::DatabaseError(_, info)
+                    if info.message().starts_with("current transaction is aborted") =>
+                {
+                    CommitFailure::Aborted
+                }
+                _ => CommitFailure::Refused { contention: is_contention(&error), error },
+            };
+            // The aborted transaction, or the one the handler began after ending
+            // ours, or nothing (COMMIT's failure ended it; ROLLBACK only warns).
+            match AnsiTransactionManager::rollback_transaction(conn).await {
+                Ok(()) => Err(failure),
+                Err(rollback_error) => Err(CommitFailure::Unknown(rollback_error)),
+            }
+        }
+    }
+}
+
+/// Records in diesel's transaction manager that the top-level transaction ended.
+fn left_transaction(conn: &mut AsyncPgConnection) -> QueryResult<()> {
+    use diesel::connection::TransactionDepthChange;
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()?
+        .change_transaction_depth(TransactionDepthChange::DecreaseDepth)
+}
+
+/// Counts a handler start of a redelivered message, committed on its own before the
+/// handler runs (so it survives the crash it may cause); returns the starts so far,
+/// this one included.
+pub(crate) async fn mark_start(conn: &mut AsyncPgConnection, scope: &str, key: &str) -> QueryResult<i32> {
+    diesel::insert_into(idemq_started::table)
+        .values((idemq_started::handler.eq(scope), idemq_started::key.eq(key), idemq_started::starts.eq(1)))
+        .on_conflict((idemq_started::handler, idemq_started::key))
+        .do_update()
+        .set((
+            idemq_started::starts.eq(idemq_started::starts + 1),
+            idemq_started::last_started_at.eq(diesel::dsl::now),
+        ))
+        .returning(idemq_started::starts)
+        .get_result(conn)
+        .await
+}
+
+/// Forgets the starts of a message that reached an outcome.
+pub(crate) async fn clear_starts(conn: &mut AsyncPgConnection, scope: &str, key: &str) -> QueryResult<()> {
+    diesel::delete(idemq_started::table.find((scope, key))).execute(conn).await.map(drop)
+}
+
+/// Whether the broker confirmed a copy with this id before.
+pub(crate) async fn copy_recorded(conn: &mut AsyncPgConnection, copy_id: &str) -> QueryResult<bool> {
+    diesel::select(diesel::dsl::exists(idemq_copies::table.find(copy_id))).get_result(conn).await
+}
+
+/// Records a copy the broker confirmed.
+pub(crate) async fn record_copy(conn: &mut AsyncPgConnection, copy_id: &str) -> QueryResult<()> {
+    diesel::insert_into(idemq_copies::table)
+        .values(idemq_copies::copy_id.eq(copy_id))
+        .on_conflict_do_nothing()
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// The connection failed (closed, could not send): the server's answer is unknown.
+pub(crate) fn is_connection_error(error: &DieselError) -> bool {
+    matches!(
+        error,
+        DieselError::DatabaseError(
+            DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
+            _
+        ) | DieselError::BrokenTransactionManager
+    )
+}
+
+/// A serialization failure or a deadlock: running the transaction again may succeed.
+fn is_contention(error: &DieselError) -> bool {
+    match error {
+        DieselError::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
+        // 40P01 has no kind of its own in diesel-async (it maps to Unknown).
+        DieselError::DatabaseError(_, info) => info.message().starts_with("deadlock detected"),
+        _ => false,
+    }
+}
+
+/// What is wrong with the database for idemq, if anything: missing migrations,
+/// missing tables, or privileges this user lacks. Errors that no retry can fix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SchemaProblem {
+    pub(crate) problem: String,
+    pub(crate) fix: String,
+}
+
+#[derive(QueryableByName)]
+struct TableState {
+    #[diesel(sql_type = Text)]
+    name: String,
+    #[diesel(sql_type = Bool)]
+    present: bool,
+    #[diesel(sql_type = Bool)]
+    usable: bool,
+}
+
+/// Checks that idemq's migrations were applied and its tables are usable.
+pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Option<SchemaProblem>> {
+    let run_migrate = "run idemq's migrations against this database first \
+                       (`idemq::migrate(url)`, or your binary's `migrate` subcommand)";
+    let tables: Vec<TableState> = diesel::sql_query(
+        "SELECT t.name, to_regclass(t.name) IS NOT NULL AS present, \
+         COALESCE(has_table_privilege(to_regclass(t.name), 'SELECT') \
+              AND has_table_privilege(to_regclass(t.name), 'INSERT') \
+              AND has_table_privilege(to_regclass(t.name), 'UPDATE') \
+              AND has_table_privilege(to_regclass(t.name), 'DELETE'), false) AS usable \
+         FROM unnest($1::text[]) AS t(name)",
+    )
+    .bind::<diesel::sql_types::Array<Text>, _>(TABLES.to_vec())
+    .load(conn)
+    .await?;
+    let missing: Vec<&str> = tables.iter().filter(|t| !t.present).map(|t| t.name.as_str()).collect();
+    if !missing.is_empty() {
+        return Ok(Some(SchemaProblem {
+            problem: format!("idemq's table(s) {} do not exist", missing.join(", ")),
+            fix: run_migrate.to_owned(),
+        }));
+    }
+    let unusable: Vec<&str> = tables.iter().filter(|t| !t.usable).map(|t| t.name.as_str()).collect();
+    if !unusable.is_empty() {
+        return Ok(Some(SchemaProblem {
+            problem: format!(
+                "this database user lacks SELECT, INSERT, UPDATE or DELETE on {}",
+                unusable.join(", ")
+            ),
+            fix: format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <the user in DATABASE_URL>",
+                unusable.join(", ")
+            ),
+        }));
+    }
+    let tracked: bool =
+        diesel::select(diesel::dsl::sql::<Bool>("to_regclass('__diesel_schema_migrations') IS NOT NULL"))
+            .get_result(conn)
+            .await?;
+    let applied: Vec<String> = if tracked {
+        diesel::dsl::sql::<Text>("SELECT version FROM __diesel_schema_migrations").load(conn).await?
+    } else {
+        Vec::new()
+    };
+    let embedded =
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::migrate::MIGRATIONS)
+            .map_err(DieselError::QueryBuilderError)?;
+    let pending: Vec<String> = embedded
+        .iter()
+        .filter(|m| !applied.contains(&m.name().version().to_string()))
+        .map(|m| m.name().to_string())
+        .collect();
+    if !pending.is_empty() {
+        return Ok(Some(SchemaProblem {
+            problem: format!("idemq's migration(s) {} are not applied", pending.join(", ")),
+            fix: run_migrate.to_owned(),
+        }));
+    }
+    Ok(None)
+}
+
+/// Session limits of every pooled connection, so that nothing idemq starts can hold
+/// locks for long past the handler timeout, even when its client is gone: a
+/// statement, a lock wait and an idle open transaction are each ended by the server.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SessionLimits {
+    pub(crate) statement: Duration,
+    pub(crate) idle_in_transaction: Duration,
+}
+
+impl SessionLimits {
+    /// Derived from the handler timeout: a statement or lock wait may take as long
+    /// as the handler may, plus a margin; an open transaction may sit idle a little
+    /// longer (the handler may await other things between statements).
+    pub(crate) fn for_handler_timeout(handler_timeout: Duration) -> Self {
+        Self {
+            statement: handler_timeout + Duration::from_secs(10),
+            idle_in_transaction: handler_timeout + Duration::from_secs(30),
+        }
+    }
+
+    fn sql(self) -> String {
+        let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);
+        format!(
+            "SET statement_timeout = {}; SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {}",
+            ms(self.statement),
+            ms(self.statement),
+            ms(self.idle_in_transaction)
+        )
+    }
+}
+
+/// The pool every delivery takes its connection from.
+pub(crate) fn build_pool(
+    database_url: &str,
+    size: usize,
+    limits: SessionLimits,
+) -> Result<Pool<AsyncPgConnection>, deadpool::managed::BuildError> {
+    let mut config = ManagerConfig::default();
+    // Broken connections are detected and dropped by the delivery state machine, so
+    // the per-checkout `SELECT 1` of `Verified` buys nothing but latency.
+    config.recycling_method = RecyclingMethod::Fast;
+    let setup_sql = limits.sql();
+    config.custom_setup = Box::new(move |url| {
+        let setup_sql = setup_sql.clone();
+        let url = url.to_owned();
+        async move {
+            let mut conn = AsyncPgConnection::establish(&url).await?;
+            conn.batch_execute(&setup_sql)
+                .await
+                .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
+            Ok(conn)
+        }
+        .boxed()
+    });
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
+    Pool::builder(manager)
+        .max_size(size)
+        .wait_timeout(Some(Duration::from_secs(30)))
+        .create_timeout(Some(Duration::from_secs(10)))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+}

@@ -1,0 +1,301 @@
+//! Handlers written the way people really write them: ignoring an error, ending the
+//! transaction themselves, panicking, sleeping in the database, reusing a fn name,
+//! tripping a constraint checked only at COMMIT. None of them may get a delivery
+//! acked without its effect, or stuck.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idemq::{
+    headers, idempotent_handler, Error, FailureKind, HandlerError, Outcome, Queue, RetryPolicy, Topology,
+};
+use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_tests::fixture::{payment, test_retry_policy, Bed, Running};
+use idemq_tests::{eventually, header_str, unique};
+
+fn attempts() -> &'static Mutex<HashMap<String, u32>> {
+    static ATTEMPTS: OnceLock<Mutex<HashMap<String, u32>>> = OnceLock::new();
+    ATTEMPTS.get_or_init(Mutex::default)
+}
+
+/// Counts a handler attempt for `key`; returns its number (1 for the first).
+fn next_attempt(key: &str) -> u32 {
+    let mut attempts = attempts().lock().expect("lock");
+    let n = attempts.entry(key.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
+/// The "ignore the unique violation" idiom: the payment is written, then a failing
+/// statement's error is dropped with `let _ =` (on the first attempt only).
+#[idempotent_handler(key = "payment_id")]
+async fn ignores_an_error(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    let first = next_attempt(&msg.payment_id) == 1;
+    apply_payment::call(conn, msg).await?;
+    if first {
+        let _ = diesel::sql_query("INSERT INTO no_such_table VALUES (1)").execute(conn).await;
+    }
+    Ok(())
+}
+
+/// The failed statement aborted the transaction, so PostgreSQL answers COMMIT with
+/// `ROLLBACK` and no error: nothing was written, not even the dedup row. idemq must
+/// see it, count a failed attempt and retry — not ack the message as applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handler_that_ignores_a_failed_statement_is_rolled_back_and_retried_not_acked() {
+    let bed = Bed::new().await;
+    let p = payment(10);
+    bed.publish(&p).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, ignores_an_error), 2).await;
+    match &events[0].outcome {
+        Outcome::Retry { error, .. } => assert!(error.contains("its error was ignored"), "{error}"),
+        other => panic!("the aborted transaction must be a failed attempt, not {other:?}"),
+    }
+    assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+    assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
+}
+
+/// Ends idemq's transaction (ROLLBACK: the dedup row is gone) and begins its own,
+/// on the first attempt.
+#[idempotent_handler(key = "payment_id")]
+async fn ends_the_transaction(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), HandlerError> {
+    if next_attempt(&msg.payment_id) == 1 {
+        conn.batch_execute("ROLLBACK; BEGIN").await?;
+    }
+    apply_payment::call(conn, msg).await?;
+    Ok(())
+}
+
+/// A handler that runs its own ROLLBACK/BEGIN would have its writes committed
+/// without the dedup row (a redelivery would apply them again). idemq refuses the
+/// COMMIT of a transaction that is not the one holding the dedup row.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handler_that_ends_idemqs_transaction_itself_is_rolled_back_and_retried() {
+    let bed = Bed::new().await;
+    let p = payment(20);
+    bed.publish(&p).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, ends_the_transaction), 2).await;
+    match &events[0].outcome {
+        Outcome::Retry { error, .. } => assert!(error.contains("ended idemq's transaction"), "{error}"),
+        other => panic!("the ended transaction must be a failed attempt, not {other:?}"),
+    }
+    assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the first attempt's write was rolled back");
+    assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
+}
+
+/// Panics on every message whose payment id starts with `boom`.
+#[idempotent_handler(key = "payment_id")]
+async fn panics(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), diesel::result::Error> {
+    if msg.payment_id.starts_with("boom") {
+        panic!("boom: account {} exploded", msg.account);
+    }
+    apply_payment::call(conn, msg).await
+}
+
+/// A panic is a failed attempt like any error: with one slot (`concurrency(1)`) the
+/// next message is still consumed, and after its last attempt the panicking one is
+/// dead-lettered with the panic message in `x-idemq-error`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panicking_handler_fails_its_attempt_and_frees_its_slot() {
+    let bed = Bed::new().await;
+    let boom = PaymentRequested { payment_id: unique("boom"), account: unique("acct"), amount_cents: 1 };
+    let good = payment(2);
+    bed.publish(&boom).await;
+    bed.publish(&good).await;
+    let two_attempts = RetryPolicy::new([Duration::from_millis(10)]);
+    let builder = bed.runtime().concurrency(1).consume_with(&bed.queue, panics, two_attempts);
+    let events = Running::settle(builder, 3).await;
+
+    let of = |key: &str| events.iter().filter(|e| e.key.as_deref() == Some(key)).collect::<Vec<_>>();
+    assert_eq!(of(&good.payment_id).len(), 1);
+    assert_eq!(of(&good.payment_id)[0].outcome, Outcome::Applied);
+    let boom_events = of(&boom.payment_id);
+    assert!(matches!(boom_events[0].outcome, Outcome::Retry { .. }), "{events:?}");
+    assert!(
+        matches!(boom_events[1].outcome, Outcome::DeadLettered { kind: FailureKind::AttemptsExhausted, .. }),
+        "{events:?}"
+    );
+    let dead = bed.broker.drain(&bed.dlq).await;
+    assert_eq!(dead.len(), 1);
+    let error = header_str(&dead[0].delivery.properties, headers::ERROR).unwrap_or_default();
+    assert!(error.contains("panicked") && error.contains("exploded"), "{error}");
+    assert_eq!(bed.ledger_rows(&boom.payment_id).await, 0);
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
+/// Writes the payment, then sleeps in the database (marked so the test can find
+/// the statement), on the first attempt.
+#[idempotent_handler(key = "payment_id")]
+async fn sleeps_in_the_database(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), HandlerError> {
+    let first = next_attempt(&msg.payment_id) == 1;
+    apply_payment::call(conn, msg).await?;
+    if first {
+        diesel::sql_query("SELECT pg_sleep(60) /* idemq-test-sleeper */").execute(conn).await?;
+    }
+    Ok(())
+}
+
+/// Dropping a timed-out handler's connection does not stop its statement on the
+/// server, which keeps its locks (here: the uncommitted dedup row the retry's insert
+/// would wait on for a minute). idemq cancels the statement: the server-side sleep
+/// ends at once and the retry applies the payment.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_timed_out_handler_stuck_in_the_database_is_cancelled_and_releases_its_locks() {
+    let bed = Bed::new().await;
+    let p = payment(30);
+    bed.publish(&p).await;
+    let builder = bed.runtime().handler_timeout(Duration::from_millis(300));
+    let running = Running::start(builder.consume(&bed.queue, sleeps_in_the_database));
+    running.wait_settled(1).await;
+    match &running.events()[0].outcome {
+        Outcome::Retry { error, .. } => assert!(error.contains("did not finish"), "{error}"),
+        other => panic!("a timeout is a failed attempt, not {other:?}"),
+    }
+    eventually("the sleeping statement ended on the server", Duration::from_secs(10), || async {
+        let mut conn = bed.db.connect().await;
+        let sleepers: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE query LIKE '%idemq-test-sleeper%' AND state = 'active' AND pid <> pg_backend_pid()",
+        )
+        .get_result(&mut conn)
+        .await
+        .expect("count sleepers");
+        sleepers == 0
+    })
+    .await;
+    // Had the sleeper kept the dedup row locked, this retry would wait a minute.
+    running.wait_settled(2).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+}
+
+/// A ledger row of 13 cents breaks a constraint checked only at COMMIT.
+const REFUSE_13_AT_COMMIT: &str = "
+    CREATE FUNCTION refuse_13() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF NEW.amount_cents = 13 THEN RAISE EXCEPTION 'thirteen is refused at commit'; END IF;
+        RETURN NULL;
+    END $$;
+    CREATE CONSTRAINT TRIGGER refuse_13 AFTER INSERT ON ledger
+        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_13();";
+
+/// A COMMIT answered with an error is a definite rollback, not an outage whose
+/// outcome is unknown: a failed attempt like any other (retried, counted, then
+/// dead-lettered), never retried in-process for the database retry limit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_refused_by_a_deferred_constraint_is_a_failed_attempt_not_an_outage() {
+    let bed = Bed::new().await;
+    bed.db.connect().await.batch_execute(REFUSE_13_AT_COMMIT).await.expect("create the trigger");
+    let p = payment(13);
+    bed.publish(&p).await;
+    let three_attempts = RetryPolicy::new([10, 20].map(Duration::from_millis));
+    let running = Running::start(bed.runtime().consume_with(&bed.queue, apply_payment, three_attempts));
+    running.wait_settled(3).await;
+    let events = running.events();
+    let stats = running.stats.snapshot();
+    running.stop().await.expect("clean shutdown");
+
+    assert!(matches!(events[0].outcome, Outcome::Retry { .. }), "{events:?}");
+    assert!(matches!(events[1].outcome, Outcome::Retry { .. }), "{events:?}");
+    match &events[2].outcome {
+        Outcome::DeadLettered { kind: FailureKind::AttemptsExhausted, error } => {
+            assert!(error.contains("refused the COMMIT") && error.contains("thirteen"), "{error}");
+        }
+        other => panic!("expected attempts-exhausted, got {other:?}"),
+    }
+    assert_eq!(stats.infrastructure_retries, 0, "a refused COMMIT is not a database fault: {stats:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 0);
+    assert_eq!(bed.dedup_rows(&p.payment_id).await, 0);
+}
+
+mod ledger_a {
+    use super::*;
+
+    /// One service's handler, named `handle`.
+    #[idempotent_handler(key = "payment_id")]
+    pub(super) async fn handle(
+        conn: &mut AsyncPgConnection,
+        msg: PaymentRequested,
+    ) -> Result<(), diesel::result::Error> {
+        apply_payment::call(conn, msg).await
+    }
+}
+
+mod ledger_b {
+    use super::*;
+
+    /// Another module's handler, also named `handle`.
+    #[idempotent_handler(key = "payment_id")]
+    pub(super) async fn handle(
+        conn: &mut AsyncPgConnection,
+        msg: PaymentRequested,
+    ) -> Result<(), diesel::result::Error> {
+        apply_payment::call(conn, msg).await
+    }
+}
+
+/// Two handlers with one fn name would share one dedup namespace, and the second's
+/// messages would be acked as duplicates without running: the runtime refuses to
+/// be built, naming both and the fix.
+#[test]
+fn two_handlers_with_the_same_name_are_refused_when_the_runtime_is_built() {
+    let built = idemq::Runtime::builder()
+        .topology(Topology::new().queue(Queue::new("a")).queue(Queue::new("b")))
+        .consume("a", ledger_a::handle)
+        .consume("b", ledger_b::handle)
+        .build();
+    let Err(Error::Config(message)) = built else { panic!("two handlers named `handle` must be refused") };
+    assert!(message.contains("ledger_a::handle") && message.contains("ledger_b::handle"), "{message}");
+    assert!(message.contains("name = "), "the message says how to fix it: {message}");
+    // The same handler on two queues is one handler: allowed.
+    let same =
+        idemq::Runtime::builder().consume("a", ledger_a::handle).consume("b", ledger_a::handle).build();
+    assert!(same.is_ok(), "{same:?}");
+}
+
+/// Two services sharing one database, each with a handler of the same name and
+/// its own namespace: the same key is applied once by each, not once in all.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_services_in_one_database_keep_their_dedup_rows_apart_by_namespace() {
+    let bed = Bed::new().await;
+    let other_queue = unique("q");
+    let other_topology = Topology::new().queue(Queue::new(other_queue.clone()));
+    let channel = bed.broker.connection().create_channel().await.expect("open a channel");
+    other_topology.declare(&channel).await.expect("declare the other service's queue");
+    let p = payment(40);
+    bed.publish(&p).await;
+    let billing = Running::start(bed.runtime().namespace("billing").consume(&bed.queue, apply_payment));
+    let audit = Running::start(
+        bed.runtime().topology(other_topology).namespace("audit").consume(&other_queue, apply_payment),
+    );
+    billing.wait_settled(1).await;
+    let body = serde_json::to_vec(&p).unwrap();
+    let props = lapin::BasicProperties::default().with_content_type("application/json".into());
+    bed.broker.publish_bytes(&other_queue, &body, props).await;
+    audit.wait_settled(1).await;
+    assert_eq!(billing.events()[0].outcome, Outcome::Applied);
+    assert_eq!(
+        audit.events()[0].outcome,
+        Outcome::Applied,
+        "another service's row must not make it a duplicate"
+    );
+    billing.stop().await.expect("clean shutdown");
+    audit.stop().await.expect("clean shutdown");
+    assert_eq!(bed.dedup_rows(&p.payment_id).await, 2);
+    let wait_queues = test_retry_policy().wait_queues(&other_queue).into_iter().map(|(name, _)| name);
+    for queue in [other_queue.clone(), format!("{other_queue}.dlq")].into_iter().chain(wait_queues) {
+        bed.broker.delete_queue(&queue).await;
+    }
+}
