@@ -80,6 +80,12 @@
 //! error (transient: retried) or a [`HandlerError`]; wrap in [`Permanent`] to
 //! dead-letter without retrying.
 //!
+//! The stored key ([`Key`]) is the key as written — integers in decimal, uuids
+//! hyphenated — when it has at most [`MAX_STORED_KEY_BYTES`] (256) UTF-8 bytes and
+//! does not start with `sha256:`; any other key is stored as `sha256:` and the hex
+//! SHA-256 of its bytes. A stored `sha256:…` therefore always means "hashed": a raw
+//! key spelled like a long key's hash is hashed itself and cannot collide with it.
+//!
 //! ## Features
 //! - `uuid`: `uuid::Uuid` key fields.
 //! - `fault-injection`: test-only [`fault`] hooks.
