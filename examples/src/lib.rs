@@ -124,6 +124,9 @@ fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) ->
 
 /// Creates the database if missing, applies idemq's migrations and the demo's tables.
 ///
+/// Several processes may run it at once: the demo's tables are created under idemq's
+/// migration lock ([`idemq::MIGRATION_LOCK`]), as idemq's own are.
+///
 /// # Errors
 /// When PostgreSQL is unreachable or refuses a statement.
 pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
@@ -133,9 +136,20 @@ pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
         context: format!("connect to {database_url}"),
         source: Box::new(err),
     })?;
-    diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, SCHEMA)
-        .await
-        .map_err(db_error("create the demo tables"))?;
+    // Two `CREATE TABLE IF NOT EXISTS` racing on a fresh database fail on
+    // `pg_type_typname_nsp_index`; the lock makes them take turns. Three queries, so
+    // the schema commits before the lock is released (one multi-statement query is
+    // one transaction). On an error the connection is dropped, which frees the lock.
+    let lock = idemq::MIGRATION_LOCK;
+    for (sql, context) in [
+        (format!("SELECT pg_advisory_lock({lock})"), "take the migration lock"),
+        (SCHEMA.to_owned(), "create the demo tables"),
+        (format!("SELECT pg_advisory_unlock({lock})"), "release the migration lock"),
+    ] {
+        diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, &sql)
+            .await
+            .map_err(db_error(context))?;
+    }
     Ok(())
 }
 

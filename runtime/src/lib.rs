@@ -114,7 +114,7 @@ pub use error::Error;
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::idempotent_handler;
 pub use key::{Key, KeyError, KeyField, MAX_STORED_KEY_BYTES};
-pub use migrate::{migrate, MIGRATIONS};
+pub use migrate::{migrate, MIGRATION_LOCK, MIGRATIONS};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use retry::RetryPolicy;
 pub use runtime::{
