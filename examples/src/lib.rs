@@ -108,9 +108,9 @@ pub enum SetupError {
     #[error(transparent)]
     Idemq(#[from] idemq::Error),
     /// A database statement failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {}", idemq::redact(&.source.to_string()))]
     Database {
-        /// What was being done.
+        /// What was being done (any URL in it redacted).
         context: String,
         /// The error.
         source: Box<dyn std::error::Error + Send + Sync>,
@@ -132,10 +132,7 @@ fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) ->
 pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
     ensure_database(database_url).await?;
     idemq::migrate(database_url).await?;
-    let mut conn = AsyncPgConnection::establish(database_url).await.map_err(|err| SetupError::Database {
-        context: format!("connect to {database_url}"),
-        source: Box::new(err),
-    })?;
+    let mut conn = connect(database_url).await?;
     // Two `CREATE TABLE IF NOT EXISTS` racing on a fresh database fail on
     // `pg_type_typname_nsp_index`; the lock makes them take turns. Three queries, so
     // the schema commits before the lock is released (one multi-statement query is
@@ -153,6 +150,14 @@ pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
     Ok(())
 }
 
+/// Connects to `url`; an error names the URL redacted.
+async fn connect(url: &str) -> Result<AsyncPgConnection, SetupError> {
+    AsyncPgConnection::establish(url).await.map_err(|err| SetupError::Database {
+        context: format!("connect to {}", idemq::redact(url)),
+        source: Box::new(err),
+    })
+}
+
 /// Creates the database named in `database_url` if it does not exist.
 async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
     let Some((server, name)) = database_url.rsplit_once('/') else {
@@ -163,10 +168,7 @@ async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
         return Ok(());
     }
     let admin_url = format!("{server}/postgres");
-    let mut admin = AsyncPgConnection::establish(&admin_url).await.map_err(|err| SetupError::Database {
-        context: format!("connect to {admin_url}"),
-        source: Box::new(err),
-    })?;
+    let mut admin = connect(&admin_url).await?;
     #[derive(QueryableByName)]
     struct Exists {
         #[diesel(sql_type = diesel::sql_types::Bool)]

@@ -103,6 +103,7 @@ mod key;
 mod migrate;
 mod outcome;
 mod prepare;
+mod redact;
 mod retry;
 mod runtime;
 mod session;
@@ -114,8 +115,9 @@ pub use error::Error;
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::idempotent_handler;
 pub use key::{Key, KeyError, KeyField, MAX_STORED_KEY_BYTES};
-pub use migrate::{migrate, MIGRATION_LOCK, MIGRATIONS};
+pub use migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
+pub use redact::redact;
 pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL,
