@@ -108,9 +108,9 @@ pub enum SetupError {
     #[error(transparent)]
     Idemq(#[from] idemq::Error),
     /// A database statement failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {}", idemq::redact(&.source.to_string()))]
     Database {
-        /// What was being done.
+        /// What was being done (any URL in it redacted).
         context: String,
         /// The error.
         source: Box<dyn std::error::Error + Send + Sync>,
@@ -124,19 +124,38 @@ fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) ->
 
 /// Creates the database if missing, applies idemq's migrations and the demo's tables.
 ///
+/// Several processes may run it at once: the demo's tables are created under idemq's
+/// migration lock ([`idemq::MIGRATION_LOCK`]), as idemq's own are.
+///
 /// # Errors
 /// When PostgreSQL is unreachable or refuses a statement.
 pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
     ensure_database(database_url).await?;
     idemq::migrate(database_url).await?;
-    let mut conn = AsyncPgConnection::establish(database_url).await.map_err(|err| SetupError::Database {
-        context: format!("connect to {database_url}"),
-        source: Box::new(err),
-    })?;
-    diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, SCHEMA)
-        .await
-        .map_err(db_error("create the demo tables"))?;
+    let mut conn = connect(database_url).await?;
+    // Two `CREATE TABLE IF NOT EXISTS` racing on a fresh database fail on
+    // `pg_type_typname_nsp_index`; the lock makes them take turns. Three queries, so
+    // the schema commits before the lock is released (one multi-statement query is
+    // one transaction). On an error the connection is dropped, which frees the lock.
+    let lock = idemq::MIGRATION_LOCK;
+    for (sql, context) in [
+        (format!("SELECT pg_advisory_lock({lock})"), "take the migration lock"),
+        (SCHEMA.to_owned(), "create the demo tables"),
+        (format!("SELECT pg_advisory_unlock({lock})"), "release the migration lock"),
+    ] {
+        diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, &sql)
+            .await
+            .map_err(db_error(context))?;
+    }
     Ok(())
+}
+
+/// Connects to `url`; an error names the URL redacted.
+async fn connect(url: &str) -> Result<AsyncPgConnection, SetupError> {
+    AsyncPgConnection::establish(url).await.map_err(|err| SetupError::Database {
+        context: format!("connect to {}", idemq::redact(url)),
+        source: Box::new(err),
+    })
 }
 
 /// Creates the database named in `database_url` if it does not exist.
@@ -149,10 +168,7 @@ async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
         return Ok(());
     }
     let admin_url = format!("{server}/postgres");
-    let mut admin = AsyncPgConnection::establish(&admin_url).await.map_err(|err| SetupError::Database {
-        context: format!("connect to {admin_url}"),
-        source: Box::new(err),
-    })?;
+    let mut admin = connect(&admin_url).await?;
     #[derive(QueryableByName)]
     struct Exists {
         #[diesel(sql_type = diesel::sql_types::Bool)]

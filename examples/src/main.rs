@@ -39,7 +39,7 @@ async fn main() -> ExitCode {
     }
     let result = match args.first().map(String::as_str) {
         Some("migrate") => migrate(&database_url).await.map_err(Into::into).map(|()| {
-            println!("migrations applied to {}", redact(&database_url));
+            println!("migrations applied to {}", idemq::redact(&database_url));
         }),
         Some("run") => run(&amqp_url, &database_url, config.concurrency).await,
         Some("demo") => match demo::run(&amqp_url, &database_url, config).await {
@@ -61,7 +61,8 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("payments: {err}");
+            // Driver errors may quote a URL, password and all.
+            eprintln!("payments: {}", idemq::redact(&err.to_string()));
             ExitCode::FAILURE
         }
     }
@@ -97,13 +98,4 @@ fn parse_flags(flags: &[String], config: &mut DemoConfig) -> Result<(), String> 
         }
     }
     Ok(())
-}
-
-fn redact(url: &str) -> String {
-    match url.split_once('@') {
-        Some((userinfo, host)) if userinfo.matches(':').count() > 1 => {
-            format!("{}:***@{host}", &userinfo[..userinfo.rfind(':').unwrap_or(0)])
-        }
-        _ => url.to_owned(),
-    }
 }

@@ -122,3 +122,30 @@ fn migrate_exits_zero_and_run_stops_cleanly_on_sigterm() {
     let status = wait_with_timeout(&mut child, Duration::from_secs(20));
     assert!(status.success(), "exit status {status:?}");
 }
+
+/// `payments migrate` against a server that is not there, given passwords that hold
+/// `@` raw, percent-encoded, in the query and in a libpq `key=value` string, fails
+/// without printing the password or any piece of it (debug logging on).
+#[test]
+fn a_failed_migrate_never_prints_the_database_password() {
+    for url in [
+        "postgres://postgres:s3cr@t-pw@127.0.0.1:1/x",
+        "postgres://postgres:s3cr%40t-pw@127.0.0.1:1/x",
+        "postgres://postgres@127.0.0.1:1/x?sslmode=disable&password=s3cr@t-pw",
+        "host=127.0.0.1 port=1 user=postgres password='s3cr@t-pw' dbname=x",
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_payments"))
+            .arg("migrate")
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "debug")
+            .output()
+            .expect("spawn payments migrate");
+        let shown =
+            format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(!output.status.success(), "migrate succeeded against port 1: {shown}");
+        assert!(shown.contains("payments: "), "no error printed for {url}: {shown}");
+        for fragment in ["s3cr", "t-pw", "%40t"] {
+            assert!(!shown.contains(fragment), "'{fragment}' of the password printed for {url}:\n{shown}");
+        }
+    }
+}

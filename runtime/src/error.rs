@@ -2,17 +2,26 @@
 //!
 //! Per-message failures are not errors of the runtime: they end in a retry or a
 //! dead letter (see [`FailureKind`](crate::FailureKind)) and never stop it.
+//!
+//! Every URL and every driver message shown by these errors goes through
+//! [`redact`](crate::redact): a driver may quote the URL it was given.
+
+use std::fmt;
 
 /// What stopped the runtime or kept it from starting.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Display` and `Debug` show every URL and driver message with its passwords
+/// redacted ([`redact`](crate::redact)).
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// Could not connect to RabbitMQ.
-    #[error("cannot connect to RabbitMQ at {url}: {source}; is the broker running, and are AMQP_URL's credentials and vhost right?")]
+    #[error("cannot connect to RabbitMQ at {url}: {}; is the broker running, and are AMQP_URL's credentials and vhost right?", redact(&.source.to_string()))]
     AmqpConnect {
         /// The URL, password redacted.
         url: String,
-        /// The client's error.
+        /// The client's error. It may quote the URL: show it through
+        /// [`redact`](crate::redact) (this error's `Display` does).
         #[source]
         source: lapin::Error,
     },
@@ -53,12 +62,13 @@ pub enum Error {
     },
     /// Could not reach PostgreSQL or build the pool.
     #[error(
-        "cannot connect to PostgreSQL at {url}: {message}; is the server running and DATABASE_URL right?"
+        "cannot connect to PostgreSQL at {url}: {}; is the server running and DATABASE_URL right?",
+        redact(message)
     )]
     DatabaseConnect {
         /// The URL, password redacted.
         url: String,
-        /// What failed.
+        /// What failed, in the driver's words (shown redacted).
         message: String,
     },
     /// idemq's tables are missing or out of date, or this user may not use them:
@@ -77,32 +87,77 @@ pub enum Error {
         after: std::time::Duration,
     },
     /// The embedded migrations failed.
-    #[error("running idemq's migrations failed: {0}")]
+    #[error("running idemq's migrations failed: {}", redact(.0))]
     Migration(String),
     /// The builder was given an unusable setting.
     #[error("invalid idemq configuration: {0}")]
     Config(String),
 }
 
-/// Hides the password of a `scheme://user:password@host/...` URL.
-pub(crate) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let Some((userinfo, host)) = rest.split_once('@') else {
-        return url.to_owned();
-    };
-    match userinfo.split_once(':') {
-        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
-        None => url.to_owned(),
+/// The one redaction rule (see [`crate::redact`]), under the name the runtime uses.
+pub(crate) use crate::redact::redact;
+
+/// Like the derived `Debug`, with driver errors redacted: a lapin error may quote the
+/// whole URL, password included ("Invalid URL: '…'"), and `main() -> Result<(), Error>`
+/// prints this.
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::AmqpConnect { url, source } => {
+                f.debug_struct("AmqpConnect").field("url", url).field("source", &Redacted(source)).finish()
+            }
+            Self::Amqp { action, source } => {
+                f.debug_struct("Amqp").field("action", action).field("source", &Redacted(source)).finish()
+            }
+            Self::QueueMismatch { queue, detail, declared } => f
+                .debug_struct("QueueMismatch")
+                .field("queue", queue)
+                .field("detail", detail)
+                .field("declared", declared)
+                .finish(),
+            Self::ExchangeMismatch { exchange, detail } => f
+                .debug_struct("ExchangeMismatch")
+                .field("exchange", exchange)
+                .field("detail", detail)
+                .finish(),
+            Self::DatabaseConnect { url, message } => f
+                .debug_struct("DatabaseConnect")
+                .field("url", url)
+                .field("message", &Redacted(message))
+                .finish(),
+            Self::StartTimeout { after } => f.debug_struct("StartTimeout").field("after", after).finish(),
+            Self::Migration(message) => f.debug_tuple("Migration").field(&Redacted(message)).finish(),
+            Self::Config(message) => f.debug_tuple("Config").field(message).finish(),
+        }
+    }
+}
+
+/// `Debug` of the inner value, redacted.
+struct Redacted<'a, T: fmt::Debug>(&'a T);
+
+impl<T: fmt::Debug> fmt::Debug for Redacted<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&redact(&format!("{:?}", self.0)))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::Error;
+
     #[test]
-    fn redact_hides_only_the_password() {
-        assert_eq!(super::redact("amqp://guest:secret@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
-        assert_eq!(super::redact("postgres://postgres@h/db"), "postgres://postgres@h/db");
+    fn a_driver_error_quoting_the_url_is_redacted_in_display_and_debug() {
+        let err = Error::DatabaseConnect {
+            url: super::redact("postgres://u:s3cr@t@h/db"),
+            message: "invalid URL 'postgres://u:s3cr@t@h/db'".into(),
+        };
+        for shown in [err.to_string(), format!("{err:?}"), format!("{err:#?}")] {
+            assert!(!shown.contains("s3cr") && !shown.contains("t@h"), "{shown}");
+            assert!(shown.contains("postgres://u:***@h/db"), "{shown}");
+        }
+        let err = Error::Migration("could not connect with password=hunter2".into());
+        for shown in [err.to_string(), format!("{err:?}")] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
     }
 }

@@ -10,13 +10,30 @@ use sha2::{Digest, Sha256};
 /// indexable and the dedup decision intact (a 256-bit collision is not a concern).
 pub const MAX_STORED_KEY_BYTES: usize = 256;
 
+/// The prefix of a hashed stored key. A stored key that starts with it is always a
+/// hash: raw keys that start with it are hashed too.
+const HASH_PREFIX: &str = "sha256:";
+
 /// A validated dedup key: non-empty, no NUL byte, at most [`MAX_STORED_KEY_BYTES`]
 /// stored bytes.
+///
+/// What is stored in `idemq_dedup.key` ([`Key::as_str`]):
+///
+/// - a key of at most [`MAX_STORED_KEY_BYTES`] UTF-8 bytes that does not start with
+///   `sha256:` is stored as it is (integers in decimal, a `uuid::Uuid` hyphenated
+///   lower case);
+/// - any other key — longer than that, or starting with `sha256:` — is stored as
+///   `sha256:` followed by the 64 lower-case hex digits of the SHA-256 of its UTF-8
+///   bytes.
+///
+/// So a stored `sha256:…` always means "hashed", and two different keys never share
+/// a stored form (short of a SHA-256 collision): a raw key spelled like the hash of
+/// a long key is itself hashed, and cannot equal it.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Key(String);
 
 impl Key {
-    /// Validates `raw` and turns it into the stored form.
+    /// Validates `raw` and turns it into the stored form (see [`Key`]).
     ///
     /// # Errors
     /// [`KeyError::Empty`] for `""`, [`KeyError::Nul`] for a key holding a NUL byte
@@ -29,8 +46,8 @@ impl Key {
         if raw.contains('\0') {
             return Err(KeyError::Nul);
         }
-        if raw.len() > MAX_STORED_KEY_BYTES {
-            return Ok(Self(format!("sha256:{}", hex(&Sha256::digest(raw.as_bytes())))));
+        if raw.len() > MAX_STORED_KEY_BYTES || raw.starts_with(HASH_PREFIX) {
+            return Ok(Self(format!("{HASH_PREFIX}{}", hex(&Sha256::digest(raw.as_bytes())))));
         }
         Ok(Self(raw))
     }
@@ -165,5 +182,33 @@ mod tests {
         assert_eq!(key.as_str().len(), "sha256:".len() + 64);
         assert_ne!(key, "y".repeat(3000).to_key().unwrap());
         assert_eq!(key, long.clone().to_key().unwrap());
+    }
+
+    #[test]
+    fn a_raw_key_that_looks_hashed_never_equals_a_hashed_key() {
+        let long = "x".repeat(3000);
+        let hashed = long.to_key().unwrap();
+        // A client sending the stored form of the long key as its key.
+        let lookalike = hashed.as_str().to_key().unwrap();
+        assert_ne!(lookalike, hashed);
+        assert!(lookalike.as_str().starts_with("sha256:"));
+        assert_eq!(lookalike.as_str().len(), "sha256:".len() + 64);
+        // Hashed, not refused: the same raw key always maps to the same stored key.
+        assert_eq!(lookalike, hashed.as_str().to_key().unwrap());
+        // Every key starting with the prefix is hashed, however short.
+        assert_ne!("sha256:".to_key().unwrap().as_str(), "sha256:");
+        assert_ne!("sha256:abc".to_key().unwrap().as_str(), "sha256:abc");
+        // Keys that merely contain it, or another case, are stored as they are.
+        assert_eq!("x-sha256:abc".to_key().unwrap().as_str(), "x-sha256:abc");
+        assert_eq!("SHA256:abc".to_key().unwrap().as_str(), "SHA256:abc");
+    }
+
+    #[test]
+    fn short_keys_are_stored_as_they_are() {
+        let at_limit = "k".repeat(MAX_STORED_KEY_BYTES);
+        assert_eq!(at_limit.to_key().unwrap().as_str(), at_limit);
+        let over = "k".repeat(MAX_STORED_KEY_BYTES + 1);
+        assert!(over.to_key().unwrap().as_str().starts_with("sha256:"));
+        assert_eq!("pay-1".to_key().unwrap().as_str(), "pay-1");
     }
 }

@@ -80,6 +80,12 @@
 //! error (transient: retried) or a [`HandlerError`]; wrap in [`Permanent`] to
 //! dead-letter without retrying.
 //!
+//! The stored key ([`Key`]) is the key as written — integers in decimal, uuids
+//! hyphenated — when it has at most [`MAX_STORED_KEY_BYTES`] (256) UTF-8 bytes and
+//! does not start with `sha256:`; any other key is stored as `sha256:` and the hex
+//! SHA-256 of its bytes. A stored `sha256:…` therefore always means "hashed": a raw
+//! key spelled like a long key's hash is hashed itself and cannot collide with it.
+//!
 //! ## Features
 //! - `uuid`: `uuid::Uuid` key fields.
 //! - `fault-injection`: test-only [`fault`] hooks.
@@ -98,6 +104,7 @@ mod key;
 mod migrate;
 mod outcome;
 mod prepare;
+mod redact;
 mod retry;
 mod runtime;
 mod session;
@@ -109,8 +116,9 @@ pub use error::Error;
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::idempotent_handler;
 pub use key::{Key, KeyError, KeyField, MAX_STORED_KEY_BYTES};
-pub use migrate::{migrate, MIGRATIONS};
+pub use migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
+pub use redact::redact;
 pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL,

@@ -1,6 +1,7 @@
 //! idemq's own tables, embedded and applied from code.
 
-use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection};
+use diesel::sql_types::BigInt;
+use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 
 use crate::error::{redact, Error};
@@ -8,10 +9,22 @@ use crate::error::{redact, Error};
 /// The migrations in the repository's `migrations/` folder (the dedup table).
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
 
+/// The key of the PostgreSQL advisory lock [`migrate`] holds while it migrates
+/// (`pg_advisory_lock(MIGRATION_LOCK)`, session level; the bytes spell `idemq_mg`).
+///
+/// Take it around your own schema changes, on their connection, to serialize them
+/// with idemq's and with other processes starting at the same moment: two
+/// `CREATE TABLE`s of one name racing on a fresh database fail (duplicate key on
+/// `pg_type_typname_nsp_index`) even with `IF NOT EXISTS`. Do not hold it while
+/// calling [`migrate`] from the same task: that waits on another session.
+pub const MIGRATION_LOCK: i64 = 0x6964_656d_715f_6d67;
+
 /// Applies idemq's pending migrations to the database at `database_url`.
 ///
-/// Safe to run at every start-up and from several processes (each migration runs in
-/// its own transaction; a concurrent runner fails on the version row and is retried).
+/// Safe to run at every start-up and from several processes at once: each run holds
+/// the advisory lock [`MIGRATION_LOCK`] while it migrates, so concurrent runs take
+/// turns and the later ones find nothing pending. A run waits for the lock as long as
+/// another holds it; a crashed holder's session ends and frees it.
 ///
 /// # Errors
 /// [`Error::DatabaseConnect`] or [`Error::Migration`].
@@ -19,18 +32,33 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
 /// # Cancel safety
 /// Not cancel safe: the migration runs to completion on a blocking thread.
 pub async fn migrate(database_url: &str) -> Result<(), Error> {
-    let conn = AsyncPgConnection::establish(database_url)
+    let mut conn = AsyncPgConnection::establish(database_url)
         .await
         .map_err(|err| Error::DatabaseConnect { url: redact(database_url), message: err.to_string() })?;
+    diesel::sql_query("SELECT pg_advisory_lock($1)")
+        .bind::<BigInt, _>(MIGRATION_LOCK)
+        .execute(&mut conn)
+        .await
+        .map_err(|err| Error::Migration(format!("taking the migration lock failed: {err}")))?;
     // The harness blocks in place; on a blocking thread that works on every runtime
     // flavour (on a current-thread runtime's own thread it would panic).
-    tokio::task::spawn_blocking(move || {
+    let (mut conn, result) = tokio::task::spawn_blocking(move || {
         let mut harness = AsyncMigrationHarness::new(conn);
-        harness
+        let result = harness
             .run_pending_migrations(MIGRATIONS)
             .map(|_| ())
-            .map_err(|err| Error::Migration(err.to_string()))
+            .map_err(|err| Error::Migration(err.to_string()));
+        (harness.into_inner(), result)
     })
     .await
-    .map_err(|err| Error::Migration(format!("the migration task failed: {err}")))?
+    // A panicked task dropped the connection, and its session's lock with it.
+    .map_err(|err| Error::Migration(format!("the migration task failed: {err}")))?;
+    // Dropping the connection would free the lock too; unlocking says so at once.
+    let unlocked = diesel::sql_query("SELECT pg_advisory_unlock($1)")
+        .bind::<BigInt, _>(MIGRATION_LOCK)
+        .execute(&mut conn)
+        .await;
+    result?;
+    unlocked.map_err(|err| Error::Migration(format!("releasing the migration lock failed: {err}")))?;
+    Ok(())
 }

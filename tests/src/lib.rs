@@ -183,9 +183,9 @@ impl Drop for TestDb {
 }
 
 async fn connect_pg(url: &str) -> AsyncPgConnection {
-    AsyncPgConnection::establish(url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL at {url}: {e}"))
+    AsyncPgConnection::establish(url).await.unwrap_or_else(|e| {
+        panic!("{}", idemq::redact(&format!("cannot connect to PostgreSQL at {url}: {e}")))
+    })
 }
 
 fn quote_ident(name: &str) -> String {
@@ -360,7 +360,9 @@ impl Broker {
             ConnectionProperties::default().with_connection_name("idemq-tests".into()),
         )
         .await
-        .unwrap_or_else(|e| panic!("cannot connect to RabbitMQ at {url}: {e}"));
+        .unwrap_or_else(|e| {
+            panic!("{}", idemq::redact(&format!("cannot connect to RabbitMQ at {url}: {e}")))
+        });
         let channel = connection.create_channel().await.expect("cannot open AMQP channel");
         channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select failed");
         Broker { connection, channel }

@@ -269,7 +269,8 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
         Err(err) => {
-            eprintln!("bench: {err}");
+            // Driver errors may quote a URL, password and all.
+            eprintln!("bench: {}", idemq::redact(&err.to_string()));
             ExitCode::FAILURE
         }
     }
@@ -592,10 +593,10 @@ async fn handle_delivery(pool: &Pool<AsyncPgConnection>, delivery: Delivery, cou
                 let counter = if applied { &counts.applied } else { &counts.duplicates };
                 counter.fetch_add(1, Ordering::Relaxed);
             }
-            Err(err) => eprintln!("baseline: ack failed: {err}"),
+            Err(err) => eprintln!("baseline: ack failed: {}", idemq::redact(&err.to_string())),
         },
         Err(err) => {
-            eprintln!("baseline: {err}; requeueing");
+            eprintln!("baseline: {}; requeueing", idemq::redact(&err.to_string()));
             counts.requeued.fetch_add(1, Ordering::Relaxed);
             let _ = delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
         }
