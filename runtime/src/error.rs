@@ -125,6 +125,9 @@ impl fmt::Debug for Error {
                 .field("url", url)
                 .field("message", &Redacted(message))
                 .finish(),
+            Self::Schema { problem, fix } => {
+                f.debug_struct("Schema").field("problem", problem).field("fix", fix).finish()
+            }
             Self::StartTimeout { after } => f.debug_struct("StartTimeout").field("after", after).finish(),
             Self::Migration(message) => f.debug_tuple("Migration").field(&Redacted(message)).finish(),
             Self::Config(message) => f.debug_tuple("Config").field(message).finish(),

@@ -52,7 +52,8 @@
 //! - **Every message ends one way:** applied once and acked, acked as a duplicate,
 //!   or dead-lettered with `x-idemq-error` / `x-idemq-error-kind` headers. Bad input
 //!   (too large, not JSON, wrong shape, missing/empty/NUL key) is dead-lettered, never
-//!   dropped, never looped. A known key with a different payload is a `conflict`.
+//!   dropped, never looped. A known key with a different payload is a `conflict`
+//!   (see [what "the same payload" means](#the-same-payload)).
 //! - **Bounded retries:** a transient failure is retried later through TTL wait
 //!   queues ([`RetryPolicy`]), the copy confirmed before the original is acked; after
 //!   the last attempt it is dead-lettered. Queues are quorum queues by default; their
@@ -85,6 +86,31 @@
 //! does not start with `sha256:`; any other key is stored as `sha256:` and the hex
 //! SHA-256 of its bytes. A stored `sha256:…` therefore always means "hashed": a raw
 //! key spelled like a long key's hash is hashed itself and cannot collide with it.
+//!
+//! ## The same payload
+//!
+//! A delivery whose key is already in `idemq_dedup` is acked as a duplicate if its
+//! payload is the same as the applied one's, and dead-lettered as a `conflict` (or
+//! acked, with [`OnConflict::Ignore`]) if not. "The same" is judged by what the
+//! handler would see, not by the bytes: the dedup row stores the SHA-256 of a
+//! canonical form of the decoded JSON, so a copy re-serialized by its publisher is
+//! still a duplicate. Two bodies are the same payload when, after
+//!
+//! - removing every field the handler's message type ignores (an unknown field, at
+//!   any depth: `serde` skipped it, so the handler cannot see it),
+//! - sorting object members by key and dropping all whitespace,
+//! - unescaping strings (`"A"` is `"A"`, `"\/"` is `"/"`) and
+//! - reading numbers as numbers (`1.50` is `1.5`, `1.5e2` is `150.0`),
+//!
+//! they are equal. Everything else is a difference: another value, an added field
+//! the message type reads, array order, `null` against an absent member, `100`
+//! against `100.0`. Fields inside `#[serde(flatten)]`, untagged or internally tagged
+//! parts and struct variants of an enum count as read even when unknown (serde buffers
+//! them before the type looks). A body that decodes but has no canonical form (a
+//! number beyond `f64` in an ignored field, a map key type the path tracking cannot
+//! follow) is fingerprinted by its raw bytes. Changing which fields the message type
+//! reads changes the fingerprints of messages that carry them: a copy of a message
+//! applied before such a change can turn out a `conflict`.
 //!
 //! ## Features
 //! - `uuid`: `uuid::Uuid` key fields.

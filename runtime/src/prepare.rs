@@ -4,11 +4,12 @@
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
-use sha2::{Digest, Sha256};
 
 use crate::handler::{BoxFuture, Handler, HandlerError};
 use crate::key::{Key, KeyError};
 use crate::outcome::FailureKind;
+
+mod fingerprint;
 
 /// The effect of one message, ready to run inside the transaction.
 pub(crate) type Effect =
@@ -17,8 +18,9 @@ pub(crate) type Effect =
 /// A decoded message: its key, fingerprint and effect.
 pub(crate) struct Prepared {
     pub(crate) key: Key,
-    /// SHA-256 of the body: the same key with another payload is a conflict.
-    pub(crate) fingerprint: [u8; 32],
+    /// SHA-256 of the canonical form of what the message type reads of the body
+    /// (see [`fingerprint`]): the same key with another payload is a conflict.
+    pub(crate) fingerprint: fingerprint::Fingerprint,
     pub(crate) effect: Effect,
 }
 
@@ -89,13 +91,13 @@ impl<H: Handler> ErasedHandler for Arc<H> {
                 message: format!("the body nests deeper than {MAX_NESTING} levels (reached {depth}); refused before decoding"),
             });
         }
-        let message: H::Message =
-            serde_json::from_slice(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
+        let (message, fingerprint) =
+            fingerprint::decode::<H::Message>(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
         let key = self.key(&message).map_err(|err| key_rejection(self.key_path(), &err))?;
         let handler = Arc::clone(self);
         let effect: Effect =
             Box::new(move |conn| Box::pin(async move { handler.handle(conn, message).await }));
-        Ok(Prepared { key, fingerprint: Sha256::digest(body).into(), effect })
+        Ok(Prepared { key, fingerprint, effect })
     }
 }
 

@@ -435,6 +435,20 @@ impl Broker {
         declared.message_count()
     }
 
+    /// The number of consumers subscribed to `queue` (passive declare). Panics
+    /// if the queue does not exist. It drops to 0 once the broker has processed a
+    /// consumer's channel or connection close, and with it returned that
+    /// consumer's unacked deliveries to the queue.
+    pub async fn consumer_count(&self, queue: &str) -> u32 {
+        let channel = self.fresh_channel().await;
+        let declared = channel
+            .queue_declare(queue.into(), QueueDeclareOptions::default().passive(), FieldTable::default())
+            .await
+            .unwrap_or_else(|e| panic!("passive declare of queue {queue} failed: {e}"));
+        close_channel(&channel).await;
+        declared.consumer_count()
+    }
+
     /// Takes one message off `queue` (and acks it), or `None` if the queue
     /// is empty.
     pub async fn get(&self, queue: &str) -> Option<BasicGetMessage> {

@@ -206,6 +206,56 @@ async fn chaos_sigterm_with_a_handler_slower_than_the_shutdown_deadline() {
     assert_books_balance(&bed, &payments).await;
 }
 
+/// Fault 6b: SIGTERM while eight handlers (2 s each) are in flight and the shutdown
+/// deadline (10 s) leaves them time. The drain lets them finish: exit 0 before the
+/// deadline, every payment committed after the signal, and each delivery acked by
+/// that process — once the broker has seen it go, nothing came back to the queue,
+/// and a consumer started afterwards has nothing to settle.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_sigterm_with_handlers_faster_than_the_shutdown_deadline_acks_them() {
+    let bed = Bed::isolated().await;
+    let payments: Vec<_> = (0..8).map(|i| payment(800 + i)).collect();
+    for p in &payments {
+        bed.publish(p).await;
+    }
+    let env = [("SLOW_MS", "2000"), ("SHUTDOWN_MS", "10000"), ("CONCURRENCY", "8")];
+    let consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+    eventually("the eight handlers are in flight", Duration::from_secs(20), || async {
+        open_transactions(&bed).await >= 8
+    })
+    .await;
+    let committed_before = bed.ledger_total().await;
+    let signalled = Instant::now();
+    let status = consumer.terminate(Duration::from_secs(15)).await;
+    let took = signalled.elapsed();
+    assert!(status.success(), "exit 0 after SIGTERM: {status:?}");
+    assert!(took < Duration::from_secs(10), "drained in {took:?}, within the 10 s deadline");
+    assert!(
+        committed_before < 8,
+        "SIGTERM came while handlers were in flight ({committed_before} committed)"
+    );
+    assert_eq!(bed.ledger_total().await, 8, "the in-flight handlers finished and committed");
+
+    // Acked by that process: when the broker drops a consumer it returns its unacked
+    // deliveries to the queue, so with no consumer left the queue must be empty.
+    let broker = Broker::connect(&bed.amqp_url).await;
+    eventually("the broker saw the consumer go", Duration::from_secs(10), || async {
+        broker.consumer_count(&bed.queue).await == 0
+    })
+    .await;
+    assert_eq!(broker.message_count(&bed.queue).await, 0, "no delivery was returned unacked");
+    let after = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    eventually("a second consumer is subscribed", Duration::from_secs(10), || async {
+        after.connection_events().contains(&ConnectionEvent::Connected { session: 1 })
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let redelivered = after.events();
+    after.stop().await.expect("clean shutdown");
+    assert!(redelivered.is_empty(), "nothing was redelivered: {redelivered:?}");
+    assert_books_balance(&bed, &payments).await;
+}
+
 /// A broker that goes silent without closing (a TCP proxy stops forwarding) is
 /// detected by heartbeats within a bounded time; the runtime reconnects (through
 /// the proxy, which forwards new connections) and goes on consuming.

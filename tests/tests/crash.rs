@@ -58,3 +58,57 @@ async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_li
     assert_eq!(dead[0].delivery.data, serde_json::to_vec(&poison).unwrap());
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+
+/// The same crash loop with eight deliveries in flight. Each crash returns the whole
+/// prefetch window, and the quorum queue counts a delivery for every message in it:
+/// judging poison by that count would dead-letter the innocent neighbours. Poison
+/// is judged by handler starts instead, recorded for redelivered messages, which
+/// run one at a time: only the message that kills the consumer is dead-lettered,
+/// every other one is applied exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_looping_message_does_not_take_its_prefetch_window_with_it() {
+    let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
+    let good: Vec<_> = (0..20).map(|i| payment(200 + i)).collect();
+    let poison = PaymentRequested { payment_id: unique("kill"), account: unique("acct"), amount_cents: 13 };
+    // The poison message sits in the middle of the stream, with neighbours on both sides.
+    for p in &good[..4] {
+        bed.publish(p).await;
+    }
+    bed.publish(&poison).await;
+    for p in &good[4..] {
+        bed.publish(p).await;
+    }
+
+    let env = [("KILL_ON", "kill"), ("DELIVERY_LIMIT", "3"), ("CONCURRENCY", "8"), ("SLOW_MS", "20")];
+    let mut crashes = 0;
+    let mut consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while bed.broker.message_count(&bed.dlq).await == 0 {
+        assert!(Instant::now() < deadline, "no dead letter after {crashes} crashes");
+        if consumer.exited().is_some() {
+            crashes += 1;
+            assert!(crashes <= 3, "the consumer was killed more often than the delivery limit allows");
+            consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    idemq_tests::eventually("the good messages applied", Duration::from_secs(30), || async {
+        bed.ledger_total().await == good.len() as i64
+    })
+    .await;
+    let status = consumer.terminate(Duration::from_secs(20)).await;
+    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+
+    for p in &good {
+        assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "{} applied exactly once", p.payment_id);
+    }
+    let dead = bed.broker.drain(&bed.dlq).await;
+    let dead_keys: Vec<_> = dead
+        .iter()
+        .map(|d| serde_json::from_slice::<PaymentRequested>(&d.delivery.data).map(|p| p.payment_id))
+        .collect();
+    assert_eq!(dead.len(), 1, "only the poison message is dead-lettered: {dead_keys:?}");
+    assert_eq!(dead[0].delivery.data, serde_json::to_vec(&poison).unwrap());
+    assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("poison"));
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}

@@ -9,7 +9,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use idemq::{Outcome, StatsSnapshot};
+use diesel_async::AsyncPgConnection;
+use idemq::{idempotent_handler, Outcome, StatsSnapshot};
+use idemq_example_payments::{apply_payment, PaymentRequested};
 use idemq_tests::fixture::{publish_stream, slow_payment, stream_deliveries, Bed, Running};
 use tokio::process::Command;
 use tokio::sync::Mutex;
@@ -72,6 +74,47 @@ async fn wait_for_postgres() {
     .await;
 }
 
+/// The PostgreSQL cluster, stopped; started again when dropped (so a failing test
+/// still leaves the service running) or by [`PostgresDown::start`].
+struct PostgresDown;
+
+impl PostgresDown {
+    async fn stop() -> PostgresDown {
+        let down = PostgresDown;
+        let status = Command::new("sh")
+            .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main stop"])
+            .status()
+            .await
+            .expect("run pg_ctlcluster");
+        assert!(status.success(), "pg_ctlcluster stop failed");
+        down
+    }
+
+    async fn start(self) {
+        tokio::task::spawn_blocking(move || drop(self)).await.expect("start PostgreSQL");
+        wait_for_postgres().await;
+    }
+}
+
+impl Drop for PostgresDown {
+    fn drop(&mut self) {
+        // Blocking, so it also runs while a failed test unwinds; "already running"
+        // is fine.
+        let _ = std::process::Command::new("sh")
+            .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"])
+            .status();
+        for _ in 0..600 {
+            let ready =
+                std::process::Command::new("pg_isready").args(["-h", "127.0.0.1", "-p", "5432"]).status();
+            if ready.is_ok_and(|s| s.success()) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!("warning: PostgreSQL did not come back within 60 s");
+    }
+}
+
 /// PostgreSQL kills the consumer's sessions (`pg_terminate_backend`) three times
 /// mid-stream: in-flight transactions fail, their deliveries stay unacked and are
 /// retried in-process on fresh connections.
@@ -110,4 +153,84 @@ async fn a_postgres_restart_mid_stream_loses_nothing_and_doubles_nothing() {
     })
     .await;
     eprintln!("after a PostgreSQL restart: {stats:?}");
+}
+
+/// The payments handler at 25 ms a payment, so that a stream of 240 is still
+/// flowing when PostgreSQL stops. Same name as `apply_payment`: same dedup rows.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn slower_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    apply_payment::call(conn, msg).await?;
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    Ok(())
+}
+
+/// PostgreSQL stops mid-stream and stays down for longer than `database_retry_limit`
+/// (2 s here). The deliveries in flight are held for the limit, then returned to the
+/// queue (`Requeued`): nothing is acked or dead-lettered while the database is down
+/// and no handler attempt is burned. Once PostgreSQL is back, every payment is
+/// applied exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_the_queue() {
+    let _serial = SERIAL.lock().await;
+    let bed = Bed::new().await;
+    let payments = publish_stream(&bed, 200).await;
+    let total = stream_deliveries(payments.len());
+    let limit = Duration::from_secs(2);
+    let running =
+        Running::start(bed.runtime().consume(&bed.queue, slower_payment).database_retry_limit(limit));
+    running.wait_settled(30).await;
+
+    let down = PostgresDown::stop().await;
+    // A transaction that committed just before the stop may still be acked now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let from = running.events().len();
+    // Down for three limits: every held delivery comes back at least once.
+    tokio::time::sleep(limit * 3).await;
+    let while_down = running.events()[from..].to_vec();
+    down.start().await;
+
+    assert!(!while_down.is_empty(), "deliveries were returned while the database was down");
+    for settled in &while_down {
+        assert!(
+            matches!(&settled.outcome, Outcome::Requeued { error } if error.contains("stayed unavailable")),
+            "only Requeued while the database is down: {settled:?}"
+        );
+        assert!(settled.settled_with_broker, "the nack reached the broker: {settled:?}");
+    }
+
+    idemq_tests::with_timeout(
+        "every payment applied once PostgreSQL is back",
+        Duration::from_secs(120),
+        async {
+            while bed.ledger_total().await < payments.len() as i64 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        },
+    )
+    .await;
+    idemq_tests::eventually("the queue drained", Duration::from_secs(30), || async {
+        bed.broker.message_count(&bed.queue).await == 0
+    })
+    .await;
+    let events = running.events();
+    let stats = running.stats.snapshot();
+    running.stop().await.expect("clean shutdown");
+
+    let unexpected: Vec<_> = events
+        .iter()
+        .filter(|e| !matches!(e.outcome, Outcome::Applied | Outcome::Duplicate | Outcome::Requeued { .. }))
+        .collect();
+    assert!(unexpected.is_empty(), "applied, duplicate or requeued only: {unexpected:?}");
+    let applied: HashSet<_> =
+        events.iter().filter(|e| e.outcome == Outcome::Applied).filter_map(|e| e.key.clone()).collect();
+    assert_eq!(applied.len(), payments.len(), "each payment applied once");
+    assert!(events.len() >= total + while_down.len(), "the requeued deliveries came back and settled");
+    assert_eq!(bed.doubled().await, Vec::<String>::new(), "nothing doubled in the ledger");
+    assert_eq!(bed.ledger_total().await, payments.len() as i64);
+    assert_eq!(bed.broker.message_count(&bed.dlq).await, 0, "nothing dead-lettered");
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "no handler attempt burned: {stats:?}");
+    assert!(stats.requeued > 0, "{stats:?}");
 }

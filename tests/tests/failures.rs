@@ -339,6 +339,44 @@ async fn same_key_with_another_payload_is_dead_lettered_as_conflict() {
     assert_eq!(bed.ledger_rows(&first.payment_id).await, 1);
 }
 
+/// A publisher that sends a payment again after re-serializing it (other key order,
+/// other spacing, an escaped character, a field the message type does not read) sends
+/// the same payment: it is acked as a duplicate, not dead-lettered as a conflict. The
+/// same key with another amount, however spelled, is still a `conflict`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reserialized_copy_is_a_duplicate_and_another_amount_is_still_a_conflict() {
+    let bed = Bed::new().await;
+    let first = payment(100);
+    // `payment_id` starts with "pay": spell its "p" as \u0070.
+    let reserialized = |amount: i64| {
+        format!(
+            "{{\n  \"amount_cents\" : {amount},\n  \"account\": \"{}\",\n  \"retried_by\": \"outbox-relay\",\n  \"payment_id\": \"\\u0070{}\"\n}}",
+            first.account,
+            &first.payment_id[1..]
+        )
+        .into_bytes()
+    };
+    let props = || BasicProperties::default().with_content_type("application/json".into());
+    bed.publish(&first).await;
+    bed.broker.publish_bytes(&bed.queue, &reserialized(100), props()).await;
+    let other_amount = reserialized(101);
+    bed.broker.publish_bytes(&bed.queue, &other_amount, props()).await;
+    // One at a time, so the first copy is the one applied.
+    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1), 3).await;
+
+    assert_eq!(events[0].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(events[1].outcome, Outcome::Duplicate, "the re-serialized copy is a duplicate: {events:?}");
+    assert!(
+        matches!(&events[2].outcome, Outcome::DeadLettered { kind: FailureKind::Conflict, .. }),
+        "another amount under the same key is a conflict: {events:?}"
+    );
+    let dead = bed.broker.drain(&bed.dlq).await;
+    assert_eq!(dead.len(), 1, "only the other amount is dead-lettered");
+    assert_eq!(dead[0].delivery.data, other_amount);
+    assert_eq!(bed.ledger_rows(&first.payment_id).await, 1);
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
 /// A confirm is not proof of routing: with the DLQ gone, the broker returns the
 /// dead letter *and* confirms it. idemq treats that as a failure and requeues the
 /// original instead of acking it; once the DLQ exists again the message lands there.
