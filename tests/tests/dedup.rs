@@ -155,3 +155,57 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+
+/// Every COMMIT of a ledger row takes a while on the server (a deferred trigger
+/// sleeps), so the test can cut the connection while the COMMIT is in progress.
+const SLOW_COMMIT: &str = "
+    CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;
+    CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ledger
+        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();";
+
+/// The network drops while PostgreSQL is committing: the COMMIT lands, its answer
+/// never arrives. The runtime cannot know the outcome, so it must not ack and must
+/// not count a failed attempt: it runs the transaction again on a fresh connection,
+/// where the dedup row (committed by the first) makes it a duplicate. The payment is
+/// applied once and the delivery acked once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_by_the_retry() {
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+    let bed = Bed::new().await;
+    bed.db.connect().await.batch_execute(SLOW_COMMIT).await.expect("create the slow trigger");
+    let proxy = idemq_tests::proxy::Proxy::start("127.0.0.1:5432").await;
+    let url = bed.db.url().replace("127.0.0.1:5432", &proxy.address());
+    assert_ne!(url, bed.db.url(), "the database URL goes through the proxy");
+    let p = payment(77);
+    bed.publish(&p).await;
+    let running = Running::start(bed.runtime().database_url(url).consume(&bed.queue, apply_payment));
+
+    let committing = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state = 'active' \
+         AND query LIKE '%COMMIT' AND pid <> pg_backend_pid()",
+        bed.db.name()
+    );
+    idemq_tests::eventually("a COMMIT in progress on the server", Duration::from_secs(20), || async {
+        let mut conn = bed.db.connect().await;
+        let n: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(&committing)
+            .get_result(&mut conn)
+            .await
+            .expect("look for the COMMIT");
+        n > 0
+    })
+    .await;
+    proxy.sever_existing();
+
+    running.wait_settled(1).await;
+    let events = running.events();
+    let stats = running.stats.snapshot();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].outcome, Outcome::Duplicate, "the retry found the landed COMMIT's row: {events:?}");
+    assert!(events[0].settled_with_broker);
+    assert!(stats.infrastructure_retries >= 1, "{stats:?}");
+    assert_eq!(stats.retried, 0, "no handler attempt was counted: {stats:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
