@@ -299,3 +299,37 @@ async fn two_services_in_one_database_keep_their_dedup_rows_apart_by_namespace()
         bed.broker.delete_queue(&queue).await;
     }
 }
+
+/// The first two COMMITs of a ledger row fail with a serialization failure (40001);
+/// a sequence counts them, since it is not rolled back with the transaction.
+const SERIALIZATION_FAILURES_AT_COMMIT: &str = "
+    CREATE SEQUENCE commit_failures;
+    CREATE FUNCTION fail_twice() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF nextval('commit_failures') <= 2 THEN
+            RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';
+        END IF;
+        RETURN NULL;
+    END $$;
+    CREATE CONSTRAINT TRIGGER fail_twice AFTER INSERT ON ledger
+        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fail_twice();";
+
+/// A serialization failure (or deadlock) at COMMIT is a rollback worth running
+/// again at once: the transaction is run again in-process, with no attempt counted
+/// and no copy made, and the payment is applied by the first delivery.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_rolled_back_for_contention_is_run_again_in_process() {
+    let bed = Bed::new().await;
+    bed.db.connect().await.batch_execute(SERIALIZATION_FAILURES_AT_COMMIT).await.expect("create the trigger");
+    let p = payment(50);
+    bed.publish(&p).await;
+    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    running.wait_settled(1).await;
+    let events = running.events();
+    let stats = running.stats.snapshot();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events[0].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(events[0].attempt, 1);
+    assert_eq!((stats.retried, stats.infrastructure_retries), (0, 0), "{stats:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+}
