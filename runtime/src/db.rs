@@ -44,47 +44,54 @@ diesel::table! {
 /// The tables [`check_schema`] requires, with the privileges idemq uses on them.
 const TABLES: [&str; 3] = ["idemq_dedup", "idemq_started", "idemq_copies"];
 
-/// Set by the dedup insert for the rest of the transaction (`set_config(.., true)` is
-/// transaction-local): if it is gone at COMMIT, the transaction that holds the dedup
-/// row was ended (COMMIT/ROLLBACK) by the handler and what follows is another one.
-const OPEN_MARK: &str = "set_config('idemq.tx', 'open', true)";
+diesel::define_sql_function! {
+    /// The current top-level transaction's id (assigning one if it has none yet).
+    fn txid_current() -> diesel::sql_types::BigInt;
+}
 
-/// Sent as one simple-query message, so it costs the same round trip as `COMMIT`
-/// alone. PostgreSQL runs the statements in order and stops at the first error:
+/// The statement sent with COMMIT, as one simple-query message, so it costs the same
+/// round trip as `COMMIT` alone. PostgreSQL runs the statements in order and stops
+/// at the first error:
 /// - a transaction aborted by a failed statement (whose error the handler ignored)
 ///   fails the `SELECT` (25P02) and COMMIT is never sent — without the `SELECT`,
 ///   COMMIT would answer `ROLLBACK` and no error, and the delivery would be acked;
-/// - a transaction the handler ended fails the `SELECT` with [`ENDED_MARKER`] in the
-///   message (the `ELSE` is evaluated only then: `current_setting` is not constant);
+/// - if the transaction is no longer the one that wrote the dedup row (its id, `xid`,
+///   was returned by the insert) — the handler ran its own COMMIT or ROLLBACK, and
+///   maybe began another — the `SELECT` fails with [`ENDED_MARKER`] in the message
+///   (the `ELSE` is evaluated only then: the function is not constant);
 /// - otherwise COMMIT runs, and any error it answers is the server's refusal.
-const CHECKED_COMMIT: &str = "SELECT CASE WHEN current_setting('idemq.tx', true) = 'open' THEN 0 \
-     ELSE ('idemq_transaction_ended' || coalesce(current_setting('idemq.tx', true), ''))::int END; \
-     COMMIT";
+fn checked_commit(xid: i64) -> String {
+    format!(
+        "SELECT CASE WHEN txid_current_if_assigned() = {xid} THEN 0 \
+         ELSE ('{ENDED_MARKER}' || coalesce(txid_current_if_assigned()::text, ''))::int END; COMMIT"
+    )
+}
 
-/// What the cast error of [`CHECKED_COMMIT`] quotes, whatever the server's language.
+/// What the cast error of [`checked_commit`] quotes, whatever the server's language.
 const ENDED_MARKER: &str = "idemq_transaction_ended";
 
-/// Inserts the dedup row if absent, inside the open transaction; `true` if this
-/// transaction inserted it (the message is new). Marks the transaction as idemq's.
+/// Inserts the dedup row if absent, inside the open transaction. Returns the id of
+/// the transaction if it inserted the row (the message is new), for
+/// [`commit_checked`]; `None` if the row existed.
 pub(crate) async fn insert_dedup(
     conn: &mut AsyncPgConnection,
     scope: &str,
     key: &str,
     fingerprint: &[u8],
-) -> QueryResult<bool> {
-    let inserted = diesel::insert_into(idemq_dedup::table)
+) -> QueryResult<Option<i64>> {
+    diesel::insert_into(idemq_dedup::table)
         .values((
             idemq_dedup::handler.eq(scope),
             idemq_dedup::key.eq(key),
             idemq_dedup::fingerprint.eq(fingerprint),
         ))
         .on_conflict_do_nothing()
-        // Evaluated per inserted row: only a new message marks the transaction.
-        .returning(diesel::dsl::sql::<Text>(OPEN_MARK))
-        .get_result::<String>(conn)
+        // Evaluated per inserted row. (A function call, not an SQL literal: a literal
+        // would make diesel prepare the statement anew every time, a round trip more.)
+        .returning(txid_current())
+        .get_result::<i64>(conn)
         .await
-        .optional()?;
-    Ok(inserted.is_some())
+        .optional()
 }
 
 /// The fingerprint stored with an existing dedup row.
@@ -111,12 +118,12 @@ pub(crate) enum CommitFailure {
     Unknown(DieselError),
 }
 
-/// COMMITs the open top-level transaction, refusing one that is aborted or is not
-/// the one the dedup row was written in (see [`CHECKED_COMMIT`]). On any refusal the
+/// COMMITs the open top-level transaction `xid`, refusing one that is aborted or is
+/// not the one the dedup row was written in (see [`checked_commit`]). On any refusal the
 /// transaction is rolled back and the connection stays usable; on
 /// [`CommitFailure::Unknown`] it must be dropped.
-pub(crate) async fn commit_checked(conn: &mut AsyncPgConnection) -> Result<(), CommitFailure> {
-    match conn.batch_execute(CHECKED_COMMIT).await {
+pub(crate) async fn commit_checked(conn: &mut AsyncPgConnection, xid: i64) -> Result<(), CommitFailure> {
+    match conn.batch_execute(&checked_commit(xid)).await {
         Ok(()) => {
             // The COMMIT went out by hand, so diesel's bookkeeping must be told; a
             // connection it believes to be in a transaction is discarded by the pool.
@@ -139,7 +146,8 @@ pub(crate) async fn commit_checked(conn: &mut AsyncPgConnection) -> Result<(), C
             // The aborted transaction, or the one the handler began after ending
             // ours, or nothing (COMMIT's failure ended it; ROLLBACK only warns).
             match AnsiTransactionManager::rollback_transaction(conn).await {
-                Ok(()) => Err(failure),
+                // NotInTransaction: the handler ended it through diesel, which knows.
+                Ok(()) | Err(DieselError::NotInTransaction) => Err(failure),
                 Err(rollback_error) => Err(CommitFailure::Unknown(rollback_error)),
             }
         }

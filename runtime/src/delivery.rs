@@ -197,7 +197,7 @@ enum Fault {
     /// The database or pool failed; the outcome is unknown: try again.
     Infra(InfraFault),
     /// Rolled back for contention (serialization failure, deadlock): run it again.
-    Contention(String),
+    Contention { error: String, key: String },
     /// No retry can fix it: return the delivery and stop the runtime.
     Fatal(Error),
 }
@@ -276,19 +276,18 @@ impl Consumer {
             };
             let fault = match fault {
                 Fault::Infra(fault) => fault,
-                Fault::Contention(error) if contention < CONTENTION_RETRIES => {
+                Fault::Contention { error, .. } if contention < CONTENTION_RETRIES => {
                     contention += 1;
                     tracing::info!(queue = %self.queue, %error, contention, "transaction rolled back for contention; running it again");
                     tokio::time::sleep(Duration::from_millis(10 * u64::from(contention))).await;
                     continue;
                 }
-                Fault::Contention(error) => {
+                Fault::Contention { error, key } => {
                     let error = HandlerError::transient(format!(
                         "{error} (still after {CONTENTION_RETRIES} runs in-process)"
                     ));
-                    let mut decision = Decision::new(self.handler_failed(error, counts.attempt));
-                    decision.marked = marked.is_some();
-                    return decision;
+                    let outcome = self.handler_failed(error, counts.attempt);
+                    return Decision { outcome, key: Some(key), began_at: None, marked: marked.is_some() };
                 }
                 Fault::Fatal(error) => {
                     let outcome = Outcome::Requeued { error: error.to_string() };
@@ -317,7 +316,8 @@ impl Consumer {
     }
 
     /// One attempt: decode, then (for a message that needs the database) one
-    /// connection for the copy check, the start mark and the transaction.
+    /// connection for the copy check, the start mark and the transaction. A server
+    /// error on one of idemq's own statements is diagnosed (see [`Self::diagnose`]).
     async fn attempt(
         &self,
         delivery: &Delivery,
@@ -331,26 +331,15 @@ impl Consumer {
         }
         let mut conn =
             self.shared.pool.get().await.map_err(|err| Fault::Infra(InfraFault::Pool(err.to_string())))?;
-        let result = self.attempt_on(&mut conn, delivery, counts, prepared, marked).await;
+        let result = match self.attempt_steps(&mut conn, delivery, counts, prepared, marked).await {
+            Err(Fault::Infra(InfraFault::Database(err))) => Err(self.diagnose(&mut conn, err).await),
+            decided => decided,
+        };
         if matches!(result, Err(Fault::Infra(_))) || PoolableConnection::is_broken(&mut *conn) {
             // Never return a connection in an unknown state to the pool.
             drop(Object::take(conn));
         }
         result
-    }
-
-    async fn attempt_on(
-        &self,
-        conn: &mut AsyncPgConnection,
-        delivery: &Delivery,
-        counts: &Counts,
-        prepared: Result<Prepared, Rejection>,
-        marked: &mut Option<i32>,
-    ) -> Result<Decision, Fault> {
-        match self.attempt_steps(conn, delivery, counts, prepared, marked).await {
-            Err(Fault::Infra(InfraFault::Database(err))) => Err(self.diagnose(conn, err).await),
-            decided => decided,
-        }
     }
 
     async fn attempt_steps(
@@ -403,12 +392,12 @@ impl Consumer {
         let infra = |err| Fault::Infra(InfraFault::Database(err));
         AnsiTransactionManager::begin_transaction(conn).await.map_err(infra)?;
 
-        let inserted = match db::insert_dedup(conn, &self.scope, key.as_str(), &fingerprint).await {
-            Ok(inserted) => inserted,
+        let xid = match db::insert_dedup(conn, &self.scope, key.as_str(), &fingerprint).await {
+            Ok(xid) => xid,
             Err(err) => return Err(rollback(conn, infra(err)).await),
         };
 
-        if !inserted {
+        let Some(xid) = xid else {
             let outcome = match db::stored_fingerprint(conn, &self.scope, key.as_str()).await {
                 Ok(Some(stored))
                     if stored != fingerprint && self.shared.on_conflict == OnConflict::DeadLetter =>
@@ -428,7 +417,7 @@ impl Consumer {
             };
             // Nothing to keep: the row is someone else's, committed.
             return AnsiTransactionManager::rollback_transaction(conn).await.map(|()| outcome).map_err(infra);
-        }
+        };
 
         if let Some(starts) = starts.filter(|&s| u32::try_from(s).unwrap_or(0) >= self.delivery_limit) {
             let outcome = Outcome::DeadLettered {
@@ -446,7 +435,7 @@ impl Consumer {
         let run = AssertUnwindSafe(effect(conn)).catch_unwind();
         let error = match tokio::time::timeout(self.shared.handler_timeout, run).await {
             Ok(Ok(Ok(()))) => {
-                return match db::commit_checked(conn).await {
+                return match db::commit_checked(conn, xid).await {
                     Ok(()) => Ok(Outcome::Applied),
                     Err(CommitFailure::Aborted) => {
                         Ok(self.handler_failed(HandlerError::transient(ABORTED), counts.attempt))
@@ -454,9 +443,10 @@ impl Consumer {
                     Err(CommitFailure::Ended) => {
                         Ok(self.handler_failed(HandlerError::transient(ENDED), counts.attempt))
                     }
-                    Err(CommitFailure::Refused { error, contention: true }) => Err(Fault::Contention(
-                        format!("PostgreSQL rolled the transaction back at COMMIT: {error}"),
-                    )),
+                    Err(CommitFailure::Refused { error, contention: true }) => Err(Fault::Contention {
+                        error: format!("PostgreSQL rolled the transaction back at COMMIT: {error}"),
+                        key: key.as_str().to_owned(),
+                    }),
                     Err(CommitFailure::Refused { error, contention: false }) => {
                         let error = HandlerError::transient(format!(
                             "PostgreSQL refused the COMMIT and rolled the transaction back: {error}"
@@ -558,7 +548,6 @@ impl Consumer {
     ) -> bool {
         let acker = &delivery.acker;
         let handler = self.handler.name();
-        let copy_id = self.copy_id(delivery, counts.attempt);
         // (target queue, kind, error, retry_of) of the copy to make, if any.
         let copy = match &decision.outcome {
             Outcome::Applied | Outcome::Duplicate | Outcome::AlreadyCopied { .. } => {
@@ -585,6 +574,7 @@ impl Consumer {
             }
         };
         if let Some((target, kind, error, retry_of)) = copy {
+            let copy_id = self.copy_id(delivery, counts.attempt);
             let letter = Letter {
                 kind,
                 error: &error,

@@ -43,9 +43,12 @@
 //! The life of a delivery is one state machine, in one module (`delivery.rs`):
 //!
 //! decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` → handler →
-//! COMMIT → ack | retry | dead-letter
+//! checked COMMIT → ack | retry | dead-letter
 //!
-//! - **Ack after commit, always.** Handlers never see the delivery or its acker.
+//! - **Ack after commit, always.** Handlers never see the delivery or its acker. The
+//!   COMMIT is *checked* in its own round trip: a transaction aborted by a statement
+//!   whose error the handler ignored (PostgreSQL answers its COMMIT with `ROLLBACK`
+//!   and no error) or ended by the handler itself is a failed attempt, never acked.
 //! - **The unique index decides.** Concurrent duplicates block on the dedup row's
 //!   primary key and then see it committed; nothing checks first and acts later.
 //! - **Dedup lives in the transaction**, never in a cache beside it.
@@ -56,11 +59,19 @@
 //!   (see [what "the same payload" means](#the-same-payload)).
 //! - **Bounded retries:** a transient failure is retried later through TTL wait
 //!   queues ([`RetryPolicy`]), the copy confirmed before the original is acked; after
-//!   the last attempt it is dead-lettered. Queues are quorum queues by default; their
-//!   `x-delivery-count` bounds poison messages (`Queue::delivery_limit`), with the
-//!   broker's `x-delivery-limit` as a backstop.
+//!   the last attempt it is dead-lettered. A panic is a failed attempt; a delivery is
+//!   never left unsettled. Attempt counts are trusted only on copies back from
+//!   idemq's own wait queues; a copy's id (lineage + attempt) is recorded once
+//!   confirmed, so a lost ack never makes a second copy.
+//! - **Poison is judged by starts:** a redelivered message runs alone, its start
+//!   committed before its handler runs; after `Queue::delivery_limit` starts without
+//!   an outcome it is dead-lettered. The broker's delivery count, which a crash bumps
+//!   for the whole prefetch window, only backs it up (`x-delivery-limit`).
 //! - **Database faults are not handler failures:** the delivery stays unacked and its
-//!   transaction is retried in-process on a fresh connection.
+//!   transaction is retried in-process on a fresh connection. A COMMIT the server
+//!   answered with an error is a rollback, a failed attempt; only a lost connection
+//!   leaves it unknown. What no retry can fix (idemq's tables missing, privileges
+//!   lacking) is refused at start-up and stops a running runtime.
 //! - **Faults are ordinary:** a lost connection or channel, a broker restart, a
 //!   silent broker (heartbeats) or a consumer cancelled by the broker ends a
 //!   *session*; the runtime reconnects with backoff, declares again and resumes.
@@ -77,7 +88,10 @@
 //! [`Handler`]; the original fn stays callable as `f::call(conn, msg)`. The key is a
 //! field path into the decoded message (`"order.id"` for nested fields) of a string,
 //! integer, `uuid::Uuid` (feature `uuid`) or `Option` of one (`None` is a missing key).
-//! `name = "..."` overrides the handler name, which scopes dedup keys. `E` is any
+//! `name = "..."` overrides the handler name, which scopes dedup keys; two different
+//! handlers with one name are refused by [`RuntimeBuilder::build`], and
+//! [`RuntimeBuilder::namespace`] scopes a whole runtime (services sharing a
+//! database). `E` is any
 //! error (transient: retried) or a [`HandlerError`]; wrap in [`Permanent`] to
 //! dead-letter without retrying.
 //!
@@ -114,7 +128,7 @@
 //!
 //! ## Features
 //! - `uuid`: `uuid::Uuid` key fields.
-//! - `fault-injection`: test-only [`fault`] hooks.
+//! - `fault-injection`: test-only `fault` hooks (enabled by idemq's own tests as a dev-dependency; never in production builds).
 
 #![warn(missing_docs)]
 

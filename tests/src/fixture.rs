@@ -2,7 +2,8 @@
 //! demo, a unique quorum queue with its DLQ, and runtimes that record every settled
 //! delivery.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use diesel::prelude::*;
@@ -181,6 +182,25 @@ pub async fn slow_payment(
     apply_payment::call(conn, msg).await?;
     tokio::time::sleep(Duration::from_millis(3)).await;
     Ok(())
+}
+
+fn attempts() -> &'static Mutex<HashMap<String, u32>> {
+    static ATTEMPTS: OnceLock<Mutex<HashMap<String, u32>>> = OnceLock::new();
+    ATTEMPTS.get_or_init(Mutex::default)
+}
+
+/// Counts a handler attempt for `key` (keys are unique per test, so tests running in
+/// parallel never share a count); returns its number, 1 for the first.
+pub fn next_attempt(key: &str) -> u32 {
+    let mut attempts = attempts().lock().expect("attempts lock");
+    let n = attempts.entry(key.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
+/// How many attempts [`next_attempt`] counted for `key`.
+pub fn attempts_of(key: &str) -> u32 {
+    attempts().lock().expect("attempts lock").get(key).copied().unwrap_or(0)
 }
 
 /// Publishes a stream of `n` distinct payments, every fifth one twice; returns them.

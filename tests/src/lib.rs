@@ -149,6 +149,16 @@ impl TestDb {
     pub async fn connect(&self) -> AsyncPgConnection {
         connect_pg(&self.url).await
     }
+
+    /// Runs `sql`, a query of one `bigint` (e.g. `SELECT count(*) FROM …`), on a new
+    /// connection and returns its value. Panics on failure.
+    pub async fn count(&self, sql: &str) -> i64 {
+        let mut conn = self.connect().await;
+        diesel::dsl::sql::<diesel::sql_types::BigInt>(sql)
+            .get_result(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
 }
 
 impl Drop for TestDb {
@@ -489,19 +499,20 @@ impl Broker {
 /// holding it leaves behind. Panics if the queue is empty.
 pub async fn redeliver_once(broker: &Broker, queue: &str) {
     let channel = broker.fresh_channel().await;
-    let message = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await
-        .unwrap_or_else(|e| panic!("basic.get on queue {queue} failed: {e}"));
-    assert!(message.is_some(), "queue {queue} is empty: nothing to redeliver");
+    assert!(basic_get(&channel, queue).await.is_some(), "queue {queue} is empty: nothing to redeliver");
     close_channel(&channel).await;
 }
 
-async fn get_one(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
-    let message = channel
+/// One `basic.get` with manual ack (not acked here).
+async fn basic_get(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
+    channel
         .basic_get(queue.into(), BasicGetOptions { no_ack: false })
         .await
-        .unwrap_or_else(|e| panic!("basic.get on queue {queue} failed: {e}"))?;
+        .unwrap_or_else(|e| panic!("basic.get on queue {queue} failed: {e}"))
+}
+
+async fn get_one(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
+    let message = basic_get(channel, queue).await?;
     message
         .delivery
         .acker

@@ -10,6 +10,32 @@ use idemq_tests::{header_str, unique};
 
 const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
 
+/// Runs consumer processes with `env` (one that kills itself on the poison message),
+/// restarting each that dies, until a dead letter appears — at most 3 crashes, the
+/// delivery limit — and then until `applied` ledger rows exist; stops the last one
+/// with SIGTERM (it must exit 0). Returns how often a consumer died.
+async fn crash_until_dead_lettered(bed: &Bed, env: &[(&str, &str)], applied: usize) -> u32 {
+    let mut crashes = 0;
+    let mut consumer = ConsumerProcess::spawn(CONSUMER, bed, env);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while bed.broker.message_count(&bed.dlq).await == 0 {
+        assert!(Instant::now() < deadline, "no dead letter after {crashes} crashes");
+        if consumer.exited().is_some() {
+            crashes += 1;
+            assert!(crashes <= 3, "the consumer was killed more often than the delivery limit allows");
+            consumer = ConsumerProcess::spawn(CONSUMER, bed, env);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    idemq_tests::eventually("the good messages applied", Duration::from_secs(30), || async {
+        bed.ledger_total().await == applied as i64
+    })
+    .await;
+    let status = consumer.terminate(Duration::from_secs(20)).await;
+    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+    crashes
+}
+
 /// Stages a poison message: the consumer process is SIGKILLed inside the handler's
 /// transaction on every delivery of it, so no error is ever recorded. The quorum
 /// queue's delivery count grows with each crash; at the queue's limit (3) the runtime
@@ -27,24 +53,7 @@ async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_li
 
     // Prefetch 1: only the poison message is in flight when the process dies.
     let env = [("KILL_ON", "kill"), ("DELIVERY_LIMIT", "3"), ("CONCURRENCY", "1")];
-    let mut crashes = 0;
-    let mut consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while bed.broker.message_count(&bed.dlq).await == 0 {
-        assert!(Instant::now() < deadline, "no dead letter after {crashes} crashes");
-        if consumer.exited().is_some() {
-            crashes += 1;
-            assert!(crashes <= 3, "the consumer was killed more often than the delivery limit allows");
-            consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    idemq_tests::eventually("the good messages applied", Duration::from_secs(30), || async {
-        bed.ledger_total().await == good.len() as i64
-    })
-    .await;
-    let status = consumer.terminate(Duration::from_secs(20)).await;
-    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+    let crashes = crash_until_dead_lettered(&bed, &env, good.len()).await;
 
     assert_eq!(crashes, 3, "one crash per delivery below the limit");
     for p in &good {
@@ -80,24 +89,8 @@ async fn a_crash_looping_message_does_not_take_its_prefetch_window_with_it() {
     }
 
     let env = [("KILL_ON", "kill"), ("DELIVERY_LIMIT", "3"), ("CONCURRENCY", "8"), ("SLOW_MS", "20")];
-    let mut crashes = 0;
-    let mut consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while bed.broker.message_count(&bed.dlq).await == 0 {
-        assert!(Instant::now() < deadline, "no dead letter after {crashes} crashes");
-        if consumer.exited().is_some() {
-            crashes += 1;
-            assert!(crashes <= 3, "the consumer was killed more often than the delivery limit allows");
-            consumer = ConsumerProcess::spawn(CONSUMER, &bed, &env);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    idemq_tests::eventually("the good messages applied", Duration::from_secs(30), || async {
-        bed.ledger_total().await == good.len() as i64
-    })
-    .await;
-    let status = consumer.terminate(Duration::from_secs(20)).await;
-    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+    let crashes = crash_until_dead_lettered(&bed, &env, good.len()).await;
+    assert!(crashes >= 1, "the poison message crashed the consumer");
 
     for p in &good {
         assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "{} applied exactly once", p.payment_id);

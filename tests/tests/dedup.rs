@@ -171,7 +171,7 @@ const SLOW_COMMIT: &str = "
 /// applied once and the delivery acked once.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_by_the_retry() {
-    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+    use diesel_async::SimpleAsyncConnection;
     let bed = Bed::new().await;
     bed.db.connect().await.batch_execute(SLOW_COMMIT).await.expect("create the slow trigger");
     let proxy = idemq_tests::proxy::Proxy::start("127.0.0.1:5432").await;
@@ -187,12 +187,7 @@ async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_
         bed.db.name()
     );
     idemq_tests::eventually("a COMMIT in progress on the server", Duration::from_secs(20), || async {
-        let mut conn = bed.db.connect().await;
-        let n: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(&committing)
-            .get_result(&mut conn)
-            .await
-            .expect("look for the COMMIT");
-        n > 0
+        bed.db.count(&committing).await > 0
     })
     .await;
     proxy.sever_existing();

@@ -1,31 +1,15 @@
 //! Failure paths: handler errors roll back and retry, attempts are bounded, and bad
 //! input is dead-lettered with its reason while the consumer keeps going.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use std::time::Duration;
 
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
 use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, test_retry_policy, Bed, Running};
+use idemq_tests::fixture::{next_attempt, payment, test_retry_policy, Bed, Running};
 use idemq_tests::{header_i64, header_str};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
-
-fn attempts() -> &'static Mutex<HashMap<String, u32>> {
-    static ATTEMPTS: OnceLock<Mutex<HashMap<String, u32>>> = OnceLock::new();
-    ATTEMPTS.get_or_init(Mutex::default)
-}
-
-/// Counts a handler attempt for `key`; returns its number (1 for the first).
-fn next_attempt(key: &str) -> u32 {
-    let mut attempts = attempts().lock().expect("lock");
-    let n = attempts.entry(key.to_owned()).or_default();
-    *n += 1;
-    *n
-}
 
 /// Writes its effect, then fails on the first two attempts of each key.
 #[idempotent_handler(key = "payment_id")]
@@ -60,7 +44,7 @@ async fn transient_errors_roll_back_and_attempt_three_applies_once() {
     // handler would not have run again.
     assert_eq!(events[2].outcome, Outcome::Applied, "{events:?}");
     assert_eq!(events.iter().map(|e| e.attempt).collect::<Vec<_>>(), [1, 2, 3]);
-    assert_eq!(attempts().lock().unwrap()[&p.payment_id], 3);
+    assert_eq!(idemq_tests::fixture::attempts_of(&p.payment_id), 3);
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the failed attempts' ledger rows were rolled back");
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);

@@ -3,8 +3,6 @@
 //! tripping a constraint checked only at COMMIT. None of them may get a delivery
 //! acked without its effect, or stuck.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -12,20 +10,23 @@ use idemq::{
     headers, idempotent_handler, Error, FailureKind, HandlerError, Outcome, Queue, RetryPolicy, Topology,
 };
 use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, test_retry_policy, Bed, Running};
+use idemq_tests::fixture::{next_attempt, payment, test_retry_policy, Bed, Running};
 use idemq_tests::{eventually, header_str, unique};
 
-fn attempts() -> &'static Mutex<HashMap<String, u32>> {
-    static ATTEMPTS: OnceLock<Mutex<HashMap<String, u32>>> = OnceLock::new();
-    ATTEMPTS.get_or_init(Mutex::default)
-}
-
-/// Counts a handler attempt for `key`; returns its number (1 for the first).
-fn next_attempt(key: &str) -> u32 {
-    let mut attempts = attempts().lock().expect("lock");
-    let n = attempts.entry(key.to_owned()).or_default();
-    *n += 1;
-    *n
+/// Publishes one payment to a runtime with `handler`, whose first attempt must fail
+/// with an error saying `phrase` and whose second must apply it, exactly once.
+async fn first_attempt_fails_then_applies<H: idemq::Handler>(handler: H, phrase: &str) {
+    let bed = Bed::new().await;
+    let p = payment(10);
+    bed.publish(&p).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, handler), 2).await;
+    match &events[0].outcome {
+        Outcome::Retry { error, .. } => assert!(error.contains(phrase), "{error}"),
+        other => panic!("the first attempt must fail (\"{phrase}\"), not end {other:?}"),
+    }
+    assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the first attempt's writes were rolled back");
+    assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
 }
 
 /// The "ignore the unique violation" idiom: the payment is written, then a failing
@@ -45,17 +46,7 @@ async fn ignores_an_error(conn: &mut AsyncPgConnection, msg: PaymentRequested) -
 /// see it, count a failed attempt and retry — not ack the message as applied.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_handler_that_ignores_a_failed_statement_is_rolled_back_and_retried_not_acked() {
-    let bed = Bed::new().await;
-    let p = payment(10);
-    bed.publish(&p).await;
-    let events = Running::settle(bed.runtime().consume(&bed.queue, ignores_an_error), 2).await;
-    match &events[0].outcome {
-        Outcome::Retry { error, .. } => assert!(error.contains("its error was ignored"), "{error}"),
-        other => panic!("the aborted transaction must be a failed attempt, not {other:?}"),
-    }
-    assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
-    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
-    assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
+    first_attempt_fails_then_applies(ignores_an_error, "its error was ignored").await;
 }
 
 /// Ends idemq's transaction (ROLLBACK: the dedup row is gone) and begins its own,
@@ -77,17 +68,7 @@ async fn ends_the_transaction(
 /// COMMIT of a transaction that is not the one holding the dedup row.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_handler_that_ends_idemqs_transaction_itself_is_rolled_back_and_retried() {
-    let bed = Bed::new().await;
-    let p = payment(20);
-    bed.publish(&p).await;
-    let events = Running::settle(bed.runtime().consume(&bed.queue, ends_the_transaction), 2).await;
-    match &events[0].outcome {
-        Outcome::Retry { error, .. } => assert!(error.contains("ended idemq's transaction"), "{error}"),
-        other => panic!("the ended transaction must be a failed attempt, not {other:?}"),
-    }
-    assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
-    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the first attempt's write was rolled back");
-    assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
+    first_attempt_fails_then_applies(ends_the_transaction, "ended idemq's transaction").await;
 }
 
 /// Panics on every message whose payment id starts with `boom`.
@@ -162,15 +143,9 @@ async fn a_timed_out_handler_stuck_in_the_database_is_cancelled_and_releases_its
         other => panic!("a timeout is a failed attempt, not {other:?}"),
     }
     eventually("the sleeping statement ended on the server", Duration::from_secs(10), || async {
-        let mut conn = bed.db.connect().await;
-        let sleepers: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE query LIKE '%idemq-test-sleeper%' AND state = 'active' AND pid <> pg_backend_pid()",
-        )
-        .get_result(&mut conn)
-        .await
-        .expect("count sleepers");
-        sleepers == 0
+        let sleepers = "SELECT count(*) FROM pg_stat_activity \
+             WHERE query LIKE '%idemq-test-sleeper%' AND state = 'active' AND pid <> pg_backend_pid()";
+        bed.db.count(sleepers).await == 0
     })
     .await;
     // Had the sleeper kept the dedup row locked, this retry would wait a minute.
