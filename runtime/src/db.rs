@@ -49,37 +49,50 @@ diesel::define_sql_function! {
     fn txid_current() -> diesel::sql_types::BigInt;
 }
 
-/// The statement sent with COMMIT, as one simple-query message, so it costs the same
+/// Prepared on every pooled connection (see [`SessionLimits::setup_sql`]), so the
+/// check below is planned once per connection, not once per COMMIT.
+const PREPARE_CHECK: &str = "PREPARE idemq_check(bigint) AS \
+     SELECT CASE WHEN txid_current_if_assigned() = $1 THEN 0 \
+     ELSE ('idemq_transaction_ended' || coalesce(txid_current_if_assigned()::text, ''))::int END";
+
+/// The check sent with COMMIT, as one simple-query message, so it costs the same
 /// round trip as `COMMIT` alone. PostgreSQL runs the statements in order and stops
 /// at the first error:
 /// - a transaction aborted by a failed statement (whose error the handler ignored)
-///   fails the `SELECT` (25P02) and COMMIT is never sent — without the `SELECT`,
-///   COMMIT would answer `ROLLBACK` and no error, and the delivery would be acked;
+///   fails the check (25P02) and COMMIT is never sent — without the check, COMMIT
+///   would answer `ROLLBACK` and no error, and the delivery would be acked;
 /// - if the transaction is no longer the one that wrote the dedup row (its id, `xid`,
 ///   was returned by the insert) — the handler ran its own COMMIT or ROLLBACK, and
-///   maybe began another — the `SELECT` fails with [`ENDED_MARKER`] in the message
+///   maybe began another — the check fails with [`ENDED_MARKER`] in the message
 ///   (the `ELSE` is evaluated only then: the function is not constant);
 /// - otherwise COMMIT runs, and any error it answers is the server's refusal.
 fn checked_commit(xid: i64) -> String {
-    format!(
-        "SELECT CASE WHEN txid_current_if_assigned() = {xid} THEN 0 \
-         ELSE ('{ENDED_MARKER}' || coalesce(txid_current_if_assigned()::text, ''))::int END; COMMIT"
-    )
+    format!("EXECUTE idemq_check({xid}); COMMIT")
 }
 
 /// What the cast error of [`checked_commit`] quotes, whatever the server's language.
 const ENDED_MARKER: &str = "idemq_transaction_ended";
 
-/// Inserts the dedup row if absent, inside the open transaction. Returns the id of
-/// the transaction if it inserted the row (the message is new), for
-/// [`commit_checked`]; `None` if the row existed.
-pub(crate) async fn insert_dedup(
+/// BEGIN, then the dedup row inserted if absent — pipelined, one round trip for
+/// both. Returns the id of the transaction if it inserted the row (the message is
+/// new), for [`commit_checked`]; `None` if the row existed. On an error the
+/// transaction may be open: roll back (diesel counts it as open from the start, so
+/// a connection dropped half-way is never returned to the pool as clean).
+pub(crate) async fn begin_and_insert_dedup(
     conn: &mut AsyncPgConnection,
     scope: &str,
     key: &str,
     fingerprint: &[u8],
 ) -> QueryResult<Option<i64>> {
-    diesel::insert_into(idemq_dedup::table)
+    use diesel::connection::TransactionDepthChange;
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()?
+        .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
+    // Both through shared references, polled together: tokio-postgres sends them
+    // back to back in this order, and the server runs them in order.
+    let (mut first, mut second) = (&*conn, &*conn);
+    let begin = first.batch_execute("BEGIN");
+    let insert = diesel::insert_into(idemq_dedup::table)
         .values((
             idemq_dedup::handler.eq(scope),
             idemq_dedup::key.eq(key),
@@ -89,9 +102,20 @@ pub(crate) async fn insert_dedup(
         // Evaluated per inserted row. (A function call, not an SQL literal: a literal
         // would make diesel prepare the statement anew every time, a round trip more.)
         .returning(txid_current())
-        .get_result::<i64>(conn)
-        .await
-        .optional()
+        .get_result::<i64>(&mut second);
+    let (began, inserted) = futures_util::join!(begin, insert);
+    match (began, inserted.optional()) {
+        (Ok(()), inserted) => inserted,
+        (Err(err), Ok(Some(_))) => {
+            // BEGIN failed yet the insert ran, on its own, and committed: a dedup row
+            // without its effect would turn the message into a duplicate. (Not seen:
+            // a BEGIN fails only with the connection, which fails the insert too.)
+            tracing::error!(error = %err, scope, key, "BEGIN failed but the dedup insert committed; deleting the row");
+            diesel::delete(idemq_dedup::table.find((scope, key))).execute(conn).await?;
+            Err(err)
+        }
+        (Err(err), _) => Err(err),
+    }
 }
 
 /// The fingerprint stored with an existing dedup row.
@@ -116,6 +140,10 @@ pub(crate) enum CommitFailure {
     Refused { error: DieselError, contention: bool },
     /// The connection failed: the COMMIT may or may not have landed.
     Unknown(DieselError),
+    /// The check's prepared statement is gone (the handler ran `DISCARD ALL` or
+    /// `DEALLOCATE`): rolled back once the connection, left open in diesel's eyes, is
+    /// dropped.
+    CheckMissing,
 }
 
 /// COMMITs the open top-level transaction `xid`, refusing one that is aborted or is
@@ -131,6 +159,9 @@ pub(crate) async fn commit_checked(conn: &mut AsyncPgConnection, xid: i64) -> Re
             Ok(())
         }
         Err(error) if is_connection_error(&error) => Err(CommitFailure::Unknown(error)),
+        Err(DieselError::DatabaseError(_, info)) if info.message().contains("\"idemq_check\"") => {
+            Err(CommitFailure::CheckMissing)
+        }
         Err(error) => {
             let failure = match &error {
                 DieselError::DatabaseError(_, info) if info.message().contains(ENDED_MARKER) => {
@@ -302,6 +333,7 @@ pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Op
 /// Session limits of every pooled connection, so that nothing idemq starts can hold
 /// locks for long past the handler timeout, even when its client is gone: a
 /// statement, a lock wait and an idle open transaction are each ended by the server.
+/// Set, with the COMMIT check's prepared statement, when a connection is made.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SessionLimits {
     pub(crate) statement: Duration,
@@ -319,10 +351,11 @@ impl SessionLimits {
         }
     }
 
-    fn sql(self) -> String {
+    /// What every pooled connection runs once: the limits, and the COMMIT check.
+    fn setup_sql(self) -> String {
         let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);
         format!(
-            "SET statement_timeout = {}; SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {}",
+            "SET statement_timeout = {}; SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {}; {PREPARE_CHECK}",
             ms(self.statement),
             ms(self.statement),
             ms(self.idle_in_transaction)
@@ -340,7 +373,7 @@ pub(crate) fn build_pool(
     // Broken connections are detected and dropped by the delivery state machine, so
     // the per-checkout `SELECT 1` of `Verified` buys nothing but latency.
     config.recycling_method = RecyclingMethod::Fast;
-    let setup_sql = limits.sql();
+    let setup_sql = limits.setup_sql();
     config.custom_setup = Box::new(move |url| {
         let setup_sql = setup_sql.clone();
         let url = url.to_owned();

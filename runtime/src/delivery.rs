@@ -116,6 +116,10 @@ const ENDED: &str = "the handler ended idemq's transaction itself (COMMIT or ROL
                      whatever it did after was rolled back. Don't end the transaction in a handler: \
                      idemq commits it with the dedup row (use `conn.transaction(..)` for a savepoint)";
 
+/// What a handler failure says when the handler discarded idemq's prepared check.
+const DISCARDED: &str = "the handler discarded idemq's prepared statements (DISCARD ALL or DEALLOCATE); \
+                         the transaction was rolled back. Don't reset the session in a handler";
+
 /// Everything one consumer's deliveries need; shared by its delivery tasks.
 pub(crate) struct Consumer {
     pub(crate) queue: String,
@@ -390,9 +394,7 @@ impl Consumer {
     ) -> Result<Outcome, Fault> {
         let Prepared { key, fingerprint, effect } = prepared;
         let infra = |err| Fault::Infra(InfraFault::Database(err));
-        AnsiTransactionManager::begin_transaction(conn).await.map_err(infra)?;
-
-        let xid = match db::insert_dedup(conn, &self.scope, key.as_str(), &fingerprint).await {
+        let xid = match db::begin_and_insert_dedup(conn, &self.scope, key.as_str(), &fingerprint).await {
             Ok(xid) => xid,
             Err(err) => return Err(rollback(conn, infra(err)).await),
         };
@@ -442,6 +444,9 @@ impl Consumer {
                     }
                     Err(CommitFailure::Ended) => {
                         Ok(self.handler_failed(HandlerError::transient(ENDED), counts.attempt))
+                    }
+                    Err(CommitFailure::CheckMissing) => {
+                        Ok(self.handler_failed(HandlerError::transient(DISCARDED), counts.attempt))
                     }
                     Err(CommitFailure::Refused { error, contention: true }) => Err(Fault::Contention {
                         error: format!("PostgreSQL rolled the transaction back at COMMIT: {error}"),

@@ -62,11 +62,11 @@ async fn chaos_broker_restarts_mid_stream() {
     })
     .await;
     for running in runtimes {
-        assert!(
-            running.connection_events().iter().any(|e| matches!(e, ConnectionEvent::Lost { .. })),
-            "{:?}",
-            running.connection_events()
-        );
+        // A runtime reports the loss once its old session is closed (each close
+        // handshake is bounded), which may be after the other finished the stream.
+        let lost = || running.connection_events().iter().any(|e| matches!(e, ConnectionEvent::Lost { .. }));
+        eventually("the runtime reported the lost connection", Duration::from_secs(30), || async { lost() })
+            .await;
         running.stop().await.expect("clean shutdown");
     }
     assert_eq!(bed.doubled().await, Vec::<String>::new(), "no payment applied twice");

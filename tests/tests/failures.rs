@@ -2,6 +2,7 @@
 //! input is dead-lettered with its reason while the consumer keeps going.
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};

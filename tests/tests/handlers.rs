@@ -71,6 +71,25 @@ async fn a_handler_that_ends_idemqs_transaction_itself_is_rolled_back_and_retrie
     first_attempt_fails_then_applies(ends_the_transaction, "ended idemq's transaction").await;
 }
 
+/// Resets the session's prepared statements (idemq's COMMIT check among them) on
+/// the first attempt.
+#[idempotent_handler(key = "payment_id")]
+async fn deallocates(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    if next_attempt(&msg.payment_id) == 1 {
+        conn.batch_execute("DEALLOCATE idemq_check").await?;
+    }
+    apply_payment::call(conn, msg).await?;
+    Ok(())
+}
+
+/// Without its prepared check idemq cannot tell an aborted transaction from a good
+/// one: the attempt fails, its connection is dropped, and the retry (on a fresh
+/// connection, with the check prepared again) applies the payment.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handler_that_discards_idemqs_prepared_check_fails_its_attempt_and_the_retry_applies() {
+    first_attempt_fails_then_applies(deallocates, "discarded idemq's prepared statements").await;
+}
+
 /// Panics on every message whose payment id starts with `boom`.
 #[idempotent_handler(key = "payment_id")]
 async fn panics(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), diesel::result::Error> {
