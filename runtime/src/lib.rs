@@ -46,7 +46,7 @@
 //! checked COMMIT → ack | retry | dead-letter
 //!
 //! - **Ack after commit, always.** Handlers never see the delivery or its acker. The
-//!   COMMIT is *checked* in its own round trip: a transaction aborted by a statement
+//!   COMMIT is *checked*, in the same round trip: a transaction aborted by a statement
 //!   whose error the handler ignored (PostgreSQL answers its COMMIT with `ROLLBACK`
 //!   and no error) or ended by the handler itself is a failed attempt, never acked.
 //! - **The unique index decides.** Concurrent duplicates block on the dedup row's
