@@ -435,14 +435,7 @@ impl Broker {
     /// The number of ready messages in `queue` (passive declare). Panics if
     /// the queue does not exist.
     pub async fn message_count(&self, queue: &str) -> u32 {
-        // A failed passive declare closes the channel: use a throwaway one.
-        let channel = self.fresh_channel().await;
-        let declared = channel
-            .queue_declare(queue.into(), QueueDeclareOptions::default().passive(), FieldTable::default())
-            .await
-            .unwrap_or_else(|e| panic!("passive declare of queue {queue} failed: {e}"));
-        close_channel(&channel).await;
-        declared.message_count()
+        self.inspect(queue).await.message_count()
     }
 
     /// The number of consumers subscribed to `queue` (passive declare). Panics
@@ -450,13 +443,19 @@ impl Broker {
     /// consumer's channel or connection close, and with it returned that
     /// consumer's unacked deliveries to the queue.
     pub async fn consumer_count(&self, queue: &str) -> u32 {
+        self.inspect(queue).await.consumer_count()
+    }
+
+    /// A passive declare of `queue`, on a throwaway channel (a failed passive
+    /// declare closes its channel).
+    async fn inspect(&self, queue: &str) -> lapin::Queue {
         let channel = self.fresh_channel().await;
         let declared = channel
             .queue_declare(queue.into(), QueueDeclareOptions::default().passive(), FieldTable::default())
             .await
             .unwrap_or_else(|e| panic!("passive declare of queue {queue} failed: {e}"));
         close_channel(&channel).await;
-        declared.consumer_count()
+        declared
     }
 
     /// Takes one message off `queue` (and acks it), or `None` if the queue
