@@ -16,14 +16,15 @@ use std::fmt;
 #[non_exhaustive]
 pub enum Error {
     /// Could not connect to RabbitMQ.
-    #[error("cannot connect to RabbitMQ at {url}: {}; is the broker running, and are AMQP_URL's credentials and vhost right?", redact(&.source.to_string()))]
+    #[error("cannot connect to RabbitMQ at {url}: {}; is the broker running, and are AMQP_URL's credentials and vhost right?", redact(&.cause.to_string()))]
     AmqpConnect {
         /// The URL, password redacted.
         url: String,
         /// The client's error. It may quote the URL: show it through
-        /// [`redact`](crate::redact) (this error's `Display` does).
-        #[source]
-        source: lapin::Error,
+        /// [`redact`](crate::redact) (this error's `Display` does). Deliberately not
+        /// the error's `source()`: a reporter walking the chain would print it
+        /// unredacted (and twice, since the message already holds it).
+        cause: lapin::Error,
     },
     /// A RabbitMQ operation failed.
     #[error("RabbitMQ refused or failed to {action}: {source}")]
@@ -103,8 +104,8 @@ pub(crate) use crate::redact::redact;
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::AmqpConnect { url, source } => {
-                f.debug_struct("AmqpConnect").field("url", url).field("source", &Redacted(source)).finish()
+            Self::AmqpConnect { url, cause } => {
+                f.debug_struct("AmqpConnect").field("url", url).field("cause", &Redacted(cause)).finish()
             }
             Self::Amqp { action, source } => {
                 f.debug_struct("Amqp").field("action", action).field("source", &Redacted(source)).finish()
@@ -158,6 +159,33 @@ mod tests {
             assert!(!shown.contains("s3cr") && !shown.contains("t@h"), "{shown}");
             assert!(shown.contains("postgres://u:***@h/db"), "{shown}");
         }
+        let err = Error::Migration("could not connect with password=hunter2".into());
+        for shown in [err.to_string(), format!("{err:?}")] {
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_broker_connect_error_shows_no_password_anywhere_in_its_chain() {
+        let url = "amqp:guest:hunter2@127.0.0.1:1/%2f"; // no `//`: lapin quotes it back
+        let cause = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+            .await
+            .expect_err("an invalid URL");
+        assert!(cause.to_string().contains("hunter2"), "lapin quotes the URL: {cause}");
+        let err = Error::AmqpConnect { url: super::redact(url), cause };
+        let mut shown = vec![err.to_string(), format!("{err:?}")];
+        let mut source = std::error::Error::source(&err);
+        while let Some(cause) = source {
+            shown.push(cause.to_string());
+            source = cause.source();
+        }
+        for shown in shown {
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
+    }
+
+    #[test]
+    fn migration_errors_are_redacted() {
         let err = Error::Migration("could not connect with password=hunter2".into());
         for shown in [err.to_string(), format!("{err:?}")] {
             assert!(!shown.contains("hunter2"), "{shown}");

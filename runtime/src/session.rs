@@ -219,7 +219,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     let connect = || async {
         Connection::connect(&ctx.amqp_url, ConnectionProperties::default())
             .await
-            .map_err(|source| Error::AmqpConnect { url: redact(&ctx.amqp_url), source })
+            .map_err(|cause| Error::AmqpConnect { url: redact(&ctx.amqp_url), cause })
     };
     let amqp = |action: &str| {
         let action = action.to_owned();
