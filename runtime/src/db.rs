@@ -259,6 +259,12 @@ pub(crate) struct SchemaProblem {
     pub(crate) fix: String,
 }
 
+impl From<SchemaProblem> for crate::error::Error {
+    fn from(SchemaProblem { problem, fix }: SchemaProblem) -> Self {
+        Self::Schema { problem, fix }
+    }
+}
+
 #[derive(QueryableByName)]
 struct TableState {
     #[diesel(sql_type = Text)]

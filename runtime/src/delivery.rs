@@ -162,13 +162,18 @@ pub(crate) struct Shared {
 }
 
 /// A fault that stops the runtime, raised from a delivery task.
-#[derive(Default)]
 pub(crate) struct Fatal {
     pub(crate) stop: CancellationToken,
     error: std::sync::Mutex<Option<Error>>,
 }
 
 impl Fatal {
+    /// `stop` is what the runtime's consumers stop on: a child of the caller's
+    /// shutdown token, cancelled here too when a fatal fault is raised.
+    pub(crate) fn new(stop: CancellationToken) -> Self {
+        Self { stop, error: std::sync::Mutex::default() }
+    }
+
     fn raise(&self, error: Error) {
         tracing::error!(%error, "stopping the runtime: a fault no retry can fix");
         self.error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(error);
@@ -517,7 +522,7 @@ impl Consumer {
             return Fault::Infra(InfraFault::Database(err));
         }
         match db::check_schema(conn).await {
-            Ok(Some(problem)) => Fault::Fatal(Error::Schema { problem: problem.problem, fix: problem.fix }),
+            Ok(Some(problem)) => Fault::Fatal(problem.into()),
             Ok(None) | Err(_) => Fault::Infra(InfraFault::Database(err)),
         }
     }

@@ -348,9 +348,7 @@ impl Runtime {
             let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
             match db::check_schema(&mut conn).await {
                 Ok(None) => {}
-                Ok(Some(problem)) => {
-                    return Err(Error::Schema { problem: problem.problem, fix: problem.fix })
-                }
+                Ok(Some(problem)) => return Err(problem.into()),
                 Err(err) => return Err(connect_error(format!("checking idemq's tables failed: {err}"))),
             }
         }
@@ -364,23 +362,13 @@ impl Runtime {
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),
             turns: tokio::sync::RwLock::new(()),
-            fatal: Fatal::default(),
+            // Consumers stop on the caller's signal, or when a delivery meets a fault no
+            // retry can fix (then `run` returns that error after draining).
+            fatal: Fatal::new(shutdown.child_token()),
             #[cfg(feature = "fault-injection")]
             fault_hook: b.fault_hook.clone(),
         });
-        // Consumers stop on the caller's signal, or when a delivery meets a fault no
-        // retry can fix (then `run` returns that error after draining).
         let stop = shared.fatal.stop.clone();
-        let stop_on_shutdown = {
-            let stop = stop.clone();
-            async move {
-                tokio::select! {
-                    () = shutdown.cancelled() => stop.cancel(),
-                    () = stop.cancelled() => {}
-                }
-            }
-        };
-        let _stop_on_shutdown = tokio::spawn(stop_on_shutdown);
         let consumers = b
             .consumers
             .into_iter()
