@@ -59,7 +59,7 @@ pub struct PaymentRequested {
 
 /// Applies a payment: one ledger row, one balance update. Runs inside idemq's
 /// dedup transaction, so a redelivered payment is never applied twice.
-#[idempotent_handler(key = "payment_id")]
+#[idempotent_handler(key = "payment_id", lane = "account")]
 pub async fn apply_payment(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,

@@ -1,4 +1,5 @@
-//! Parsing and validating the attribute's options: `key = "..."`, `name = "..."`.
+//! Parsing and validating the attribute's options: `key = "..."`, `name = "..."`,
+//! `lane = "..."`.
 
 use proc_macro2::{Span, TokenStream};
 use syn::parse::{Parse, ParseStream, Parser};
@@ -40,6 +41,8 @@ pub(crate) struct Options {
     pub(crate) key: KeyPath,
     /// `name = "..."`, if given.
     pub(crate) name: Option<LitStr>,
+    /// `lane = "..."`, if given: the field whose value picks the pipeline.
+    pub(crate) lane: Option<KeyPath>,
 }
 
 /// A dotted field path into the message, e.g. `order.id`.
@@ -59,6 +62,7 @@ impl Options {
         };
         let mut key: Option<LitStr> = None;
         let mut name: Option<LitStr> = None;
+        let mut lane: Option<LitStr> = None;
         // Whether `key` was written (even misspelled or malformed), so that a missing
         // key is not reported on top of the error that explains it.
         let mut key_attempted = false;
@@ -69,6 +73,7 @@ impl Options {
                     &mut key
                 }
                 "name" => &mut name,
+                "lane" => &mut lane,
                 other => {
                     let hint = match closest_option(other) {
                         Some(known) => {
@@ -80,8 +85,8 @@ impl Options {
                     push(syn::Error::new(
                         option.name.span(),
                         format!(
-                            "unknown option `{other}`; {hint}the options are `key = \"field.path\"` \
-                             and `name = \"handler_name\"`"
+                            "unknown option `{other}`; {hint}the options are `key = \"field.path\"`, \
+                             `name = \"handler_name\"` and `lane = \"field.path\"`"
                         ),
                     ));
                     continue;
@@ -122,8 +127,9 @@ impl Options {
                 ));
             }
         }
+        let lane = lane.and_then(|lit| KeyPath::parse(lit, "lane").map_err(&mut push).ok());
         let key = match key {
-            Some(lit) => match KeyPath::parse(lit) {
+            Some(lit) => match KeyPath::parse(lit, "key") {
                 Ok(path) => Some(path),
                 Err(err) => {
                     push(err);
@@ -142,7 +148,7 @@ impl Options {
         };
         match (errors, key) {
             (Some(errors), _) => Err(errors),
-            (None, Some(key)) => Ok(Self { key, name }),
+            (None, Some(key)) => Ok(Self { key, name, lane }),
             (None, None) => unreachable!("a missing or misspelled key always records an error"),
         }
     }
@@ -150,7 +156,7 @@ impl Options {
 
 /// The known option an unknown one is most likely a typo of (edit distance ≤ 2).
 fn closest_option(unknown: &str) -> Option<&'static str> {
-    ["key", "name"]
+    ["key", "name", "lane"]
         .into_iter()
         .map(|known| (edit_distance(unknown, known), known))
         .filter(|(distance, _)| *distance <= 2)
@@ -182,13 +188,14 @@ fn edit_distance(a: &str, b: &str) -> usize {
 }
 
 impl KeyPath {
-    fn parse(lit: LitStr) -> syn::Result<Self> {
+    /// Parses the value of option `option` (`key` or `lane`).
+    fn parse(lit: LitStr, option: &str) -> syn::Result<Self> {
         let value = lit.value();
         let invalid = |why: String| {
             syn::Error::new(
                 lit.span(),
                 format!(
-                    "`{value}` is not a field path: {why}; write the message field holding the key, \
+                    "`{value}` is not a field path: {why}; write the message field holding the {option}, \
                      e.g. \"payment_id\" or \"order.id\""
                 ),
             )
@@ -196,7 +203,9 @@ impl KeyPath {
         if value.is_empty() {
             return Err(syn::Error::new(
                 lit.span(),
-                "`key` is empty; write the message field holding the key, e.g. \"payment_id\" or \"order.id\"",
+                format!(
+                    "`{option}` is empty; write the message field holding the {option}, e.g. \"payment_id\" or \"order.id\""
+                ),
             ));
         }
         let mut segments = Vec::new();

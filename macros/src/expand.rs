@@ -62,6 +62,26 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     let key_expr = quote_spanned! {key_lit.span()=>
         ::idemq::KeyField::to_key(&(*__idemq_message) #(. #segments)*)
     };
+    // A lane reads its field the way the key does (any type a key may have).
+    let lane = options.lane.as_ref().map(|lane| {
+        let (lane_lit, lane_segments) = (&lane.lit, &lane.segments);
+        let lane_path = lane_lit.value();
+        let lane_expr = quote_spanned! {lane_lit.span()=>
+            ::idemq::KeyField::to_key(&(*__idemq_message) #(. #lane_segments)*)
+        };
+        quote! {
+            fn lane_path(&self) -> ::core::option::Option<&'static str> {
+                ::core::option::Option::Some(#lane_path)
+            }
+
+            fn lane(
+                &self,
+                __idemq_message: &<Self as ::idemq::Handler>::Message,
+            ) -> ::core::option::Option<::core::result::Result<::idemq::Key, ::idemq::KeyError>> {
+                ::core::option::Option::Some(#lane_expr)
+            }
+        }
+    });
     // The checks only the compiler can make go through local traits whose
     // `on_unimplemented` says what to write, each spanned on the user's own tokens.
     let message_assoc = quote_spanned! {message_ty.span()=> type Message = #message_ty; };
@@ -123,6 +143,8 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
                 #key_expr
             }
+
+            #lane
 
             fn handle<'__idemq_a>(
                 &'__idemq_a self,

@@ -44,6 +44,23 @@ pub trait Handler: Send + Sync + 'static {
     /// A missing (`None`), empty or otherwise unusable key; the message is dead-lettered.
     fn key(&self, message: &Self::Message) -> Result<Key, KeyError>;
 
+    /// The lane path as written in the attribute (`lane = "account"`), if the handler
+    /// has one.
+    fn lane_path(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// The message's lane, if the handler has one: deliveries with the same lane
+    /// value go to the same pipeline, in arrival order (see the crate docs, "Lanes").
+    ///
+    /// # Errors
+    /// Like [`Handler::key`]: a lane value that is missing or unusable dead-letters
+    /// the message (kind `key`).
+    fn lane(&self, message: &Self::Message) -> Option<Result<Key, KeyError>> {
+        let _ = message;
+        None
+    }
+
     /// Applies the message's effect on `conn`, inside the runtime's transaction.
     fn handle<'a>(
         &'a self,

@@ -161,7 +161,8 @@ pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use redact::redact;
 pub use retry::RetryPolicy;
 pub use runtime::{
-    shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL,
+    shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY,
+    DEFAULT_DATABASE_URL,
 };
 pub use session::{ConnectionEvent, ConnectionObserver};
 pub use topology::{Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT};
