@@ -2,11 +2,12 @@
 //! records, the schema check and the pool's session settings. One place for every
 //! table idemq owns and for how its errors are read.
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{Bool, Text};
+use diesel::sql_types::{Array, Bool, Bytea, Text};
 use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
 use diesel_async::{
@@ -73,58 +74,140 @@ fn checked_commit(xid: i64) -> String {
 /// What the cast error of [`checked_commit`] quotes, whatever the server's language.
 const ENDED_MARKER: &str = "idemq_transaction_ended";
 
-/// BEGIN, then the dedup row inserted if absent — pipelined, one round trip for
-/// both. Returns the id of the transaction if it inserted the row (the message is
-/// new), for [`commit_checked`]; `None` if the row existed. On an error the
-/// transaction may be open: roll back (diesel counts it as open from the start, so
-/// a connection dropped half-way is never returned to the pool as clean).
-pub(crate) async fn begin_and_insert_dedup(
+/// How long a statement in a batch of several deliveries may wait for a lock. Far
+/// below PostgreSQL's `deadlock_timeout` (1 s): two batches that lock the same rows
+/// in different orders fail fast, and the runtime re-runs them smaller (a delivery
+/// run alone waits with the session's full `lock_timeout`).
+pub(crate) const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// What a transaction's dedup insert found.
+#[derive(Debug)]
+pub(crate) struct Claim {
+    /// The transaction's id if it inserted any row, for [`commit_checked`].
+    pub(crate) xid: Option<i64>,
+    /// The keys whose rows it inserted: those messages are new. The others were
+    /// applied before (their rows are committed).
+    pub(crate) inserted: HashSet<String>,
+}
+
+diesel::define_sql_function! {
+    /// `unnest(text[])`: one row per key.
+    #[sql_name = "unnest"]
+    fn unnest_text(array: Array<Text>) -> Text;
+}
+
+diesel::define_sql_function! {
+    /// `unnest(bytea[])`: one row per fingerprint.
+    #[sql_name = "unnest"]
+    fn unnest_bytea(array: Array<Bytea>) -> Bytea;
+}
+
+/// BEGIN, then the dedup rows of `rows` (key, fingerprint; keys distinct) inserted
+/// where absent — pipelined, one round trip for both, one statement for the whole
+/// batch (its keys and fingerprints go as two array parameters, so there is no limit
+/// of bind parameters to mind). Rows are inserted in key order: two batches sharing
+/// keys take their index locks in the same order and cannot deadlock on them.
+///
+/// `RETURNING` says which keys were inserted (matched by key: its order is not
+/// guaranteed). On an error the transaction may be open: roll back (diesel counts it
+/// as open from the start, so a connection dropped half-way is never returned to the
+/// pool as clean).
+pub(crate) async fn begin_and_claim(
     conn: &mut AsyncPgConnection,
     scope: &str,
-    key: &str,
-    fingerprint: &[u8],
-) -> QueryResult<Option<i64>> {
+    rows: &[(&str, &[u8])],
+) -> QueryResult<Claim> {
     use diesel::connection::TransactionDepthChange;
     AnsiTransactionManager::transaction_manager_status_mut(conn)
         .transaction_state()?
         .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
+    let mut sorted = rows.to_vec();
+    sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let begin = if sorted.len() > 1 {
+        format!("BEGIN; SET LOCAL lock_timeout = {}", BATCH_LOCK_TIMEOUT.as_millis())
+    } else {
+        "BEGIN".to_owned()
+    };
     // Both through shared references, polled together: tokio-postgres sends them
     // back to back in this order, and the server runs them in order.
     let (mut first, mut second) = (&*conn, &*conn);
-    let begin = first.batch_execute("BEGIN");
-    let insert = diesel::insert_into(idemq_dedup::table)
-        .values((
-            idemq_dedup::handler.eq(scope),
-            idemq_dedup::key.eq(key),
-            idemq_dedup::fingerprint.eq(fingerprint),
-        ))
-        .on_conflict_do_nothing()
-        // Evaluated per inserted row. (A function call, not an SQL literal: a literal
-        // would make diesel prepare the statement anew every time, a round trip more.)
-        .returning(txid_current())
-        .get_result::<i64>(&mut second);
-    let (began, inserted) = futures_util::join!(begin, insert);
-    match (began, inserted.optional()) {
-        (Ok(()), inserted) => inserted,
-        (Err(err), Ok(Some(_))) => {
+    let began = first.batch_execute(&begin);
+    // `txid_current()` is evaluated per inserted row. (Function calls, not SQL
+    // literals: a literal would make diesel prepare the statement anew every time.)
+    let (began, inserted) = if let [(key, fingerprint)] = sorted.as_slice() {
+        // One row: a plain single-row insert (per-message mode's hot path).
+        let insert = diesel::insert_into(idemq_dedup::table)
+            .values((
+                idemq_dedup::handler.eq(scope),
+                idemq_dedup::key.eq(*key),
+                idemq_dedup::fingerprint.eq(*fingerprint),
+            ))
+            .on_conflict_do_nothing()
+            .returning((idemq_dedup::key, txid_current()))
+            .get_results::<(String, i64)>(&mut second);
+        futures_util::join!(began, insert)
+    } else {
+        let keys: Vec<&str> = sorted.iter().map(|(key, _)| *key).collect();
+        let fingerprints: Vec<&[u8]> = sorted.iter().map(|(_, fingerprint)| *fingerprint).collect();
+        let insert = diesel::insert_into(idemq_dedup::table)
+            .values(diesel::select((
+                scope.into_sql::<Text>(),
+                unnest_text(keys),
+                unnest_bytea(fingerprints).nullable(),
+            )))
+            .into_columns((idemq_dedup::handler, idemq_dedup::key, idemq_dedup::fingerprint))
+            .on_conflict_do_nothing()
+            .returning((idemq_dedup::key, txid_current()))
+            .get_results::<(String, i64)>(&mut second);
+        futures_util::join!(began, insert)
+    };
+    match (began, inserted) {
+        (Ok(()), Ok(inserted)) => Ok(Claim {
+            xid: <[_]>::first(&inserted).map(|(_, xid)| *xid),
+            inserted: inserted.into_iter().map(|(key, _)| key).collect(),
+        }),
+        (Ok(()), Err(err)) => Err(err),
+        (Err(err), Ok(inserted)) if !inserted.is_empty() => {
             // BEGIN failed yet the insert ran, on its own, and committed: a dedup row
             // without its effect would turn the message into a duplicate. (Not seen:
             // a BEGIN fails only with the connection, which fails the insert too.)
-            tracing::error!(error = %err, scope, key, "BEGIN failed but the dedup insert committed; deleting the row");
-            diesel::delete(idemq_dedup::table.find((scope, key))).execute(conn).await?;
+            let keys: Vec<String> = inserted.into_iter().map(|(key, _)| key).collect();
+            tracing::error!(error = %err, scope, ?keys, "BEGIN failed but the dedup insert committed; deleting the rows");
+            diesel::delete(
+                idemq_dedup::table
+                    .filter(idemq_dedup::handler.eq(scope))
+                    .filter(idemq_dedup::key.eq_any(&keys)),
+            )
+            .execute(conn)
+            .await?;
             Err(err)
         }
         (Err(err), _) => Err(err),
     }
 }
 
-/// The fingerprint stored with an existing dedup row.
-pub(crate) async fn stored_fingerprint(
+/// The fingerprints stored with existing dedup rows, by key (a row stored without
+/// one maps to `None`; a key without a row is absent).
+pub(crate) async fn stored_fingerprints(
     conn: &mut AsyncPgConnection,
     scope: &str,
-    key: &str,
-) -> QueryResult<Option<Vec<u8>>> {
-    idemq_dedup::table.find((scope, key)).select(idemq_dedup::fingerprint).get_result(conn).await
+    keys: &[&str],
+) -> QueryResult<HashMap<String, Option<Vec<u8>>>> {
+    let rows: Vec<(String, Option<Vec<u8>>)> = if let [key] = keys {
+        idemq_dedup::table
+            .find((scope, *key))
+            .select((idemq_dedup::key, idemq_dedup::fingerprint))
+            .load(conn)
+            .await?
+    } else {
+        idemq_dedup::table
+            .filter(idemq_dedup::handler.eq(scope))
+            .filter(idemq_dedup::key.eq_any(keys))
+            .select((idemq_dedup::key, idemq_dedup::fingerprint))
+            .load(conn)
+            .await?
+    };
+    Ok(rows.into_iter().collect())
 }
 
 /// Why the checked COMMIT did not commit.

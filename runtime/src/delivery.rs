@@ -1,28 +1,35 @@
-//! The life of one delivery, start to finish. This module is the heart of idemq.
+//! The life of a delivery, start to finish. This module is the heart of idemq.
+//!
+//! Deliveries run in batches (group commit): up to `batch_size` deliveries of one
+//! consumer that have arrived, in one transaction, acked together after COMMIT. A
+//! lone delivery is a batch of one; per-message mode is `batch_size = 1`. Each
+//! delivery of a batch goes through the same states:
 //!
 //! ```text
 //!            ┌────────── too large / not JSON / bad shape / bad key ──────────┐
 //!            │                                                                ▼
-//! delivery ─ decode ─ key ─ BEGIN ─ INSERT dedup row ─┬─ new ─ handler ─ checked COMMIT ─ ack
-//!   │                               ON CONFLICT       │          │      │  └ unknown ─┐
-//!   │ redelivered:                  DO NOTHING        │          │      │             ▼
-//!   │  · run alone                  RETURNING         │          │      │ refused: retry in-process on
-//!   │  · copy recorded? ─ ack                         │          │      │ rolled   a fresh connection:
-//!   │  · count the start                              │          │      │ back     the dedup row decides
-//!   │                                                 │          │      ▼
-//!   │                                                 │     error, panic, timeout,
-//!   │                                                 │     aborted or ended transaction
-//!   │                                                 │          ▼
-//!   │                                                 │      ROLLBACK
-//!   │                                                 │   transient, attempts left:
-//!   │                                                 │     copy → <queue>.retry.<ms>ms (TTL,
-//!   │                                                 │     dead-letters back), then ack
-//!   │                                                 │   transient, last attempt ───┐
-//!   │                                                 │   permanent ─────────────────┤
-//!   │                                                 ├─ exists, same payload ─ ack (duplicate)
-//!   │                                                 ├─ exists, other payload ──────┤ (conflict)
-//!   │                                                 └─ new, started ≥ limit ───────┤ (poison)
-//!   │                                                                                ▼
+//! delivery ─ decode ─ key ─ BEGIN ─ INSERT dedup rows ─┬─ new ─ handler ─ checked COMMIT ─ ack
+//!   │                               (the batch's, one  │          │      │  └ unknown ─┐
+//!   │ redelivered:                  statement, keys    │          │      │             ▼
+//!   │  · run alone                  sorted) ON CONFLICT│          │      │ refused: retry in-process on
+//!   │  · copy recorded? ─ ack       DO NOTHING         │          │      │ rolled   a fresh connection:
+//!   │  · count the start            RETURNING key      │          │      │ back     the dedup row decides
+//!   │                                                  │          │      ▼
+//!   │                                                  │     error, panic, timeout,
+//!   │                                                  │     aborted or ended transaction
+//!   │                                                  │          ▼
+//!   │                                                  │      ROLLBACK ── in a batch of several:
+//!   │                                                  │          │       re-run without it, it alone
+//!   │                                                  │          ▼       (or in halves), no attempt spent
+//!   │                                                  │   transient, attempts left:
+//!   │                                                  │     copy → <queue>.retry.<ms>ms (TTL,
+//!   │                                                  │     dead-letters back), then ack
+//!   │                                                  │   transient, last attempt ───┐
+//!   │                                                  │   permanent ─────────────────┤
+//!   │                                                  ├─ exists, same payload ─ ack (duplicate)
+//!   │                                                  ├─ exists, other payload ──────┤ (conflict)
+//!   │                                                  └─ new, started ≥ limit ───────┤ (poison)
+//!   │                                                                                 ▼
 //!   └──────────────   dead-letter: publish (mandatory, confirmed) the original bytes with
 //!                     x-idemq-* headers to the DLQ, record the copy, then ack; a copy that
 //!                     cannot be published (retry or dead letter): nack with requeue instead
@@ -30,30 +37,39 @@
 //!
 //! Invariants:
 //! - The ack is sent only after COMMIT returned Ok, or after a copy (retry or dead
-//!   letter) was confirmed and routed. Never before.
-//! - The dedup row and the handler's writes share one transaction on one connection:
-//!   both commit or neither does. Concurrent duplicates block on the unique index and
-//!   then see the committed row; nothing checks first and acts later.
+//!   letter) was confirmed and routed. Never before. A batch's acks go as one
+//!   `multiple` ack only below the channel's watermark ([`Acks`]).
+//! - The dedup rows and the handlers' writes share one transaction on one
+//!   connection: all commit or none does. Concurrent duplicates block on the unique
+//!   index and then see the committed row; nothing checks first and acts later. The
+//!   same key twice in one batch is run once; the second waits for the first's fate.
 //! - COMMIT is *checked* ([`db::commit_checked`]): a transaction aborted by a statement
 //!   whose error the handler ignored, or ended by the handler itself, is rolled back
 //!   and counted as a handler failure, never acked as applied.
+//! - Only a delivery run alone is charged a failed attempt. In a batch of several,
+//!   a handler that fails (error, panic, timeout) is re-run alone, the others without
+//!   it ([`verdict::around`]); a batch that fails as a whole (refused or aborted
+//!   COMMIT, a lock timeout: batches wait [`db::BATCH_LOCK_TIMEOUT`] for a lock, far
+//!   below the deadlock detector's second) is re-run in halves ([`verdict::halves`]).
+//!   Outcomes are the ones per-message mode would give.
 //! - A COMMIT the server answered with an error is a rollback (a handler failure;
 //!   serialization failures and deadlocks are first run again in-process). Only a
 //!   lost connection leaves COMMIT's outcome unknown: then, and for any other database
-//!   fault, the delivery stays unacked and the transaction is retried on a fresh
+//!   fault, the deliveries stay unacked and the transaction is retried on a fresh
 //!   connection with backoff; such a connection is never reused. Faults no retry can
 //!   fix (idemq's tables missing, privileges lacking) stop the runtime instead.
 //! - A handler that panics or times out fails its attempt; its running statement is
 //!   cancelled on the server and its connection dropped, so its locks go at once.
-//! - No path leaves a delivery unsettled: a guard nacks it (requeue) if the task
-//!   ends without settling.
+//! - No path leaves a delivery unsettled: a guard nacks a batch (requeue) if its
+//!   task ends without settling it.
 //! - Poison is what *started* `delivery_limit` times without an outcome: a redelivered
-//!   message runs alone (nothing else of this process runs beside it) and its start
-//!   is committed before its handler runs, so a crash is charged to the message that
-//!   caused it, not to the prefetch window around it.
+//!   message runs alone (a batch of one, nothing else of this process beside it) and
+//!   its start is committed before its handler runs, so a crash is charged to the
+//!   message that caused it, not to the prefetch window around it.
 //! - Every copy carries a copy id (lineage + attempt); a redelivered original whose
 //!   copy the broker already confirmed is acked without running its handler.
 
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,14 +79,15 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use futures_util::FutureExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::AMQPValue;
 use lapin::Acker;
 use lapin::Channel;
 use sha2::{Digest, Sha256};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
+use crate::acks::Acks;
 use crate::backoff::Backoff;
 use crate::db::{self, CommitFailure};
 use crate::dead_letter::{self, headers, Letter};
@@ -78,8 +95,9 @@ use crate::error::Error;
 use crate::handler::{ErrorClass, HandlerError};
 use crate::key::hex;
 use crate::outcome::{FailureKind, Outcome, Settled, Stats};
-use crate::prepare::{ErasedHandler, InputLimits, Prepared, Rejection};
+use crate::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
 use crate::retry::{wait_queue_name, RetryPolicy};
+use crate::verdict;
 
 /// What to do with a known key that arrives with a different payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -120,7 +138,7 @@ const ENDED: &str = "the handler ended idemq's transaction itself (COMMIT or ROL
 const DISCARDED: &str = "the handler discarded idemq's prepared statements (DISCARD ALL or DEALLOCATE); \
                          the transaction was rolled back. Don't reset the session in a handler";
 
-/// Everything one consumer's deliveries need; shared by its delivery tasks.
+/// Everything one consumer's deliveries need; shared by its batches.
 pub(crate) struct Consumer {
     pub(crate) queue: String,
     pub(crate) dead_letter_queue: String,
@@ -130,12 +148,15 @@ pub(crate) struct Consumer {
     /// The handler's dedup scope: the `handler` column of its rows (its name, under
     /// the runtime's namespace if one is set).
     pub(crate) scope: String,
-    /// The channel the deliveries come on. Acks go through each delivery's own
-    /// acker, which is bound to this channel: a tag from a dead channel can never be
-    /// acked on a newer one (a future multi-ack batcher must key on `session`).
+    /// The channel the deliveries come on.
     pub(crate) channel: Channel,
+    /// How deliveries of this channel session are settled: every ack and nack goes
+    /// through it (see [`Acks`] for when one `multiple` ack is safe).
+    pub(crate) acks: Arc<Acks>,
     /// The confirm-mode channel for copies, on the session's publishing connection.
     pub(crate) publisher: Channel,
+    /// Where copies settle in tasks of their own (the runtime's: shutdown waits).
+    pub(crate) tracker: TaskTracker,
     /// The publishing connection's negotiated frame size: copies stay under it.
     pub(crate) frame_max: u32,
     /// Which connection session this consumer belongs to (1, 2, … after reconnects).
@@ -150,15 +171,27 @@ pub(crate) struct Shared {
     pub(crate) handler_timeout: Duration,
     pub(crate) database_retry_limit: Duration,
     pub(crate) on_conflict: OnConflict,
+    pub(crate) batch: BatchLimits,
     pub(crate) stats: Arc<Stats>,
     pub(crate) observer: Option<crate::runtime::Observer>,
     /// Taken for writing by a redelivered message (it runs alone), for reading by
-    /// every other: a crash while a redelivered message runs is its own.
+    /// every batch: a crash while a redelivered message runs is its own.
     pub(crate) turns: RwLock<()>,
     /// Raised by a delivery that met a fault no retry can fix: the runtime stops.
     pub(crate) fatal: Fatal,
     #[cfg(feature = "fault-injection")]
     pub(crate) fault_hook: Option<crate::fault::FaultHook>,
+}
+
+/// How batches are formed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BatchLimits {
+    /// The most deliveries in one transaction (1: per-message mode).
+    pub(crate) size: usize,
+    /// How long a batch that is not full waits for more (zero: not at all).
+    pub(crate) linger: Duration,
+    /// Pipelines per laned consumer (the runtime's concurrency).
+    pub(crate) pipelines: usize,
 }
 
 /// A fault that stops the runtime, raised from a delivery task.
@@ -186,6 +219,44 @@ impl Fatal {
     }
 }
 
+/// One delivery of a batch, as the intake hands it over.
+pub(crate) struct Item {
+    delivered: Delivered,
+    /// Decoded at intake when the handler has a lane (its value picks the pipeline);
+    /// taken by the first run, decoded again for any later one.
+    prepared: Option<Result<Prepared, Rejection>>,
+}
+
+impl Item {
+    pub(crate) fn new(
+        delivery: Delivery,
+        queue: &str,
+        prepared: Option<Result<Prepared, Rejection>>,
+    ) -> Self {
+        let counts = Counts::of(&delivery, queue);
+        Self { delivered: Delivered { delivery, counts, received_at: Instant::now() }, prepared }
+    }
+
+    /// A redelivered message runs alone: in a batch of its own, with nothing else of
+    /// this process running beside it.
+    pub(crate) fn runs_alone(&self) -> bool {
+        self.delivered.runs_alone()
+    }
+}
+
+/// A delivery and what its properties say.
+struct Delivered {
+    delivery: Delivery,
+    counts: Counts,
+    received_at: Instant,
+}
+
+impl Delivered {
+    fn runs_alone(&self) -> bool {
+        self.counts.redelivered
+    }
+}
+
 /// The decision for one delivery, before it is settled with the broker.
 struct Decision {
     outcome: Outcome,
@@ -193,50 +264,98 @@ struct Decision {
     began_at: Option<Instant>,
     /// Whether a start mark was written for it (cleared once it has an outcome).
     marked: bool,
+    /// Deliveries in the transaction that decided it (0: decided without one).
+    batch: usize,
 }
 
 impl Decision {
     fn new(outcome: Outcome) -> Self {
-        Self { outcome, key: None, began_at: None, marked: false }
+        Self { outcome, key: None, began_at: None, marked: false, batch: 0 }
     }
 }
 
-/// Why an attempt at the transaction did not decide the delivery.
+/// What one run of part of a batch settled: decisions, and parts to run next (in
+/// order, before anything else of the batch).
+#[derive(Default)]
+struct Ran {
+    decided: Vec<(usize, Decision)>,
+    next: Vec<Vec<usize>>,
+}
+
+/// Why a run of part of a batch decided nothing.
 enum Fault {
     /// The database or pool failed; the outcome is unknown: try again.
     Infra(InfraFault),
-    /// Rolled back for contention (serialization failure, deadlock): run it again.
+    /// A delivery run alone was rolled back for contention (serialization failure,
+    /// deadlock): run it again.
     Contention { error: String, key: String },
-    /// No retry can fix it: return the delivery and stop the runtime.
+    /// No retry can fix it: return the deliveries and stop the runtime.
     Fatal(Error),
 }
 
+/// How a handler's run in the transaction failed.
+enum Failure {
+    /// It returned an error; the transaction is open (maybe aborted).
+    Returned(HandlerError),
+    /// It panicked or timed out: its statement was cancelled, and the connection,
+    /// still in the transaction, is dropped.
+    Cut(String),
+}
+
 impl Consumer {
-    /// Processes one delivery to its end: decided, then settled with the broker —
-    /// unless `cut_off` fires first (the shutdown deadline passed): then the work in
-    /// flight is dropped (an open transaction rolls back when its connection closes)
-    /// and the delivery is returned to the queue. A copy already being published is
-    /// given [`COPY_GRACE`] to be confirmed and acked first.
-    pub(crate) async fn process(&self, delivery: Delivery, cut_off: &CancellationToken) {
-        let received_at = Instant::now();
-        let counts = Counts::of(&delivery, &self.queue);
-        let mut guard = Unsettled(Some(delivery.acker.clone()));
-        let decided = tokio::select! {
-            decision = self.decide(&delivery, &counts) => Some(decision),
-            () = cut_off.cancelled() => None,
-        };
-        let (decision, settled_with_broker) = match decided {
-            Some(mut decision) => {
-                let sent = self.settle(&delivery, &mut decision, &counts, cut_off).await;
-                (decision, sent)
+    /// Processes a batch of deliveries to their end: decided, then settled with the
+    /// broker — unless `cut_off` fires first (the shutdown deadline passed): then the
+    /// work in flight is dropped (an open transaction rolls back when its connection
+    /// closes) and the deliveries are returned to the queue. A copy already being
+    /// published is given [`COPY_GRACE`] to be confirmed and acked first.
+    pub(crate) async fn process(self: &Arc<Self>, batch: Vec<Item>, cut_off: &CancellationToken) {
+        let (items, prepared): (Vec<Delivered>, Vec<_>) =
+            batch.into_iter().map(|item| (item.delivered, item.prepared)).unzip();
+        let mut guard = Unsettled::new(&self.acks, items.iter());
+        // A batch whose channel closed while it waited cannot be settled: the broker
+        // has already requeued it. Running it would only apply what is redelivered.
+        let decided = if self.channel.status().connected() {
+            tokio::select! {
+                decisions = self.decide(&items, prepared) => Some(decisions),
+                () = cut_off.cancelled() => None,
             }
-            None => {
-                let decision = Decision::new(Outcome::Abandoned);
-                let sent = report(delivery.acker.nack(requeue()).await, self, &decision);
-                (decision, sent)
-            }
+        } else {
+            None
         };
-        guard.0 = None;
+        let decisions = decided
+            .unwrap_or_else(|| items.iter().map(|_| Decision::new(Outcome::Abandoned)).collect::<Vec<_>>());
+        let (copies, settled): (Vec<_>, Vec<_>) =
+            items.into_iter().zip(decisions).partition(|(_, decision)| {
+                matches!(decision.outcome, Outcome::Retry { .. } | Outcome::DeadLettered { .. })
+            });
+        // Copies wait for the broker's confirm (and, under a resource alarm, for the
+        // alarm to end): they settle in a task of their own, so the next batch (of
+        // this lane) does not wait for them.
+        let mut copy_guard = Unsettled::new(&self.acks, copies.iter().map(|(item, _)| item));
+        let sent = self.settle(&settled).await;
+        guard.disarm();
+        for ((item, decision), settled_with_broker) in settled.into_iter().zip(sent) {
+            self.finish(&item, decision, settled_with_broker).await;
+        }
+        if copies.is_empty() {
+            copy_guard.disarm();
+            return;
+        }
+        let (consumer, cut_off) = (Arc::clone(self), cut_off.clone());
+        self.tracker.spawn(async move {
+            let mut copies = copies;
+            let settling =
+                copies.iter_mut().map(|(item, decision)| consumer.settle_copy(item, decision, &cut_off));
+            let sent = futures_util::future::join_all(settling).await;
+            copy_guard.disarm();
+            for ((item, decision), settled_with_broker) in copies.into_iter().zip(sent) {
+                consumer.finish(&item, decision, settled_with_broker).await;
+            }
+        });
+    }
+
+    /// Clears a settled delivery's start marks and reports it.
+    async fn finish(&self, item: &Delivered, decision: Decision, settled_with_broker: bool) {
         if decision.marked && !matches!(decision.outcome, Outcome::Requeued { .. } | Outcome::Abandoned) {
             if let Some(key) = &decision.key {
                 self.bookkeeping("clear the start marks", async |conn| {
@@ -251,11 +370,12 @@ impl Consumer {
             key: decision.key,
             outcome: decision.outcome,
             settled_with_broker,
-            delivery_count: counts.delivery_count,
-            attempt: counts.attempt,
-            redelivered: counts.redelivered,
+            delivery_count: item.counts.delivery_count,
+            attempt: item.counts.attempt,
+            redelivered: item.counts.redelivered,
             session: self.session,
-            received_at,
+            batch: decision.batch,
+            received_at: item.received_at,
             began_at: decision.began_at,
             settled_at: Instant::now(),
         };
@@ -265,22 +385,65 @@ impl Consumer {
         }
     }
 
-    /// decode → key → transaction, retried in-process on infrastructure faults.
-    async fn decide(&self, delivery: &Delivery, counts: &Counts) -> Decision {
+    /// Decides every delivery of the batch: runs it in one transaction, and runs
+    /// again smaller whatever could not be decided together.
+    async fn decide(
+        &self,
+        items: &[Delivered],
+        mut prepared: Vec<Option<Result<Prepared, Rejection>>>,
+    ) -> Vec<Decision> {
         // A redelivered message may be what crashed the last consumer: it runs alone.
-        let _turn = if counts.redelivered {
+        let _turn = if items.iter().any(Delivered::runs_alone) {
             Turn::Alone(self.shared.turns.write().await)
         } else {
             Turn::Shared(self.shared.turns.read().await)
         };
+        let mut decisions: Vec<Option<Decision>> = items.iter().map(|_| None).collect();
+        let mut parts: VecDeque<Vec<usize>> = VecDeque::from([(0..items.len()).collect()]);
+        while let Some(part) = parts.pop_front() {
+            let ran = self.run_part(items, &part, &mut prepared).await;
+            if !ran.next.is_empty() {
+                self.shared.stats.batch_split();
+            }
+            for (index, decision) in ran.decided {
+                decisions[index] = Some(decision);
+            }
+            for next in ran.next.into_iter().rev() {
+                parts.push_front(next);
+            }
+        }
+        decisions
+            .into_iter()
+            .map(|decision| {
+                decision.unwrap_or_else(|| {
+                    // Every path decides every delivery; this only guards the invariant.
+                    tracing::error!(queue = %self.queue, "a delivery was left undecided; returning it to the queue");
+                    Decision::new(Outcome::Requeued { error: "left undecided".into() })
+                })
+            })
+            .collect()
+    }
+
+    /// Runs `part` (indices into the batch) until it is decided or split, retrying
+    /// in-process on infrastructure faults (not counted as attempts).
+    async fn run_part(
+        &self,
+        items: &[Delivered],
+        part: &[usize],
+        prepared: &mut [Option<Result<Prepared, Rejection>>],
+    ) -> Ran {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
         let mut contention = 0;
         let mut marked: Option<i32> = None;
         let mut last_logged: Option<String> = None;
         let first_try = Instant::now();
+        let all = |outcome: Outcome| Ran {
+            decided: part.iter().map(|&index| (index, Decision::new(outcome.clone()))).collect(),
+            next: Vec::new(),
+        };
         loop {
-            let fault = match self.attempt(delivery, counts, &mut marked).await {
-                Ok(decision) => return decision,
+            let fault = match self.attempt(items, part, prepared, &mut marked).await {
+                Ok(ran) => return ran,
                 Err(fault) => fault,
             };
             let fault = match fault {
@@ -292,16 +455,23 @@ impl Consumer {
                     continue;
                 }
                 Fault::Contention { error, key } => {
-                    let error = HandlerError::transient(format!(
-                        "{error} (still after {CONTENTION_RETRIES} runs in-process)"
-                    ));
-                    let outcome = self.handler_failed(error, counts.attempt);
-                    return Decision { outcome, key: Some(key), began_at: None, marked: marked.is_some() };
+                    // Only a delivery run alone reports contention (a batch splits).
+                    let error = format!("{error} (still after {CONTENTION_RETRIES} runs in-process)");
+                    let attempt = items[part[0]].counts.attempt;
+                    let outcome = verdict::handler_failed(ErrorClass::Transient, error, attempt, &self.retry);
+                    let decision = Decision {
+                        outcome,
+                        key: Some(key),
+                        began_at: None,
+                        marked: marked.is_some(),
+                        batch: 1,
+                    };
+                    return Ran { decided: vec![(part[0], decision)], next: Vec::new() };
                 }
                 Fault::Fatal(error) => {
                     let outcome = Outcome::Requeued { error: error.to_string() };
                     self.shared.fatal.raise(error);
-                    return Decision::new(outcome);
+                    return all(outcome);
                 }
             };
             if first_try.elapsed() >= self.shared.database_retry_limit {
@@ -311,7 +481,7 @@ impl Consumer {
                     "the database stayed unavailable for {:?} ({fault}); returned to the queue",
                     self.shared.database_retry_limit
                 );
-                return Decision::new(Outcome::Requeued { error });
+                return all(Outcome::Requeued { error });
             }
             self.shared.stats.infrastructure_retry();
             // Logged once per change of fault, not once per retry.
@@ -324,23 +494,44 @@ impl Consumer {
         }
     }
 
-    /// One attempt: decode, then (for a message that needs the database) one
-    /// connection for the copy check, the start mark and the transaction. A server
-    /// error on one of idemq's own statements is diagnosed (see [`Self::diagnose`]).
+    /// One run of `part`: decode, then (for messages that need the database) one
+    /// connection for the copy check and start mark of a message run alone, and the
+    /// transaction. A server error on one of idemq's own statements is diagnosed
+    /// (see [`Self::diagnose`]).
     async fn attempt(
         &self,
-        delivery: &Delivery,
-        counts: &Counts,
+        items: &[Delivered],
+        part: &[usize],
+        prepared: &mut [Option<Result<Prepared, Rejection>>],
         marked: &mut Option<i32>,
-    ) -> Result<Decision, Fault> {
-        let prepared = self.prepare(delivery);
-        if let (Err(rejection), false) = (&prepared, counts.redelivered) {
-            let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message.clone() };
-            return Ok(Decision::new(outcome));
+    ) -> Result<Ran, Fault> {
+        let alone = part.len() == 1 && items[part[0]].runs_alone();
+        let mut ran = Ran::default();
+        let mut runnable = Vec::with_capacity(part.len());
+        let mut rejected = None;
+        for &index in part {
+            let decoded = prepared[index].take().unwrap_or_else(|| self.prepare(&items[index].delivery));
+            match decoded {
+                Ok(decoded) => runnable.push((index, decoded)),
+                // A redelivered message's copy may exist: check that first.
+                Err(rejection) if alone => rejected = Some(rejection),
+                Err(rejection) => {
+                    let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message };
+                    ran.decided.push((index, Decision::new(outcome)));
+                }
+            }
+        }
+        if runnable.is_empty() && !alone {
+            return Ok(ran);
         }
         let mut conn =
             self.shared.pool.get().await.map_err(|err| Fault::Infra(InfraFault::Pool(err.to_string())))?;
-        let result = match self.attempt_steps(&mut conn, delivery, counts, prepared, marked).await {
+        let result = if alone {
+            self.attempt_alone(&mut conn, &items[part[0]], part[0], runnable.pop(), rejected, marked).await
+        } else {
+            self.transact(&mut conn, items, runnable, None, ran).await
+        };
+        let result = match result {
             Err(Fault::Infra(InfraFault::Database(err))) => Err(self.diagnose(&mut conn, err).await),
             decided => decided,
         };
@@ -351,155 +542,264 @@ impl Consumer {
         result
     }
 
-    async fn attempt_steps(
+    /// A redelivered message, alone: acked at once if its copy was confirmed before;
+    /// else its start is counted (committed before its handler runs), then the
+    /// transaction, which dead-letters it as poison once the starts reach the limit.
+    async fn attempt_alone(
         &self,
         conn: &mut AsyncPgConnection,
-        delivery: &Delivery,
-        counts: &Counts,
-        prepared: Result<Prepared, Rejection>,
+        item: &Delivered,
+        index: usize,
+        prepared: Option<(usize, Prepared)>,
+        rejected: Option<Rejection>,
         marked: &mut Option<i32>,
-    ) -> Result<Decision, Fault> {
+    ) -> Result<Ran, Fault> {
         let infra = |err| Fault::Infra(InfraFault::Database(err));
-        if counts.redelivered {
-            let copy_id = self.copy_id(delivery, counts.attempt);
-            if db::copy_recorded(conn, &copy_id).await.map_err(infra)? {
-                return Ok(Decision::new(Outcome::AlreadyCopied { copy_id }));
-            }
+        let decided = |decision: Decision| Ran { decided: vec![(index, decision)], next: Vec::new() };
+        let copy_id = self.copy_id(&item.delivery, item.counts.attempt);
+        if db::copy_recorded(conn, &copy_id).await.map_err(infra)? {
+            return Ok(decided(Decision::new(Outcome::AlreadyCopied { copy_id })));
         }
-        let prepared = match prepared {
-            Ok(prepared) => prepared,
-            Err(rejection) => {
-                let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message };
-                return Ok(Decision::new(outcome));
-            }
+        let Some((_, prepared)) = prepared else {
+            let rejection = rejected.expect("a message run alone is either decoded or rejected");
+            let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message };
+            return Ok(decided(Decision::new(outcome)));
         };
-        let key = prepared.key.as_str().to_owned();
-        let starts = match (counts.redelivered, *marked) {
-            (false, _) => None,
-            (true, Some(starts)) => Some(starts),
-            (true, None) => {
-                let starts = db::mark_start(conn, &self.scope, &key).await.map_err(infra)?;
+        let starts = match *marked {
+            Some(starts) => starts,
+            None => {
+                let starts = db::mark_start(conn, &self.scope, prepared.key.as_str()).await.map_err(infra)?;
                 *marked = Some(starts);
-                Some(starts)
+                starts
             }
         };
-        let began_at = Some(Instant::now());
-        let outcome = self.transact(conn, prepared, counts, starts).await?;
-        Ok(Decision { outcome, key: Some(key), began_at, marked: marked.is_some() })
+        let mut ran = self
+            .transact(conn, std::slice::from_ref(item), vec![(0, prepared)], Some(starts), Ran::default())
+            .await?;
+        for (decided_index, decision) in &mut ran.decided {
+            *decided_index = index;
+            decision.marked = true;
+        }
+        Ok(ran)
     }
 
-    /// The transaction: dedup insert, handler, checked COMMIT. `starts` is how often
-    /// the handler of this redelivered message started (this time included).
+    /// The transaction of `runnable` (batch index, decoded message): the dedup rows
+    /// of the batch in one statement, the handlers of the new messages in arrival
+    /// order, the checked COMMIT. `starts` is how often the handler of a message run
+    /// alone started (this time included).
+    ///
+    /// Deliveries it cannot decide together go to `next` (see [`verdict::around`]
+    /// and [`verdict::halves`]); a delivery whose key is already in the batch waits
+    /// for the first one's fate (the same key twice keeps one dedup row).
     async fn transact(
         &self,
         conn: &mut AsyncPgConnection,
-        prepared: Prepared,
-        counts: &Counts,
+        items: &[Delivered],
+        runnable: Vec<(usize, Prepared)>,
         starts: Option<i32>,
-    ) -> Result<Outcome, Fault> {
-        let Prepared { key, fingerprint, effect } = prepared;
+        mut ran: Ran,
+    ) -> Result<Ran, Fault> {
         let infra = |err| Fault::Infra(InfraFault::Database(err));
-        let xid = match db::begin_and_insert_dedup(conn, &self.scope, key.as_str(), &fingerprint).await {
-            Ok(xid) => xid,
-            Err(err) => return Err(rollback(conn, infra(err)).await),
-        };
-
-        let Some(xid) = xid else {
-            let outcome = match db::stored_fingerprint(conn, &self.scope, key.as_str()).await {
-                Ok(Some(stored))
-                    if stored != fingerprint && self.shared.on_conflict == OnConflict::DeadLetter =>
-                {
-                    Outcome::DeadLettered {
-                        kind: FailureKind::Conflict,
-                        error: format!(
-                            "key `{key}` was already applied with a different payload \
-                             (stored sha256 {}, this message sha256 {}); a key must identify one payload",
-                            hex(&stored),
-                            hex(&fingerprint)
-                        ),
-                    }
+        let batch = runnable.len();
+        let began_at = Instant::now();
+        // The same key twice: the first is run, the others wait for its fate.
+        let mut seen = HashSet::new();
+        let (firsts, repeats): (Vec<_>, Vec<_>) =
+            runnable.into_iter().partition(|(_, prepared)| seen.insert(prepared.key.as_str().to_owned()));
+        let repeats: Vec<Repeat> = repeats.into_iter().map(Repeat::from).collect();
+        let rows: Vec<(&str, &[u8])> =
+            firsts.iter().map(|(_, p)| (p.key.as_str(), p.fingerprint.as_slice())).collect();
+        let claim = match db::begin_and_claim(conn, &self.scope, &rows).await {
+            Ok(claim) => claim,
+            Err(err) => {
+                let rolled_back = AnsiTransactionManager::rollback_transaction(conn).await.is_ok()
+                    && !PoolableConnection::is_broken(conn);
+                if firsts.len() > 1 && rolled_back && !db::is_connection_error(&err) {
+                    // Refused with the connection up (its lock timeout behind another
+                    // batch holding one of these keys): smaller batches.
+                    tracing::debug!(queue = %self.queue, error = %err, batch, "the batch's dedup insert failed; running it in halves");
+                    let indices: Vec<usize> = firsts.iter().map(|(index, _)| *index).collect();
+                    ran.next = split(&indices, verdict::halves(indices.len()), &repeats);
+                    return Ok(ran);
                 }
-                Ok(_) => Outcome::Duplicate,
+                return Err(infra(err));
+            }
+        };
+        drop(rows);
+        let (new, applied_before): (Vec<_>, Vec<_>) =
+            firsts.into_iter().partition(|(_, prepared)| claim.inserted.contains(prepared.key.as_str()));
+        // Applied before: only their keys and fingerprints matter now.
+        let applied_before: Vec<Repeat> = applied_before.into_iter().map(Repeat::from).collect();
+
+        // The payloads applied under each key, for the repeats.
+        let mut payloads: HashMap<String, Option<Vec<u8>>> = HashMap::new();
+        if !applied_before.is_empty() {
+            let keys: Vec<&str> = applied_before.iter().map(|known| known.key.as_str()).collect();
+            let stored = match db::stored_fingerprints(conn, &self.scope, &keys).await {
+                Ok(stored) => stored,
                 Err(err) => return Err(rollback(conn, infra(err)).await),
             };
-            // Nothing to keep: the row is someone else's, committed.
-            return AnsiTransactionManager::rollback_transaction(conn).await.map(|()| outcome).map_err(infra);
+            // Gone since the insert found it (deleted by hand or by retention): the
+            // next run decides again.
+            if applied_before.iter().any(|known| !stored.contains_key(&known.key)) {
+                return Err(rollback(conn, infra(diesel::result::Error::NotFound)).await);
+            }
+            payloads = stored;
+            self.resolve_repeats(&mut ran, applied_before, &payloads, began_at, batch);
+        }
+        let Some(xid) = claim.xid.filter(|_| !new.is_empty()) else {
+            // Nothing new: nothing to keep.
+            AnsiTransactionManager::rollback_transaction(conn).await.map_err(infra)?;
+            self.resolve_repeats(&mut ran, repeats, &payloads, began_at, batch);
+            return Ok(ran);
         };
-
-        if let Some(starts) = starts.filter(|&s| u32::try_from(s).unwrap_or(0) >= self.delivery_limit) {
-            let outcome = Outcome::DeadLettered {
-                kind: FailureKind::Poison,
-                error: format!(
-                    "its handler started {starts} times without an outcome (limit {}): \
-                     it likely crashes or hangs the consumer",
-                    self.delivery_limit
-                ),
-            };
-            return AnsiTransactionManager::rollback_transaction(conn).await.map(|()| outcome).map_err(infra);
+        if let Some(outcome) = starts.and_then(|starts| verdict::poison(starts, self.delivery_limit)) {
+            AnsiTransactionManager::rollback_transaction(conn).await.map_err(infra)?;
+            let (index, prepared) = &new[0];
+            ran.decided.push((*index, self.decision(outcome, prepared.key.as_str(), Some(began_at), batch)));
+            return Ok(ran);
         }
 
         let cancel = conn.cancel_token();
-        let run = AssertUnwindSafe(effect(conn)).catch_unwind();
-        let error = match tokio::time::timeout(self.shared.handler_timeout, run).await {
-            Ok(Ok(Ok(()))) => {
-                return match db::commit_checked(conn, xid).await {
-                    Ok(()) => Ok(Outcome::Applied),
-                    Err(CommitFailure::Aborted) => {
-                        Ok(self.handler_failed(HandlerError::transient(ABORTED), counts.attempt))
+        let mut done = Vec::with_capacity(new.len());
+        let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();
+        for (position, (index, prepared)) in new.into_iter().enumerate() {
+            let Prepared { key, fingerprint, effect, .. } = prepared;
+            let run = AssertUnwindSafe(effect(conn)).catch_unwind();
+            let failure = match tokio::time::timeout(self.shared.handler_timeout, run).await {
+                Ok(Ok(Ok(()))) => {
+                    done.push((index, key, fingerprint));
+                    continue;
+                }
+                Ok(Ok(Err(error))) => Failure::Returned(error),
+                // Both leave the transaction open and maybe a statement running: cancel
+                // it on the server (dropping the connection alone would not stop it, and
+                // it would keep its locks); `attempt` then drops the connection (it is in
+                // a transaction, so broken), which ends the transaction server-side.
+                Ok(Err(panic)) => {
+                    cancel_statement(&cancel).await;
+                    Failure::Cut(format!("the handler panicked: {}", panic_message(&*panic)))
+                }
+                Err(_elapsed) => {
+                    cancel_statement(&cancel).await;
+                    Failure::Cut(format!(
+                        "the handler did not finish within {:?}",
+                        self.shared.handler_timeout
+                    ))
+                }
+            };
+            if let Failure::Returned(_) = &failure {
+                match AnsiTransactionManager::rollback_transaction(conn).await {
+                    // A failed ROLLBACK means the connection broke: whatever the
+                    // handler wrapped, this is an infrastructure fault.
+                    Err(err) => return Err(infra(err)),
+                    Ok(()) if PoolableConnection::is_broken(conn) => {
+                        return Err(Fault::Infra(InfraFault::Broken(failure.to_string())))
                     }
-                    Err(CommitFailure::Ended) => {
-                        Ok(self.handler_failed(HandlerError::transient(ENDED), counts.attempt))
-                    }
-                    Err(CommitFailure::CheckMissing) => {
-                        Ok(self.handler_failed(HandlerError::transient(DISCARDED), counts.attempt))
-                    }
-                    Err(CommitFailure::Refused { error, contention: true }) => Err(Fault::Contention {
-                        error: format!("PostgreSQL rolled the transaction back at COMMIT: {error}"),
-                        key: key.as_str().to_owned(),
-                    }),
-                    Err(CommitFailure::Refused { error, contention: false }) => {
-                        let error = HandlerError::transient(format!(
-                            "PostgreSQL refused the COMMIT and rolled the transaction back: {error}"
-                        ));
-                        Ok(self.handler_failed(error, counts.attempt))
-                    }
-                    // COMMIT's fate is unknown: retry; the dedup row decides.
-                    Err(CommitFailure::Unknown(err)) => Err(Fault::Infra(InfraFault::Commit(err))),
-                };
+                    Ok(()) => {}
+                }
             }
-            Ok(Ok(Err(error))) => error,
-            // Both leave the transaction open and maybe a statement running: cancel
-            // it on the server (dropping the connection alone would not stop it, and
-            // it would keep its locks); `attempt` then drops the connection (it is in
-            // a transaction, so broken), which ends the transaction server-side.
-            Ok(Err(panic)) => {
-                cancel_statement(&cancel).await;
-                let error =
-                    HandlerError::transient(format!("the handler panicked: {}", panic_message(&*panic)));
-                return Ok(self.handler_failed(error, counts.attempt));
+            if new_indices.len() > 1 {
+                // Maybe a neighbour's doing (a lock, an aborted transaction): the
+                // others run without it (those after it never ran), and it runs alone.
+                tracing::debug!(queue = %self.queue, key = %key, error = %failure, batch, "a handler failed in a batch; running it alone");
+                ran.next = split(&new_indices, verdict::around(new_indices.len(), position), &repeats);
+                return Ok(ran);
             }
-            Err(_elapsed) => {
-                cancel_statement(&cancel).await;
-                let error = HandlerError::transient(format!(
-                    "the handler did not finish within {:?}",
-                    self.shared.handler_timeout
-                ));
-                return Ok(self.handler_failed(error, counts.attempt));
+            let error = match failure {
+                Failure::Returned(error) => error,
+                Failure::Cut(message) => HandlerError::transient(message),
+            };
+            let outcome = self.handler_failed(error, items[index].counts.attempt);
+            ran.decided.push((index, self.decision(outcome, key.as_str(), Some(began_at), batch)));
+            ran.next = rerun_repeats(repeats);
+            return Ok(ran);
+        }
+
+        let failure = match db::commit_checked(conn, xid).await {
+            Ok(()) => {
+                for (index, key, fingerprint) in done {
+                    payloads.insert(key.as_str().to_owned(), Some(fingerprint.to_vec()));
+                    ran.decided
+                        .push((index, self.decision(Outcome::Applied, key.as_str(), Some(began_at), batch)));
+                }
+                self.resolve_repeats(&mut ran, repeats, &payloads, began_at, batch);
+                return Ok(ran);
             }
+            // COMMIT's fate is unknown: retry; the dedup rows decide.
+            Err(CommitFailure::Unknown(err)) => return Err(Fault::Infra(InfraFault::Commit(err))),
+            Err(failure) => failure,
         };
-        match AnsiTransactionManager::rollback_transaction(conn).await {
-            // A failed ROLLBACK means the connection broke: whatever the handler
-            // wrapped, this is an infrastructure fault, not a handler failure.
-            Err(err) => Err(infra(err)),
-            Ok(()) if PoolableConnection::is_broken(conn) => {
-                Err(Fault::Infra(InfraFault::Broken(error.to_string())))
+        if done.len() > 1 {
+            tracing::debug!(queue = %self.queue, ?failure, batch, "the batch's COMMIT failed; running it in halves");
+            let indices: Vec<usize> = done.iter().map(|(index, _, _)| *index).collect();
+            ran.next = split(&indices, verdict::halves(indices.len()), &repeats);
+            return Ok(ran);
+        }
+        let (index, key, _) = done.pop().expect("a transaction with an xid ran a handler");
+        let attempt = items[index].counts.attempt;
+        let error = match failure {
+            CommitFailure::Aborted => HandlerError::transient(ABORTED),
+            CommitFailure::Ended => HandlerError::transient(ENDED),
+            CommitFailure::CheckMissing => HandlerError::transient(DISCARDED),
+            CommitFailure::Refused { error, contention: true } => {
+                return Err(Fault::Contention {
+                    error: format!("PostgreSQL rolled the transaction back at COMMIT: {error}"),
+                    key: key.as_str().to_owned(),
+                });
             }
-            Ok(()) => Ok(self.handler_failed(error, counts.attempt)),
+            CommitFailure::Refused { error, contention: false } => HandlerError::transient(format!(
+                "PostgreSQL refused the COMMIT and rolled the transaction back: {error}"
+            )),
+            CommitFailure::Unknown(_) => unreachable!("handled above"),
+        };
+        let outcome = self.handler_failed(error, attempt);
+        ran.decided.push((index, self.decision(outcome, key.as_str(), Some(began_at), batch)));
+        ran.next = rerun_repeats(repeats);
+        Ok(ran)
+    }
+
+    /// Decides the repeats of keys whose payload is known (applied by this
+    /// transaction or before it); any other runs next.
+    fn resolve_repeats(
+        &self,
+        ran: &mut Ran,
+        repeats: Vec<Repeat>,
+        payloads: &HashMap<String, Option<Vec<u8>>>,
+        began_at: Instant,
+        batch: usize,
+    ) {
+        let mut unresolved = Vec::new();
+        for repeat in repeats {
+            match payloads.get(&repeat.key) {
+                Some(stored) => {
+                    let outcome = verdict::already_applied(
+                        &repeat.key,
+                        stored.as_deref(),
+                        &repeat.fingerprint,
+                        self.shared.on_conflict,
+                    );
+                    ran.decided
+                        .push((repeat.index, self.decision(outcome, &repeat.key, Some(began_at), batch)));
+                }
+                None => unresolved.push(repeat.index),
+            }
+        }
+        if !unresolved.is_empty() {
+            ran.next.push(unresolved);
         }
     }
 
+    fn decision(&self, outcome: Outcome, key: &str, began_at: Option<Instant>, batch: usize) -> Decision {
+        Decision { outcome, key: Some(key.to_owned()), began_at, marked: false, batch }
+    }
+
+    fn handler_failed(&self, error: HandlerError, attempt: u32) -> Outcome {
+        verdict::handler_failed(error.class(), error.to_string(), attempt, &self.retry)
+    }
+
     /// Decodes the body; a panicking `Deserialize` impl or key is a decode failure.
-    fn prepare(&self, delivery: &Delivery) -> Result<Prepared, Rejection> {
+    pub(crate) fn prepare(&self, delivery: &Delivery) -> Result<Prepared, Rejection> {
         let content_type = delivery.properties.content_type().as_ref().map(|ct| ct.as_str());
         let prepare = || self.handler.prepare(&delivery.data, content_type, self.shared.limits);
         std::panic::catch_unwind(AssertUnwindSafe(prepare)).unwrap_or_else(|panic| {
@@ -527,97 +827,92 @@ impl Consumer {
         }
     }
 
-    fn handler_failed(&self, error: HandlerError, attempt: u32) -> Outcome {
-        match error.class() {
-            ErrorClass::Permanent => {
-                Outcome::DeadLettered { kind: FailureKind::Handler, error: error.to_string() }
-            }
-            ErrorClass::Transient => match self.retry.delay_after(attempt) {
-                Some(delay) => Outcome::Retry { error: error.to_string(), delay },
-                None => Outcome::DeadLettered {
-                    kind: FailureKind::AttemptsExhausted,
-                    error: format!(
-                        "failed {attempt} of {} attempts; last error: {error}",
-                        self.retry.max_attempts()
-                    ),
-                },
-            },
+    /// Tells the broker what was decided without a copy: one ack for everything
+    /// applied or skipped (see [`Acks::ack`]), then nacks. Returns, per delivery,
+    /// whether its frame was sent (`false`: the channel is gone and the broker will
+    /// redeliver; the dedup row or the copy record makes that harmless).
+    async fn settle(&self, settled: &[(Delivered, Decision)]) -> Vec<bool> {
+        let mut sent = vec![false; settled.len()];
+        let acked: Vec<usize> =
+            (0..settled.len()).filter(|&i| !needs_requeue(&settled[i].1.outcome)).collect();
+        #[cfg(feature = "fault-injection")]
+        for &i in &acked {
+            self.fault(crate::fault::FaultPoint::AfterCommit, &settled[i].1).await;
         }
+        if !acked.is_empty() {
+            let deliveries: Vec<&Delivery> = acked.iter().map(|&i| &settled[i].0.delivery).collect();
+            for (&i, result) in acked.iter().zip(self.acks.ack(&deliveries).await) {
+                sent[i] = report(result, self, &settled[i].1);
+            }
+        }
+        for (i, (item, decision)) in settled.iter().enumerate() {
+            if needs_requeue(&decision.outcome) {
+                sent[i] = report(self.acks.requeue(&item.delivery).await, self, decision);
+            }
+        }
+        sent
     }
 
-    /// Tells the broker. Returns whether the frame was sent (`false`: the channel is
-    /// gone and the broker will redeliver; the dedup row or the copy record makes
-    /// that harmless). A copy (retry or dead letter) that cannot be published turns
-    /// the outcome into [`Outcome::Requeued`]: the original goes back to the queue.
-    async fn settle(
+    /// Publishes the retry copy or dead letter `decision` asks for, then acks the
+    /// original; a copy that cannot be published requeues the original instead.
+    async fn settle_copy(
         &self,
-        delivery: &Delivery,
+        item: &Delivered,
         decision: &mut Decision,
-        counts: &Counts,
         cut_off: &CancellationToken,
     ) -> bool {
-        let acker = &delivery.acker;
-        let handler = self.handler.name();
-        // (target queue, kind, error, retry_of) of the copy to make, if any.
-        let copy = match &decision.outcome {
-            Outcome::Applied | Outcome::Duplicate | Outcome::AlreadyCopied { .. } => {
-                #[cfg(feature = "fault-injection")]
-                self.fault(crate::fault::FaultPoint::AfterCommit, decision).await;
-                None
-            }
-            Outcome::Abandoned | Outcome::Requeued { .. } => {
-                return report(acker.nack(requeue()).await, self, decision);
-            }
+        let (delivery, counts) = (&item.delivery, &item.counts);
+        // (target queue, kind, error, retry_of) of the copy.
+        let (target, kind, error, retry_of) = match &decision.outcome {
             Outcome::Retry { error, delay } => {
                 tracing::warn!(queue = %self.queue, key = ?decision.key, attempt = counts.attempt, ?delay, %error, "handler failed; retrying later");
                 let (error, delay) = (error.clone(), *delay);
                 let jitter = tokio::time::sleep(self.retry.jitter_for(delay));
                 if tokio::select! { () = jitter => false, () = cut_off.cancelled() => true } {
                     decision.outcome = Outcome::Abandoned;
-                    return report(acker.nack(requeue()).await, self, decision);
+                    return report(self.acks.requeue(delivery).await, self, decision);
                 }
-                Some((wait_queue_name(&self.queue, delay), None, error, Some(self.queue.as_str())))
+                (wait_queue_name(&self.queue, delay), None, error, Some(self.queue.as_str()))
             }
             Outcome::DeadLettered { kind, error } => {
                 tracing::warn!(queue = %self.queue, key = ?decision.key, kind = %kind, %error, "dead-lettering");
-                Some((self.dead_letter_queue.clone(), Some(*kind), error.clone(), None))
+                (self.dead_letter_queue.clone(), Some(*kind), error.clone(), None)
             }
+            _ => return report(self.acks.ack_one(delivery).await, self, decision),
         };
-        if let Some((target, kind, error, retry_of)) = copy {
-            let copy_id = self.copy_id(delivery, counts.attempt);
-            let letter = Letter {
-                kind,
-                error: &error,
-                handler,
-                attempts: counts.attempt,
-                copy_id: &copy_id,
-                retry_of,
-            };
-            let publish = dead_letter::publish(&self.publisher, &target, delivery, &letter, self.frame_max);
-            tokio::pin!(publish);
-            let published = tokio::select! {
-                published = &mut publish => published,
-                // A copy half-way must not be split from its ack: give it a moment.
-                () = cut_off.cancelled() => tokio::time::timeout(COPY_GRACE, &mut publish)
-                    .await
-                    .unwrap_or(Err(dead_letter::PublishError::CutOff { queue: target.clone() })),
-            };
-            if let Err(err) = published {
-                tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
-                decision.outcome = Outcome::Requeued { error: err.to_string() };
-                tokio::select! {
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    () = cut_off.cancelled() => {}
-                }
-                return report(acker.nack(requeue()).await, self, decision);
+        let copy_id = self.copy_id(delivery, counts.attempt);
+        let letter = Letter {
+            kind,
+            error: &error,
+            handler: self.handler.name(),
+            attempts: counts.attempt,
+            copy_id: &copy_id,
+            retry_of,
+        };
+        let publish = dead_letter::publish(&self.publisher, &target, delivery, &letter, self.frame_max);
+        tokio::pin!(publish);
+        let published = tokio::select! {
+            published = &mut publish => published,
+            // A copy half-way must not be split from its ack: give it a moment.
+            () = cut_off.cancelled() => tokio::time::timeout(COPY_GRACE, &mut publish)
+                .await
+                .unwrap_or(Err(dead_letter::PublishError::CutOff { queue: target.clone() })),
+        };
+        if let Err(err) = published {
+            tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
+            decision.outcome = Outcome::Requeued { error: err.to_string() };
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = cut_off.cancelled() => {}
             }
-            // Were the ack lost now, the redelivered original finds this record and
-            // is acked without a second copy (a crash before it: see the README).
-            self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
-            #[cfg(feature = "fault-injection")]
-            self.fault(crate::fault::FaultPoint::AfterCopy, decision).await;
+            return report(self.acks.requeue(delivery).await, self, decision);
         }
-        report(acker.ack(BasicAckOptions::default()).await, self, decision)
+        // Were the ack lost now, the redelivered original finds this record and
+        // is acked without a second copy (a crash before it: see the README).
+        self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
+        #[cfg(feature = "fault-injection")]
+        self.fault(crate::fault::FaultPoint::AfterCopy, decision).await;
+        report(self.acks.ack_one(delivery).await, self, decision)
     }
 
     /// `<sha256(scope, body) in hex, 32 chars>:<attempt>`: the same for every copy
@@ -662,29 +957,94 @@ impl Consumer {
     }
 }
 
+/// Whether the delivery goes back to the queue (the rest without a copy is acked).
+fn needs_requeue(outcome: &Outcome) -> bool {
+    matches!(outcome, Outcome::Abandoned | Outcome::Requeued { .. })
+}
+
+/// A delivery whose key an earlier one of its batch holds: decided by that one's fate.
+struct Repeat {
+    index: usize,
+    key: String,
+    fingerprint: Fingerprint,
+}
+
+impl From<(usize, Prepared)> for Repeat {
+    fn from((index, prepared): (usize, Prepared)) -> Self {
+        Self { index, key: prepared.key.as_str().to_owned(), fingerprint: prepared.fingerprint }
+    }
+}
+
+/// `indices` cut into `ranges` (in order), the repeats joining the last part: they
+/// wait for their keys' first deliveries.
+fn split(indices: &[usize], ranges: Vec<std::ops::Range<usize>>, repeats: &[Repeat]) -> Vec<Vec<usize>> {
+    let mut parts: Vec<Vec<usize>> = ranges.into_iter().map(|range| indices[range].to_vec()).collect();
+    if let Some(last) = parts.last_mut() {
+        last.extend(repeats.iter().map(|repeat| repeat.index));
+    }
+    parts
+}
+
+/// The repeats of keys whose first delivery was decided without being applied: run
+/// next, as new messages (per-message mode would run them after it, too).
+fn rerun_repeats(repeats: Vec<Repeat>) -> Vec<Vec<usize>> {
+    if repeats.is_empty() {
+        Vec::new()
+    } else {
+        vec![repeats.into_iter().map(|repeat| repeat.index).collect()]
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Returned(error) => write!(f, "{error}"),
+            Self::Cut(message) => f.write_str(message),
+        }
+    }
+}
+
 /// A delivery's place beside the others: alone (redelivered) or shared.
 enum Turn<'a> {
     Alone(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
     Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
 }
 
-/// Nacks (requeue) a delivery whose task ends without settling it: nothing may
-/// hold a delivery until the broker's `consumer_timeout`.
-struct Unsettled(Option<Acker>);
+/// Nacks (requeue) the deliveries of a batch whose task ends without settling them:
+/// nothing may hold a delivery until the broker's `consumer_timeout`.
+struct Unsettled {
+    acks: Arc<Acks>,
+    deliveries: Vec<(u64, Acker)>,
+}
 
-impl Drop for Unsettled {
-    fn drop(&mut self) {
-        if let (Some(acker), Ok(runtime)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
-            tracing::error!("a delivery task ended without settling its delivery; returning it to the queue");
-            runtime.spawn(async move {
-                let _ = acker.nack(requeue()).await;
-            });
-        }
+impl Unsettled {
+    fn new<'a>(acks: &Arc<Acks>, items: impl Iterator<Item = &'a Delivered>) -> Self {
+        let deliveries =
+            items.map(|item| (item.delivery.delivery_tag, item.delivery.acker.clone())).collect();
+        Self { acks: Arc::clone(acks), deliveries }
+    }
+
+    fn disarm(&mut self) {
+        self.deliveries.clear();
     }
 }
 
-fn requeue() -> BasicNackOptions {
-    BasicNackOptions { requeue: true, ..Default::default() }
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        let deliveries = std::mem::take(&mut self.deliveries);
+        if deliveries.is_empty() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            tracing::error!("a batch ended without settling its deliveries; returning them to the queue");
+            let acks = Arc::clone(&self.acks);
+            runtime.spawn(async move {
+                for (tag, acker) in deliveries {
+                    let _ = acks.requeue_tag(tag, &acker).await;
+                }
+            });
+        }
+    }
 }
 
 /// Cancels the statement running on the connection `cancel` belongs to, bounded.

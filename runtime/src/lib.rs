@@ -132,6 +132,7 @@
 
 #![warn(missing_docs)]
 
+mod acks;
 mod backoff;
 mod db;
 mod dead_letter;
@@ -149,6 +150,7 @@ mod retry;
 mod runtime;
 mod session;
 mod topology;
+mod verdict;
 
 pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
 pub use delivery::OnConflict;
@@ -161,8 +163,8 @@ pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use redact::redact;
 pub use retry::RetryPolicy;
 pub use runtime::{
-    shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY,
-    DEFAULT_DATABASE_URL,
+    shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_BATCH_SIZE,
+    DEFAULT_CONCURRENCY, DEFAULT_DATABASE_URL,
 };
 pub use session::{ConnectionEvent, ConnectionObserver};
 pub use topology::{Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT};

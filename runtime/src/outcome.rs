@@ -85,8 +85,9 @@ pub enum Outcome {
         /// The error, as in `x-idemq-error`.
         error: String,
     },
-    /// Cut off by the shutdown deadline before it was settled: any open transaction
-    /// is rolled back and the delivery returns to the queue.
+    /// Cut off before it was settled — by the shutdown deadline, or because its
+    /// channel closed while it waited: any open transaction is rolled back and the
+    /// delivery returns to the queue.
     Abandoned,
 }
 
@@ -114,6 +115,10 @@ pub struct Settled {
     pub attempt: u32,
     /// The connection session it came on (1, then one more per reconnect).
     pub session: u64,
+    /// How many deliveries the transaction that decided it held (group commit; 1 when
+    /// it ran alone, 0 when it was decided without a transaction: bad input, a
+    /// database outage, shutdown).
+    pub batch: usize,
     /// When the runtime received the delivery.
     pub received_at: Instant,
     /// When the handler's transaction began (the dedup insert), if it did.
@@ -134,6 +139,7 @@ pub struct Stats {
     abandoned: AtomicU64,
     unsettled: AtomicU64,
     infrastructure_retries: AtomicU64,
+    batch_splits: AtomicU64,
 }
 
 /// A copy of [`Stats`] at one moment.
@@ -158,6 +164,9 @@ pub struct StatsSnapshot {
     pub unsettled: u64,
     /// Transactions retried in-process after a database fault (not handler attempts).
     pub infrastructure_retries: u64,
+    /// Batches run again smaller because one of their deliveries failed, or the batch
+    /// failed as a whole (no attempt is charged for that).
+    pub batch_splits: u64,
 }
 
 impl Stats {
@@ -174,6 +183,7 @@ impl Stats {
             abandoned: get(&self.abandoned),
             unsettled: get(&self.unsettled),
             infrastructure_retries: get(&self.infrastructure_retries),
+            batch_splits: get(&self.batch_splits),
         }
     }
 
@@ -191,6 +201,10 @@ impl Stats {
         if !settled.settled_with_broker {
             self.unsettled.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    pub(crate) fn batch_split(&self) {
+        self.batch_splits.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn infrastructure_retry(&self) {

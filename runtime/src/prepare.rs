@@ -10,6 +10,7 @@ use crate::key::{Key, KeyError};
 use crate::outcome::FailureKind;
 
 mod fingerprint;
+pub(crate) use fingerprint::Fingerprint;
 
 /// The effect of one message, ready to run inside the transaction.
 pub(crate) type Effect =
@@ -21,6 +22,8 @@ pub(crate) struct Prepared {
     /// SHA-256 of the canonical form of what the message type reads of the body
     /// (see [`fingerprint`]): the same key with another payload is a conflict.
     pub(crate) fingerprint: fingerprint::Fingerprint,
+    /// The message's lane value, if its handler has a lane.
+    pub(crate) lane: Option<Key>,
     pub(crate) effect: Effect,
 }
 
@@ -42,6 +45,8 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     /// The handler type's path (e.g. `billing::ledger::apply`), for messages.
     fn type_path(&self) -> &'static str;
+    /// The lane path (`lane = "..."`), if the handler has one.
+    fn lane_path(&self) -> Option<&'static str>;
     fn prepare(
         &self,
         body: &[u8],
@@ -57,6 +62,10 @@ impl<H: Handler> ErasedHandler for Arc<H> {
 
     fn type_path(&self) -> &'static str {
         std::any::type_name::<H>()
+    }
+
+    fn lane_path(&self) -> Option<&'static str> {
+        H::lane_path(self)
     }
 
     fn prepare(
@@ -94,10 +103,18 @@ impl<H: Handler> ErasedHandler for Arc<H> {
         let (message, fingerprint) =
             fingerprint::decode::<H::Message>(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
         let key = self.key(&message).map_err(|err| key_rejection(self.key_path(), &err))?;
+        let lane = match self.lane(&message) {
+            None => None,
+            Some(Ok(lane)) => Some(lane),
+            Some(Err(err)) => {
+                let path = H::lane_path(self).unwrap_or("?");
+                return Err(Rejection { kind: FailureKind::Key, message: format!("lane `{path}`: {err}") });
+            }
+        };
         let handler = Arc::clone(self);
         let effect: Effect =
             Box::new(move |conn| Box::pin(async move { handler.handle(conn, message).await }));
-        Ok(Prepared { key, fingerprint, effect })
+        Ok(Prepared { key, fingerprint, lane, effect })
     }
 }
 

@@ -1,8 +1,9 @@
 //! The runtime: connections, topology, consumers, concurrency and shutdown.
 //!
-//! One AMQP connection; one channel per consumer (with its own `basic_qos`, never
-//! global) plus one publisher channel in confirm mode for dead letters. Deliveries
-//! run as tasks, at most `concurrency` at once, which is also the pool size.
+//! Two AMQP connections per session (consuming, publishing); one channel per consumer
+//! (with its own `basic_qos`, never global) plus one publisher channel in confirm
+//! mode for copies. Deliveries run in batches, at most `concurrency` transactions at
+//! once, which is also the pool size.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::backoff::Backoff;
 use crate::db::{self, SessionLimits};
-use crate::delivery::{Fatal, OnConflict, Shared};
+use crate::delivery::{BatchLimits, Fatal, OnConflict, Shared};
 use crate::error::{redact, Error};
 use crate::handler::Handler;
 use crate::outcome::{Settled, Stats};
@@ -397,6 +398,7 @@ impl Runtime {
             handler_timeout: b.handler_timeout,
             database_retry_limit: b.database_retry_limit,
             on_conflict: b.on_conflict,
+            batch: BatchLimits { size: b.batch_size, linger: b.linger, pipelines: b.concurrency },
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),
             turns: tokio::sync::RwLock::new(()),
@@ -422,7 +424,8 @@ impl Runtime {
             amqp_url: with_heartbeat(&b.amqp_url, b.heartbeat),
             topology: b.topology,
             consumers,
-            prefetch: u16::try_from(b.concurrency).unwrap_or(u16::MAX),
+            // Enough for every transaction to fill a batch.
+            prefetch: u16::try_from(b.concurrency.saturating_mul(b.batch_size)).unwrap_or(u16::MAX),
             shared,
             permits: Arc::new(Semaphore::new(b.concurrency)),
             tracker: TaskTracker::new(),

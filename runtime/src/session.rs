@@ -8,20 +8,21 @@
 //! alarm (`connection.blocked`) and stops reading from it; on a shared connection the
 //! acks would stall too. Kept apart, consumption goes on while copies wait.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, ConfirmSelectOptions,
-};
+use futures_util::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::delivery::{Consumer, Shared};
+use crate::acks::Acks;
+use crate::delivery::{Consumer, Item, Shared};
 use crate::error::{redact, Error};
 use crate::prepare::ErasedHandler;
 use crate::retry::RetryPolicy;
@@ -273,7 +274,9 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 handler: Arc::clone(&spec.handler),
                 scope: spec.scope.clone(),
                 channel,
+                acks: Arc::new(Acks::default()),
                 publisher: publisher.clone(),
+                tracker: ctx.tracker.clone(),
                 frame_max: publishing.configuration().frame_max(),
                 session,
                 shared: Arc::clone(&ctx.shared),
@@ -318,11 +321,48 @@ impl SessionContext {
     }
 }
 
-/// One consumer's intake loop: receive a delivery, wait for a permit, spawn it,
-/// repeat. Receiving comes first: a consumer waiting on an idle queue holds no
-/// permit, so it cannot starve the busy ones. Returns why it stopped on its own (the
-/// channel or connection went away, or the broker cancelled the consumer, e.g.
-/// because its queue was deleted); after `stop` it cancels the consumer and returns.
+/// The next delivery of a consumer's stream, registered with its channel's acks.
+#[allow(clippy::large_enum_variant)] // moved once, straight into a batch
+enum Next {
+    Delivery(Delivery),
+    /// The stream ended: why.
+    Ended(String),
+}
+
+/// Takes the next delivery, if it is there now (`wait` zero) or arrives within `wait`.
+async fn next_within(consumer: &Consumer, stream: &mut lapin::Consumer, wait: Duration) -> Option<Next> {
+    let next = match stream.next().now_or_never() {
+        Some(next) => next,
+        None if wait.is_zero() => return None,
+        None => tokio::time::timeout(wait, stream.next()).await.ok()?,
+    };
+    Some(registered(consumer, next).await)
+}
+
+async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) -> Next {
+    match next {
+        Some(Ok(delivery)) => {
+            consumer.acks.received(&delivery).await;
+            Next::Delivery(delivery)
+        }
+        Some(Err(err)) => Next::Ended(format!("queue '{}': {err}", consumer.queue)),
+        None => Next::Ended(format!(
+            "queue '{}': the broker cancelled the consumer (queue deleted?) or the channel closed",
+            consumer.queue
+        )),
+    }
+}
+
+/// One consumer's intake loop. Returns why it stopped on its own (the channel or
+/// connection went away, or the broker cancelled the consumer, e.g. because its
+/// queue was deleted); after `stop` it cancels the consumer and returns.
+///
+/// A handler without a lane: receive a delivery, wait for a permit (one running
+/// transaction), take whatever else has arrived, and run a batch of it as a task —
+/// its share among the idle slots, up to the batch size (waiting at most the linger
+/// for more) — repeat. Receiving comes first: a
+/// consumer waiting on an idle queue holds no permit, so it cannot starve the busy
+/// ones. A handler with a lane: see [`consume_in_lanes`].
 async fn consume(
     consumer: Arc<Consumer>,
     mut stream: lapin::Consumer,
@@ -330,42 +370,205 @@ async fn consume(
     intake: Intake,
     stop: CancellationToken,
 ) -> String {
-    loop {
-        let delivery = tokio::select! {
-            () = stop.cancelled() => break,
-            next = stream.next() => match next {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(err)) => return format!("queue '{}': {err}", consumer.queue),
-                None => {
-                    return format!(
-                        "queue '{}': the broker cancelled the consumer (queue deleted?) or the channel closed",
-                        consumer.queue
-                    )
-                }
-            },
-        };
+    if consumer.handler.lane_path().is_some() {
+        return consume_in_lanes(consumer, stream, tag, intake, stop).await;
+    }
+    let limits = consumer.shared.batch;
+    // Taken from the stream, not yet in a batch.
+    let mut pending: VecDeque<Delivery> = VecDeque::new();
+    let mut ended: Option<String> = None;
+    let reason = loop {
+        if pending.is_empty() {
+            if let Some(reason) = ended.take() {
+                break Some(reason);
+            }
+            tokio::select! {
+                () = stop.cancelled() => break None,
+                next = stream.next() => match registered(&consumer, next).await {
+                    Next::Delivery(delivery) => pending.push_back(delivery),
+                    Next::Ended(reason) => break Some(reason),
+                },
+            }
+        }
         let permit = tokio::select! {
             permit = Arc::clone(&intake.permits).acquire_owned() => permit.expect("the semaphore is never closed"),
-            () = stop.cancelled() => {
-                let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
-                break;
-            }
-            // Waiting for a slot must not hide a dead channel: its delivery can no
-            // longer be settled (the broker requeues it), and the session must end.
+            () = stop.cancelled() => break None,
+            // Waiting for a slot must not hide a dead channel: its deliveries can no
+            // longer be settled (the broker requeues them), and the session must end.
             () = closed(&consumer.channel) => {
-                return format!("queue '{}': the channel closed", consumer.queue);
+                break Some(format!("queue '{}': the channel closed", consumer.queue));
             }
         };
-        let consumer = Arc::clone(&consumer);
+        // Whatever arrived meanwhile.
+        while ended.is_none() {
+            match next_within(&consumer, &mut stream, Duration::ZERO).await {
+                None => break,
+                Some(Next::Delivery(delivery)) => pending.push_back(delivery),
+                Some(Next::Ended(reason)) => ended = Some(reason),
+            }
+        }
+        // Share what waits with the idle transaction slots: a few deliveries and free
+        // slots run side by side (slow handlers stay concurrent), a backlog fills
+        // whole batches.
+        let idle = intake.permits.available_permits() + 1;
+        let share = pending.len().div_ceil(idle).clamp(1, limits.size);
+        let mut batch = Vec::with_capacity(share);
+        while batch.len() < share {
+            // A redelivered message runs in a batch of its own.
+            match pending.front() {
+                Some(next) if next.redelivered && !batch.is_empty() => break,
+                Some(_) => {}
+                None => break,
+            }
+            let Some(delivery) = pending.pop_front() else { break };
+            let alone = delivery.redelivered;
+            batch.push(Item::new(delivery, &consumer.queue, None));
+            if alone {
+                break;
+            }
+        }
+        if !limits.linger.is_zero() && ended.is_none() && pending.is_empty() && !batch[0].runs_alone() {
+            let deadline = tokio::time::Instant::now() + limits.linger;
+            while batch.len() < limits.size {
+                let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+                match next_within(&consumer, &mut stream, wait).await {
+                    None => break,
+                    Some(Next::Delivery(delivery)) if delivery.redelivered => {
+                        pending.push_back(delivery);
+                        break;
+                    }
+                    Some(Next::Delivery(delivery)) => batch.push(Item::new(delivery, &consumer.queue, None)),
+                    Some(Next::Ended(reason)) => {
+                        ended = Some(reason);
+                        break;
+                    }
+                }
+            }
+        }
+        let batch_consumer = Arc::clone(&consumer);
         let hard_stop = intake.hard_stop.clone();
         intake.tracker.spawn(async move {
-            consumer.process(delivery, &hard_stop).await;
+            batch_consumer.process(batch, &hard_stop).await;
             drop(permit);
         });
+    };
+    for delivery in pending {
+        let _ = consumer.acks.requeue(&delivery).await;
     }
-    // Stop intake; prefetched deliveries not yet taken return when the channel closes.
-    bounded(consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
-    String::from("stopped")
+    match reason {
+        Some(reason) => reason,
+        None => {
+            // Stop intake; prefetched deliveries not yet taken return when the channel closes.
+            bounded(consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
+            String::from("stopped")
+        }
+    }
+}
+
+/// The intake of a handler with a lane: each delivery is decoded as it arrives and
+/// sent to the pipeline its lane value hashes to (one per unit of concurrency).
+/// A pipeline runs its deliveries in arrival order, one batch at a time, so one
+/// lane's messages are never applied concurrently or out of order in this process,
+/// and batches on different pipelines do not lock the same hot rows. A delivery that
+/// cannot be decoded (it will be dead-lettered) goes to any pipeline.
+async fn consume_in_lanes(
+    consumer: Arc<Consumer>,
+    mut stream: lapin::Consumer,
+    tag: String,
+    intake: Intake,
+    stop: CancellationToken,
+) -> String {
+    let pipelines: Vec<mpsc::UnboundedSender<Item>> = (0..consumer.shared.batch.pipelines.max(1))
+        .map(|_| {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            intake.tracker.spawn(pipeline(
+                Arc::clone(&consumer),
+                receiver,
+                Arc::clone(&intake.permits),
+                intake.hard_stop.clone(),
+            ));
+            sender
+        })
+        .collect();
+    let mut spread = 0_usize;
+    let reason = loop {
+        let delivery = tokio::select! {
+            () = stop.cancelled() => break None,
+            next = stream.next() => match registered(&consumer, next).await {
+                Next::Delivery(delivery) => delivery,
+                Next::Ended(reason) => break Some(reason),
+            },
+        };
+        let prepared = consumer.prepare(&delivery);
+        let slot = match prepared.as_ref().ok().and_then(|prepared| prepared.lane.as_ref()) {
+            Some(lane) => lane_slot(lane.as_str(), pipelines.len()),
+            None => {
+                spread = spread.wrapping_add(1);
+                spread % pipelines.len()
+            }
+        };
+        // A pipeline ends only when its sender is dropped (below).
+        let _ = pipelines[slot].send(Item::new(delivery, &consumer.queue, Some(prepared)));
+    };
+    // The pipelines finish what they hold (in flight, within the shutdown deadline).
+    drop(pipelines);
+    match reason {
+        Some(reason) => reason,
+        None => {
+            bounded(consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
+            String::from("stopped")
+        }
+    }
+}
+
+/// The pipeline a lane value belongs to: a stable hash, so one process always sends
+/// one lane to one pipeline.
+fn lane_slot(lane: &str, pipelines: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same in every run.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    lane.hash(&mut hasher);
+    usize::try_from(hasher.finish() % pipelines as u64).unwrap_or(0)
+}
+
+/// One lane pipeline: batches of what it holds, one at a time, in order.
+async fn pipeline(
+    consumer: Arc<Consumer>,
+    mut deliveries: mpsc::UnboundedReceiver<Item>,
+    permits: Arc<Semaphore>,
+    hard_stop: CancellationToken,
+) {
+    let limits = consumer.shared.batch;
+    let mut held: Option<Item> = None;
+    loop {
+        let first = match held.take() {
+            Some(first) => first,
+            None => match deliveries.recv().await {
+                Some(first) => first,
+                None => return,
+            },
+        };
+        let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + limits.linger;
+        while batch.len() < limits.size && !batch[0].runs_alone() {
+            let next = match deliveries.try_recv() {
+                Ok(next) => next,
+                Err(_) if limits.linger.is_zero() => break,
+                Err(_) => match tokio::time::timeout_at(deadline, deliveries.recv()).await {
+                    Ok(Some(next)) => next,
+                    Ok(None) | Err(_) => break,
+                },
+            };
+            if next.runs_alone() {
+                held = Some(next);
+                break;
+            }
+            batch.push(next);
+        }
+        consumer.process(batch, &hard_stop).await;
+        drop(permit);
+    }
 }
 
 /// Resolves once `channel` is no longer usable (polled: lapin has no close event

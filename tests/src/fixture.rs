@@ -27,6 +27,67 @@ diesel::table! {
     }
 }
 
+/// How a test's runtimes run their transactions. The correctness suites run each
+/// of their tests in both modes ([`in_both_modes!`](crate::in_both_modes)): the
+/// guarantees must not depend on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The runtime's default: group commit (batches of deliveries per transaction).
+    GroupCommit,
+    /// `batch_size(1)`: one transaction per delivery.
+    PerMessage,
+}
+
+thread_local! {
+    static MODE: std::cell::Cell<Mode> = const { std::cell::Cell::new(Mode::GroupCommit) };
+}
+
+impl Mode {
+    /// Makes this the mode of the runtimes this test thread builds (the test body's
+    /// thread: `#[tokio::test]` runs the body on it).
+    pub fn enter(self) {
+        MODE.with(|mode| mode.set(self));
+    }
+
+    /// The current test's mode.
+    pub fn current() -> Mode {
+        MODE.with(std::cell::Cell::get)
+    }
+
+    /// The `batch_size` of this mode (`None`: the runtime's default).
+    pub fn batch_size(self) -> Option<usize> {
+        match self {
+            Mode::GroupCommit => None,
+            Mode::PerMessage => Some(1),
+        }
+    }
+}
+
+/// Defines a test twice, as `name::group_commit` and `name::per_message`, each with
+/// its runtimes in that [`Mode`]. The body is an async block's body.
+#[macro_export]
+macro_rules! in_both_modes {
+    ($(#[doc = $doc:expr])* async fn $name:ident() $body:block) => {
+        $(#[doc = $doc])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread")]
+            async fn group_commit() {
+                $crate::Mode::GroupCommit.enter();
+                $body
+            }
+
+            #[tokio::test(flavor = "multi_thread")]
+            async fn per_message() {
+                $crate::Mode::PerMessage.enter();
+                $body
+            }
+        }
+    };
+}
+
 /// One test's database, queue and broker client. Deletes its queues on drop.
 pub struct Bed {
     /// The test's own database, migrated (idemq + payments tables).
@@ -93,15 +154,19 @@ impl Bed {
     }
 
     /// A runtime builder for this bed's database and queue (concurrency 8, the
-    /// [`test_retry_policy`]).
+    /// [`test_retry_policy`], the test's [`Mode`]).
     pub fn runtime(&self) -> RuntimeBuilder {
-        idemq::Runtime::builder()
+        let builder = idemq::Runtime::builder()
             .amqp_url(self.amqp_url.clone())
             .database_url(self.db.url())
             .topology(self.topology.clone())
             .concurrency(8)
             .retry(test_retry_policy())
-            .shutdown_deadline(Duration::from_secs(5))
+            .shutdown_deadline(Duration::from_secs(5));
+        match Mode::current().batch_size() {
+            Some(size) => builder.batch_size(size),
+            None => builder,
+        }
     }
 
     /// Publishes a payment as JSON (`serde_json::to_vec` of it, byte for byte).
@@ -311,6 +376,7 @@ impl ConsumerProcess {
             .env("QUEUE", &bed.queue)
             // The test schedule, whose wait queues the bed deletes.
             .env("RETRY_MS", retry_ms)
+            .env("BATCH_SIZE", Mode::current().batch_size().map(|size| size.to_string()).unwrap_or_default())
             .stdout(std::process::Stdio::null());
         for (name, value) in env {
             command.env(name, value);

@@ -17,6 +17,8 @@
 pub mod fixture;
 pub mod proxy;
 
+pub use fixture::Mode;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -278,6 +280,24 @@ impl TestVhost {
     pub fn amqp_url(&self) -> String {
         // Names are `[a-z0-9_]` only, so no percent-encoding is needed.
         replace_url_path(&amqp_url(), &self.name)
+    }
+
+    /// Messages of `queue` in this vhost that are not yet settled: ready plus
+    /// delivered-but-unacked (a passive declare counts only the ready ones; a large
+    /// prefetch window holds many unacked).
+    pub async fn unsettled(&self, queue: &str) -> u64 {
+        let out = tokio::process::Command::new("rabbitmqctl")
+            .args(["-q", "list_queues", "-p", &self.name, "--no-table-headers", "name", "messages"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .unwrap_or_else(|e| panic!("cannot run rabbitmqctl list_queues: {e}"));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .find(|(name, _)| *name == queue)
+            .and_then(|(_, messages)| messages.trim().parse().ok())
+            .unwrap_or(u64::MAX)
     }
 
     /// Forcibly closes every client connection to this vhost (simulates a

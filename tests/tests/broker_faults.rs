@@ -8,6 +8,7 @@ use std::time::Duration;
 use idemq::ConnectionEvent;
 use idemq_example_payments::apply_payment;
 use idemq_tests::fixture::{payment, publish_stream, slow_payment, Bed, Running};
+use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, Broker};
 use lapin::BasicProperties;
 use tokio::sync::Mutex;
@@ -36,10 +37,10 @@ impl Drop for RestoreBroker {
     }
 }
 
+in_both_modes! {
 /// Fault 3: the broker restarts mid-stream (`rabbitmqctl stop_app`, then
 /// `start_app`). Both runtimes reconnect by themselves, declare again and finish
 /// the stream: every payment once, nothing left, nothing dead-lettered.
-#[tokio::test(flavor = "multi_thread")]
 async fn chaos_broker_restarts_mid_stream() {
     let _serial = SERIAL.lock().await;
     let bed = Bed::isolated().await;
@@ -75,13 +76,14 @@ async fn chaos_broker_restarts_mid_stream() {
     assert_eq!(broker.message_count(&bed.queue).await, 0);
     assert_eq!(broker.message_count(&bed.dlq).await, 0);
 }
+}
 
+in_both_modes! {
 /// A memory alarm blocks publishing connections (`connection.blocked`). The
 /// runtime publishes copies on a connection of its own, so while a dead letter
 /// waits for the alarm to clear, consumption and acks go on; afterwards the dead
 /// letter is published and its original acked. (The runtime's prefetch is 8: all 50
 /// good messages can only be applied during the alarm if their acks reach the broker.)
-#[tokio::test(flavor = "multi_thread")]
 async fn a_blocked_publishing_connection_does_not_stall_consumption() {
     let _serial = SERIAL.lock().await;
     let bed = Bed::isolated().await;
@@ -114,4 +116,5 @@ async fn a_blocked_publishing_connection_does_not_stall_consumption() {
         "{connection_events:?}"
     );
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
 }

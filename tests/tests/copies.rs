@@ -2,7 +2,7 @@
 //! no copy expires, a copy is made once per attempt even when the ack after it is
 //! lost, and only idemq's own wait queues are trusted with the attempt count.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,6 +11,7 @@ use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_tests::in_both_modes;
 use idemq_tests::{header_i64, header_str};
 use lapin::BasicProperties;
 
@@ -19,11 +20,11 @@ async fn always_fails(_conn: &mut AsyncPgConnection, _msg: PaymentRequested) -> 
     Err(std::io::Error::other("the ledger service is down"))
 }
 
+in_both_modes! {
 /// A message published with a per-message TTL must not take it into the DLQ, or
 /// its dead letter would vanish after that TTL: neither a dead letter made at once
 /// (bad input) nor one made after retry copies carries `expiration`; the original
 /// value is kept in `x-idemq-original-expiration`.
-#[tokio::test(flavor = "multi_thread")]
 async fn dead_letters_and_retry_copies_do_not_inherit_the_originals_expiration() {
     let bed = Bed::new().await;
     let json = || BasicProperties::default().with_content_type("application/json".into());
@@ -51,6 +52,7 @@ async fn dead_letters_and_retry_copies_do_not_inherit_the_originals_expiration()
     let exhausted = dead.iter().find(|d| d.delivery.data == body).expect("the exhausted payment");
     assert_eq!(header_i64(&exhausted.delivery.properties, headers::ATTEMPTS), Some(3));
 }
+}
 
 /// Closes the consumer's channel the first time a copy is confirmed, so the
 /// original's ack is lost and the broker redelivers it.
@@ -73,10 +75,10 @@ async fn refuses(_conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result
     Err(Permanent(format!("account {} is closed", msg.account)).into())
 }
 
+in_both_modes! {
 /// A dead letter confirmed, then the original's ack lost: the redelivered original
 /// finds its copy recorded and is acked without running the handler — one message,
 /// one dead letter.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_dead_letter_whose_ack_was_lost_is_not_dead_lettered_twice() {
     let bed = Bed::new().await;
     let p = payment(8);
@@ -102,28 +104,36 @@ async fn a_dead_letter_whose_ack_was_lost_is_not_dead_lettered_twice() {
     assert!(matches!(&events[1].outcome, Outcome::AlreadyCopied { copy_id: seen } if *seen == copy_id));
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
-static RUNS: AtomicU32 = AtomicU32::new(0);
+/// Handler runs per payment id (tests of both modes run at once in this process).
+static RUNS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn runs_of(payment_id: &str) -> usize {
+    RUNS.lock().expect("runs").iter().filter(|id| *id == payment_id).count()
+}
 
 #[idempotent_handler(key = "payment_id")]
 async fn counts_and_fails(
     _conn: &mut AsyncPgConnection,
-    _msg: PaymentRequested,
+    msg: PaymentRequested,
 ) -> Result<(), std::io::Error> {
-    RUNS.fetch_add(1, Ordering::SeqCst);
+    RUNS.lock().expect("runs").push(msg.payment_id);
     Err(std::io::Error::other("still down"))
 }
 
+in_both_modes! {
 /// A retry copy confirmed, then the original's ack lost: without the copy record
 /// the redelivered original would run again and start a second retry lineage (two
 /// attempt budgets, two dead letters). With it, the handler runs exactly as often as
 /// the policy allows and the message is dead-lettered once.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_retry_copy_whose_ack_was_lost_keeps_one_lineage() {
     let bed = Bed::new().await;
     let p = payment(9);
     bed.publish(&p).await;
-    let three_attempts = RetryPolicy::new([10, 20].map(Duration::from_millis));
+    // The first delay outlasts the fault (closing the channel after the copy): the
+    // copy must not come back to the session whose ack is being lost.
+    let three_attempts = RetryPolicy::new([80, 40].map(Duration::from_millis));
     let fired = Arc::new(AtomicBool::new(false));
     let builder = bed
         .runtime()
@@ -133,7 +143,7 @@ async fn a_retry_copy_whose_ack_was_lost_keeps_one_lineage() {
     let events = Running::settle(builder, 4).await;
 
     assert!(fired.load(Ordering::SeqCst), "the fault hook ran");
-    assert_eq!(RUNS.load(Ordering::SeqCst), 3, "the handler ran once per attempt: {events:?}");
+    assert_eq!(runs_of(&p.payment_id), 3, "the handler ran once per attempt: {events:?}");
     assert_eq!(
         events.iter().filter(|e| matches!(e.outcome, Outcome::AlreadyCopied { .. })).count(),
         1,
@@ -144,12 +154,13 @@ async fn a_retry_copy_whose_ack_was_lost_keeps_one_lineage() {
     assert_eq!(header_i64(&dead[0].delivery.properties, headers::ATTEMPTS), Some(3));
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
+in_both_modes! {
 /// A dead letter replayed to its queue (body and headers as they are in the DLQ,
 /// `x-idemq-attempts` included) is a new message: it starts at attempt 1, not with
 /// its attempts used up. Only a copy that came back through this queue's own wait
 /// queue continues the count.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_replayed_dead_letter_starts_with_fresh_attempts() {
     let bed = Bed::new().await;
     let p = payment(11);
@@ -168,4 +179,5 @@ async fn a_replayed_dead_letter_starts_with_fresh_attempts() {
         Running::settle(bed.runtime().consume_with(&bed.queue, always_fails, two_attempts()), 1).await;
     assert_eq!(replayed[0].attempt, 1, "a replay starts afresh: {replayed:?}");
     assert!(matches!(replayed[0].outcome, Outcome::Retry { .. }), "{replayed:?}");
+}
 }

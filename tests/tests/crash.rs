@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use idemq::{headers, FailureKind};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{payment, Bed, ConsumerProcess};
+use idemq_tests::in_both_modes;
 use idemq_tests::{header_str, unique};
 
 const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
@@ -36,12 +37,12 @@ async fn crash_until_dead_lettered(bed: &Bed, env: &[(&str, &str)], applied: usi
     crashes
 }
 
+in_both_modes! {
 /// Stages a poison message: the consumer process is SIGKILLed inside the handler's
 /// transaction on every delivery of it, so no error is ever recorded. The quorum
 /// queue's delivery count grows with each crash; at the queue's limit (3) the runtime
 /// dead-letters it as `poison` without running the handler. The messages behind it
 /// are then applied once each, and nothing of the poison message was ever committed.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit() {
     let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
     let poison = PaymentRequested { payment_id: unique("kill"), account: unique("acct"), amount_cents: 13 };
@@ -67,14 +68,15 @@ async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_li
     assert_eq!(dead[0].delivery.data, serde_json::to_vec(&poison).unwrap());
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
+in_both_modes! {
 /// The same crash loop with eight deliveries in flight. Each crash returns the whole
 /// prefetch window, and the quorum queue counts a delivery for every message in it:
 /// judging poison by that count would dead-letter the innocent neighbours. Poison
 /// is judged by handler starts instead, recorded for redelivered messages, which
 /// run one at a time: only the message that kills the consumer is dead-lettered,
 /// every other one is applied exactly once.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_crash_looping_message_does_not_take_its_prefetch_window_with_it() {
     let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
     let good: Vec<_> = (0..20).map(|i| payment(200 + i)).collect();
@@ -104,4 +106,5 @@ async fn a_crash_looping_message_does_not_take_its_prefetch_window_with_it() {
     assert_eq!(dead[0].delivery.data, serde_json::to_vec(&poison).unwrap());
     assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("poison"));
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
 }

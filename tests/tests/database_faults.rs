@@ -13,6 +13,7 @@ use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, Outcome, StatsSnapshot};
 use idemq_example_payments::{apply_payment, PaymentRequested};
 use idemq_tests::fixture::{publish_stream, slow_payment, stream_deliveries, Bed, Running};
+use idemq_tests::in_both_modes;
 use tokio::process::Command;
 use tokio::sync::Mutex;
 
@@ -115,10 +116,10 @@ impl Drop for PostgresDown {
     }
 }
 
+in_both_modes! {
 /// PostgreSQL kills the consumer's sessions (`pg_terminate_backend`) three times
 /// mid-stream: in-flight transactions fail, their deliveries stay unacked and are
 /// retried in-process on fresh connections.
-#[tokio::test(flavor = "multi_thread")]
 async fn killed_database_sessions_mid_stream_lose_nothing_and_double_nothing() {
     let _serial = SERIAL.lock().await;
     let bed = Bed::new().await;
@@ -135,10 +136,11 @@ async fn killed_database_sessions_mid_stream_lose_nothing_and_double_nothing() {
     .await;
     eprintln!("after 3 session kills: {stats:?}");
 }
+}
 
+in_both_modes! {
 /// The PostgreSQL server restarts mid-stream. Every pooled connection is dead
 /// afterwards; the runtime rides it out without a handler failure.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_postgres_restart_mid_stream_loses_nothing_and_doubles_nothing() {
     let _serial = SERIAL.lock().await;
     let bed = Bed::new().await;
@@ -154,6 +156,7 @@ async fn a_postgres_restart_mid_stream_loses_nothing_and_doubles_nothing() {
     .await;
     eprintln!("after a PostgreSQL restart: {stats:?}");
 }
+}
 
 /// The payments handler at 25 ms a payment, so that a stream of 240 is still
 /// flowing when PostgreSQL stops. Same name as `apply_payment`: same dedup rows.
@@ -167,12 +170,12 @@ async fn slower_payment(
     Ok(())
 }
 
+in_both_modes! {
 /// PostgreSQL stops mid-stream and stays down for longer than `database_retry_limit`
 /// (2 s here). The deliveries in flight are held for the limit, then returned to the
 /// queue (`Requeued`): nothing is acked or dead-lettered while the database is down
 /// and no handler attempt is burned. Once PostgreSQL is back, every payment is
 /// applied exactly once.
-#[tokio::test(flavor = "multi_thread")]
 async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_the_queue() {
     let _serial = SERIAL.lock().await;
     let bed = Bed::new().await;
@@ -233,4 +236,5 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
     assert_eq!(bed.broker.message_count(&bed.dlq).await, 0, "nothing dead-lettered");
     assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "no handler attempt burned: {stats:?}");
     assert!(stats.requeued > 0, "{stats:?}");
+}
 }

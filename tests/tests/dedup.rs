@@ -11,10 +11,11 @@ use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{idempotent_handler, ConnectionEvent, Outcome, Settled};
 use idemq_example_payments::{apply_payment, PaymentRequested};
 use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_tests::in_both_modes;
 use idemq_tests::with_timeout;
 
+in_both_modes! {
 /// The same message published twice: one ledger row, both deliveries acked, queue empty.
-#[tokio::test(flavor = "multi_thread")]
 async fn the_same_message_twice_is_applied_once_and_both_are_acked() {
     let bed = Bed::new().await;
     let p = payment(1_250);
@@ -32,6 +33,7 @@ async fn the_same_message_twice_is_applied_once_and_both_are_acked() {
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
     assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
 }
+}
 
 /// Like `apply_payment`, but holds its transaction open a while, so a duplicate on
 /// another consumer arrives while the first is still uncommitted.
@@ -45,11 +47,11 @@ async fn slow_payment(
     Ok(())
 }
 
+in_both_modes! {
 /// Two consumers (two runtimes, two connections), every message published twice
 /// back to back: the broker hands the copies to different consumers at the same
 /// moment. Exactly one applies per key; the test also proves the copies' transactions
 /// really overlapped in time (the loser blocked on the unique index, no check-then-act).
-#[tokio::test(flavor = "multi_thread")]
 async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
     const KEYS: usize = 60;
     let bed = Bed::new().await;
@@ -101,11 +103,12 @@ async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
     );
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
+in_both_modes! {
 /// COMMIT succeeded, then the channel died before the ack (a fault hook closes it at
 /// exactly that point). The ack must fail visibly; the runtime reconnects, the broker
 /// redelivers to the new session, and the redelivery is skipped as a duplicate.
-#[tokio::test(flavor = "multi_thread")]
 async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
     let bed = Bed::new().await;
     let p = payment(990);
@@ -155,6 +158,7 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
 /// Every COMMIT of a ledger row takes a while on the server (a deferred trigger
 /// sleeps), so the test can cut the connection while the COMMIT is in progress.
@@ -164,12 +168,12 @@ const SLOW_COMMIT: &str = "
     CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ledger
         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();";
 
+in_both_modes! {
 /// The network drops while PostgreSQL is committing: the COMMIT lands, its answer
 /// never arrives. The runtime cannot know the outcome, so it must not ack and must
 /// not count a failed attempt: it runs the transaction again on a fresh connection,
 /// where the dedup row (committed by the first) makes it a duplicate. The payment is
 /// applied once and the delivery acked once.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_by_the_retry() {
     use diesel_async::SimpleAsyncConnection;
     let bed = Bed::new().await;
@@ -203,4 +207,5 @@ async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_
     assert_eq!(stats.retried, 0, "no handler attempt was counted: {stats:?}");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
 use idemq_example_payments::{apply_payment, PaymentRequested};
 use idemq_tests::fixture::{next_attempt, payment, test_retry_policy, Bed, Running};
+use idemq_tests::in_both_modes;
 use idemq_tests::{header_i64, header_str};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::BasicProperties;
@@ -23,9 +24,9 @@ async fn fails_twice(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Res
     Ok(())
 }
 
+in_both_modes! {
 /// A handler error rolls back the effect and the dedup row together; the message
 /// comes back through the wait queues and is applied exactly once, on attempt 3.
-#[tokio::test(flavor = "multi_thread")]
 async fn transient_errors_roll_back_and_attempt_three_applies_once() {
     let bed = Bed::new().await;
     let p = payment(700);
@@ -54,15 +55,16 @@ async fn transient_errors_roll_back_and_attempt_three_applies_once() {
         assert_eq!(bed.broker.message_count(&wait_queue).await, 0, "{wait_queue} is empty");
     }
 }
+}
 
 #[idempotent_handler(key = "payment_id")]
 async fn always_fails(_conn: &mut AsyncPgConnection, _msg: PaymentRequested) -> Result<(), std::io::Error> {
     Err(std::io::Error::other("the ledger service is down"))
 }
 
+in_both_modes! {
 /// A handler that always fails transiently ends in the DLQ after its last attempt,
 /// with every explaining header, and leaves no effect and no dedup row.
-#[tokio::test(flavor = "multi_thread")]
 async fn always_failing_handler_is_dead_lettered_after_its_last_attempt() {
     let bed = Bed::new().await;
     let p = payment(5);
@@ -96,14 +98,15 @@ async fn always_failing_handler_is_dead_lettered_after_its_last_attempt() {
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 0);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
 #[idempotent_handler(key = "payment_id")]
 async fn refuses(_conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     Err(Permanent(format!("account {} is closed", msg.account)).into())
 }
 
+in_both_modes! {
 /// A permanent error goes to the DLQ at once, without retries.
-#[tokio::test(flavor = "multi_thread")]
 async fn permanent_error_is_dead_lettered_without_retry() {
     let bed = Bed::new().await;
     let p = payment(5);
@@ -118,11 +121,12 @@ async fn permanent_error_is_dead_lettered_without_retry() {
     assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("handler"));
     assert_eq!(header_i64(&dead[0].delivery.properties, headers::ATTEMPTS), Some(1));
 }
+}
 
+in_both_modes! {
 /// A redelivered message whose handler already started `delivery_limit` times
 /// without an outcome (recorded before each start, so it survives the crashes it
 /// caused) is dead-lettered as `poison` without running the handler again.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_message_whose_handler_started_limit_times_is_dead_lettered_as_poison() {
     let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
     let p = payment(5);
@@ -148,10 +152,11 @@ async fn a_message_whose_handler_started_limit_times_is_dead_lettered_as_poison(
     let dead = bed.broker.drain(&bed.dlq).await;
     assert_eq!(header_str(&dead[0].delivery.properties, headers::ERROR_KIND).as_deref(), Some("poison"));
 }
+}
 
+in_both_modes! {
 /// A publisher may set `x-delivery-count` itself (it survives publishing): on a
 /// first delivery it is not the broker's word, and the message is applied.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_first_delivery_with_a_client_set_delivery_count_is_applied_not_poison() {
     let bed = Bed::with_queue(|q| q.delivery_limit(3)).await;
     let p = payment(5);
@@ -164,6 +169,7 @@ async fn a_first_delivery_with_a_client_set_delivery_count_is_applied_not_poison
     assert_eq!(events[0].delivery_count, 0, "the client's count is not reported as the broker's");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
+}
 }
 
 /// A bad message: name, body, content-type, expected kind, a phrase the error must hold.
@@ -182,9 +188,9 @@ fn random_text(len: usize) -> String {
     out
 }
 
+in_both_modes! {
 /// Every kind of bad input ends in the DLQ with a clear error and its kind, byte for
 /// byte, and the consumer keeps consuming: a good message after them is applied.
-#[tokio::test(flavor = "multi_thread")]
 async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() {
     let bed = Bed::new().await;
     let json = "application/json";
@@ -296,10 +302,11 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
     }
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
+in_both_modes! {
 /// The same key with a different payload is not a duplicate but a client bug: it is
 /// dead-lettered as a `conflict` naming both fingerprints; the first payload stands.
-#[tokio::test(flavor = "multi_thread")]
 async fn same_key_with_another_payload_is_dead_lettered_as_conflict() {
     let bed = Bed::new().await;
     let first = payment(100);
@@ -323,12 +330,13 @@ async fn same_key_with_another_payload_is_dead_lettered_as_conflict() {
     assert_eq!(dead[0].delivery.data, serde_json::to_vec(&reused).unwrap());
     assert_eq!(bed.ledger_rows(&first.payment_id).await, 1);
 }
+}
 
+in_both_modes! {
 /// A publisher that sends a payment again after re-serializing it (other key order,
 /// other spacing, an escaped character, a field the message type does not read) sends
 /// the same payment: it is acked as a duplicate, not dead-lettered as a conflict. The
 /// same key with another amount, however spelled, is still a `conflict`.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_reserialized_copy_is_a_duplicate_and_another_amount_is_still_a_conflict() {
     let bed = Bed::new().await;
     let first = payment(100);
@@ -361,11 +369,12 @@ async fn a_reserialized_copy_is_a_duplicate_and_another_amount_is_still_a_confli
     assert_eq!(bed.ledger_rows(&first.payment_id).await, 1);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
+in_both_modes! {
 /// A confirm is not proof of routing: with the DLQ gone, the broker returns the
 /// dead letter *and* confirms it. idemq treats that as a failure and requeues the
 /// original instead of acking it; once the DLQ exists again the message lands there.
-#[tokio::test(flavor = "multi_thread")]
 async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
     let bed = Bed::new().await;
     let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
@@ -388,6 +397,7 @@ async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
     running.stop().await.expect("clean shutdown");
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
 /// On its first attempt, takes the account's row lock and then hangs.
 #[idempotent_handler(key = "payment_id")]
@@ -400,10 +410,10 @@ async fn hangs_first(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Res
     Ok(())
 }
 
+in_both_modes! {
 /// A hanging handler times out into a transient failure, and its connection is
 /// dropped rather than returned to the pool: the open transaction ends server-side
 /// and releases its row lock, so the retry (which needs the same row) applies.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_hanging_handler_times_out_and_its_transaction_is_ended() {
     let bed = Bed::new().await;
     let p = payment(321);
@@ -426,6 +436,7 @@ async fn a_hanging_handler_times_out_and_its_transaction_is_ended() {
     .expect("pg_stat_activity");
     assert_eq!(idle_in_tx, 0, "no transaction was left open");
 }
+}
 
 /// Publishes `body` with one header of `header_bytes` bytes.
 async fn publish_with_big_header(bed: &Bed, body: &[u8], header_bytes: usize) {
@@ -435,12 +446,12 @@ async fn publish_with_big_header(bed: &Bed, body: &[u8], header_bytes: usize) {
     bed.broker.publish_bytes(&bed.queue, body, props).await;
 }
 
+in_both_modes! {
 /// A dead letter's header frame must stay under `frame_max` (a larger one is a
 /// connection error returning every in-flight delivery): an original with ~120 KB of
 /// headers is dead-lettered with them intact; one with ~130 KB (the copy would be
 /// over 128 KiB with idemq's headers) loses its largest
 /// header in the copy, named in `x-idemq-trimmed`; the consumer's connection survives.
-#[tokio::test(flavor = "multi_thread")]
 async fn dead_letters_of_messages_with_huge_headers_stay_under_frame_max() {
     let bed = Bed::new().await;
     publish_with_big_header(&bed, b"not json 1", 120_000).await;
@@ -466,4 +477,5 @@ async fn dead_letters_of_messages_with_huge_headers_stay_under_frame_max() {
     assert_eq!(header_str(&trimmed.properties, "x-big").map(|h| h.len()), None);
     assert_eq!(header_str(&trimmed.properties, headers::TRIMMED).as_deref(), Some("x-big"));
     assert_eq!(header_str(&trimmed.properties, headers::ERROR_KIND).as_deref(), Some("decode"));
+}
 }

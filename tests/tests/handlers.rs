@@ -11,6 +11,7 @@ use idemq::{
 };
 use idemq_example_payments::{apply_payment, PaymentRequested};
 use idemq_tests::fixture::{next_attempt, payment, test_retry_policy, Bed, Running};
+use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, header_str, unique};
 
 /// Publishes one payment to a runtime with `handler`, whose first attempt must fail
@@ -41,12 +42,13 @@ async fn ignores_an_error(conn: &mut AsyncPgConnection, msg: PaymentRequested) -
     Ok(())
 }
 
+in_both_modes! {
 /// The failed statement aborted the transaction, so PostgreSQL answers COMMIT with
 /// `ROLLBACK` and no error: nothing was written, not even the dedup row. idemq must
 /// see it, count a failed attempt and retry — not ack the message as applied.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_handler_that_ignores_a_failed_statement_is_rolled_back_and_retried_not_acked() {
     first_attempt_fails_then_applies(ignores_an_error, "its error was ignored").await;
+}
 }
 
 /// Ends idemq's transaction (ROLLBACK: the dedup row is gone) and begins its own,
@@ -63,12 +65,13 @@ async fn ends_the_transaction(
     Ok(())
 }
 
+in_both_modes! {
 /// A handler that runs its own ROLLBACK/BEGIN would have its writes committed
 /// without the dedup row (a redelivery would apply them again). idemq refuses the
 /// COMMIT of a transaction that is not the one holding the dedup row.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_handler_that_ends_idemqs_transaction_itself_is_rolled_back_and_retried() {
     first_attempt_fails_then_applies(ends_the_transaction, "ended idemq's transaction").await;
+}
 }
 
 /// Resets the session's prepared statements (idemq's COMMIT check among them) on
@@ -82,12 +85,13 @@ async fn deallocates(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Res
     Ok(())
 }
 
+in_both_modes! {
 /// Without its prepared check idemq cannot tell an aborted transaction from a good
 /// one: the attempt fails, its connection is dropped, and the retry (on a fresh
 /// connection, with the check prepared again) applies the payment.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_handler_that_discards_idemqs_prepared_check_fails_its_attempt_and_the_retry_applies() {
     first_attempt_fails_then_applies(deallocates, "discarded idemq's prepared statements").await;
+}
 }
 
 /// Panics on every message whose payment id starts with `boom`.
@@ -99,10 +103,10 @@ async fn panics(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(
     apply_payment::call(conn, msg).await
 }
 
+in_both_modes! {
 /// A panic is a failed attempt like any error: with one slot (`concurrency(1)`) the
 /// next message is still consumed, and after its last attempt the panicking one is
 /// dead-lettered with the panic message in `x-idemq-error`.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_panicking_handler_fails_its_attempt_and_frees_its_slot() {
     let bed = Bed::new().await;
     let boom = PaymentRequested { payment_id: unique("boom"), account: unique("acct"), amount_cents: 1 };
@@ -129,6 +133,7 @@ async fn a_panicking_handler_fails_its_attempt_and_frees_its_slot() {
     assert_eq!(bed.ledger_rows(&boom.payment_id).await, 0);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
+}
 
 /// Writes the payment, then sleeps in the database (marked so the test can find
 /// the statement), on the first attempt.
@@ -145,11 +150,11 @@ async fn sleeps_in_the_database(
     Ok(())
 }
 
+in_both_modes! {
 /// Dropping a timed-out handler's connection does not stop its statement on the
 /// server, which keeps its locks (here: the uncommitted dedup row the retry's insert
 /// would wait on for a minute). idemq cancels the statement: the server-side sleep
 /// ends at once and the retry applies the payment.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_timed_out_handler_stuck_in_the_database_is_cancelled_and_releases_its_locks() {
     let bed = Bed::new().await;
     let p = payment(30);
@@ -174,6 +179,7 @@ async fn a_timed_out_handler_stuck_in_the_database_is_cancelled_and_releases_its
     assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
 }
+}
 
 /// A ledger row of 13 cents breaks a constraint checked only at COMMIT.
 const REFUSE_13_AT_COMMIT: &str = "
@@ -185,10 +191,10 @@ const REFUSE_13_AT_COMMIT: &str = "
     CREATE CONSTRAINT TRIGGER refuse_13 AFTER INSERT ON ledger
         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_13();";
 
+in_both_modes! {
 /// A COMMIT answered with an error is a definite rollback, not an outage whose
 /// outcome is unknown: a failed attempt like any other (retried, counted, then
 /// dead-lettered), never retried in-process for the database retry limit.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_commit_refused_by_a_deferred_constraint_is_a_failed_attempt_not_an_outage() {
     let bed = Bed::new().await;
     bed.db.connect().await.batch_execute(REFUSE_13_AT_COMMIT).await.expect("create the trigger");
@@ -212,6 +218,7 @@ async fn a_commit_refused_by_a_deferred_constraint_is_a_failed_attempt_not_an_ou
     assert_eq!(stats.infrastructure_retries, 0, "a refused COMMIT is not a database fault: {stats:?}");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 0);
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 0);
+}
 }
 
 mod ledger_a {
@@ -259,9 +266,9 @@ fn two_handlers_with_the_same_name_are_refused_when_the_runtime_is_built() {
     assert!(same.is_ok(), "{same:?}");
 }
 
+in_both_modes! {
 /// Two services sharing one database, each with a handler of the same name and
 /// its own namespace: the same key is applied once by each, not once in all.
-#[tokio::test(flavor = "multi_thread")]
 async fn two_services_in_one_database_keep_their_dedup_rows_apart_by_namespace() {
     let bed = Bed::new().await;
     let other_queue = unique("q");
@@ -293,6 +300,7 @@ async fn two_services_in_one_database_keep_their_dedup_rows_apart_by_namespace()
         bed.broker.delete_queue(&queue).await;
     }
 }
+}
 
 /// The first two COMMITs of a ledger row fail with a serialization failure (40001);
 /// a sequence counts them, since it is not rolled back with the transaction.
@@ -308,10 +316,10 @@ const SERIALIZATION_FAILURES_AT_COMMIT: &str = "
     CREATE CONSTRAINT TRIGGER fail_twice AFTER INSERT ON ledger
         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fail_twice();";
 
+in_both_modes! {
 /// A serialization failure (or deadlock) at COMMIT is a rollback worth running
 /// again at once: the transaction is run again in-process, with no attempt counted
 /// and no copy made, and the payment is applied by the first delivery.
-#[tokio::test(flavor = "multi_thread")]
 async fn a_commit_rolled_back_for_contention_is_run_again_in_process() {
     let bed = Bed::new().await;
     bed.db.connect().await.batch_execute(SERIALIZATION_FAILURES_AT_COMMIT).await.expect("create the trigger");
@@ -326,4 +334,5 @@ async fn a_commit_rolled_back_for_contention_is_run_again_in_process() {
     assert_eq!(events[0].attempt, 1);
     assert_eq!((stats.retried, stats.infrastructure_retries), (0, 0), "{stats:?}");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+}
 }

@@ -5,7 +5,7 @@
 //! (default 8), `DELIVERY_LIMIT` (default 20), `SLOW_MS` (the handler sleeps this long
 //! inside its transaction), `KILL_ON` (SIGKILL this process when a payment id starts
 //! with it, inside the transaction), `RETRY_MS` (comma-separated retry delays),
-//! `SHUTDOWN_MS` (the shutdown deadline).
+//! `SHUTDOWN_MS` (the shutdown deadline), `BATCH_SIZE` (empty or absent: the default).
 //! Exits 0 after SIGTERM/SIGINT, 1 on a runtime error.
 
 use std::process::ExitCode;
@@ -64,6 +64,10 @@ async fn main() -> ExitCode {
         .topology(Topology::new().queue(Queue::new(queue.clone()).delivery_limit(limit)))
         .consume(queue, payments)
         .concurrency(usize::try_from(env_number("CONCURRENCY", 8)).unwrap_or(8));
+    // The test's mode (empty: the runtime's default, group commit).
+    if let Some(size) = std::env::var("BATCH_SIZE").ok().and_then(|v| v.parse().ok()) {
+        builder = builder.batch_size(size);
+    }
     if let Ok(ms) = std::env::var("SHUTDOWN_MS") {
         builder = builder.shutdown_deadline(Duration::from_millis(ms.parse().unwrap_or(10_000)));
     }

@@ -1,0 +1,89 @@
+//! Settling deliveries with the broker, for one channel session: single acks and
+//! nacks, and one `multiple` ack for a run of deliveries where that is safe.
+//!
+//! `basic.ack(multiple)` with tag `T` acks *every* unacked delivery of the channel up
+//! to `T`, including ones still in flight elsewhere, and a later ack of one of them
+//! is a 406 that closes the channel. So a multiple ack is sent only below the
+//! *watermark*: the lowest tag of this channel not yet settled. Every tag below it
+//! was settled, and its frame sent, under the same lock, so the only unacked tags a
+//! multiple ack covers are the ones it means to ack. Tags above the watermark are
+//! acked one by one, at once: nothing waits for a slow neighbour.
+//!
+//! This relies on every delivery of the channel being [`Acks::received`] in delivery
+//! order before any later one is settled: one consumer per channel, whose intake
+//! registers each delivery as it takes it from the stream.
+
+use std::collections::BTreeSet;
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::Acker;
+use tokio::sync::Mutex;
+
+/// The settling state of one channel.
+#[derive(Debug, Default)]
+pub(crate) struct Acks {
+    /// Tags received and not yet settled. Locked while frames are sent.
+    unsettled: Mutex<BTreeSet<u64>>,
+}
+
+/// Whether each frame was sent (`false`: the channel is gone, the broker redelivers).
+pub(crate) type Sent = lapin::Result<bool>;
+
+impl Acks {
+    /// Registers a delivery as taken from the channel's stream.
+    pub(crate) async fn received(&self, delivery: &Delivery) {
+        self.unsettled.lock().await.insert(delivery.delivery_tag);
+    }
+
+    /// Acks `deliveries` (of this channel): one `multiple` ack for those below the
+    /// watermark, single acks for the rest. Returns one result per delivery, in order.
+    pub(crate) async fn ack(&self, deliveries: &[&Delivery]) -> Vec<Sent> {
+        let mut unsettled = self.unsettled.lock().await;
+        for delivery in deliveries {
+            unsettled.remove(&delivery.delivery_tag);
+        }
+        let watermark = unsettled.first().copied().unwrap_or(u64::MAX);
+        let highest_below =
+            deliveries.iter().filter(|d| d.delivery_tag < watermark).max_by_key(|d| d.delivery_tag).copied();
+        let below = deliveries.iter().filter(|d| d.delivery_tag < watermark).count();
+        let multiple = match highest_below {
+            Some(highest) if below > 1 => Some(highest.acker.ack(BasicAckOptions { multiple: true }).await),
+            _ => None,
+        };
+        let mut sent = Vec::with_capacity(deliveries.len());
+        for delivery in deliveries {
+            let result = match &multiple {
+                Some(result) if delivery.delivery_tag < watermark => clone_result(result),
+                _ => delivery.acker.ack(BasicAckOptions::default()).await,
+            };
+            sent.push(result);
+        }
+        sent
+    }
+
+    /// Nacks one delivery with requeue.
+    pub(crate) async fn requeue(&self, delivery: &Delivery) -> Sent {
+        self.requeue_tag(delivery.delivery_tag, &delivery.acker).await
+    }
+
+    /// Like [`requeue`](Self::requeue), for a delivery known by its tag and acker.
+    pub(crate) async fn requeue_tag(&self, tag: u64, acker: &Acker) -> Sent {
+        let mut unsettled = self.unsettled.lock().await;
+        unsettled.remove(&tag);
+        acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+    }
+
+    /// Acks one delivery.
+    pub(crate) async fn ack_one(&self, delivery: &Delivery) -> Sent {
+        self.ack(&[delivery]).await.pop().unwrap_or(Ok(false))
+    }
+}
+
+fn clone_result(result: &lapin::Result<bool>) -> lapin::Result<bool> {
+    match result {
+        Ok(sent) => Ok(*sent),
+        // lapin's error is not Clone; the channel is gone either way.
+        Err(_) => Ok(false),
+    }
+}
