@@ -1,4 +1,4 @@
-//! Run with: cargo run --release -p idemq-example-payments --bin bench
+//! Run with: cargo run --release -p idemq-bench
 //!
 //! How much idemq costs against the consumer a competent engineer would write by hand
 //! for the same core guarantee (dedup row and effect in one transaction, ack after
