@@ -8,10 +8,11 @@ use lapin::{Connection, ConnectionProperties};
 use crate::check;
 use crate::config::{ChildSpec, Config, LightSpec, Shape, Urls};
 use crate::contenders::Contender;
+use crate::metrics;
 use crate::plan::{Load, Phase, Run, RunResult};
 use crate::report;
 use crate::spawn;
-use crate::workload::{publish, RunQueues, Workload};
+use crate::workload::{publish, Leftovers, RunQueues, Workload};
 use crate::BenchError;
 
 /// Light load: the first messages of each run, not counted in its latency.
@@ -53,7 +54,8 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
         db: AsyncPgConnection::establish(&urls.database).await?,
         results: Vec::new(),
     };
-    report::header(config, &bench.postgres_version().await?);
+    let busy_before = machine_busy(report::IDLE_SAMPLE).await;
+    report::header(config, &bench.postgres_version().await?, busy_before);
     let concurrency = match config.baseline_concurrency {
         Some(concurrency) => concurrency,
         None => bench.sweep(config).await?,
@@ -80,6 +82,15 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
     }
     let _ = bench.admin.close(200, "bench done".into()).await;
     Ok(report::summary(config, concurrency, &bench.results))
+}
+
+/// The share of all cores the machine is busy over `sample` (from `/proc/stat`).
+async fn machine_busy(sample: std::time::Duration) -> Option<f64> {
+    let start = metrics::machine_cpu();
+    tokio::time::sleep(sample).await;
+    let busy = metrics::since(metrics::machine_cpu(), start)?;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    Some(busy.as_secs_f64() / (sample.as_secs_f64() * cores as f64))
 }
 
 struct Bench<'a> {
@@ -124,6 +135,7 @@ impl Bench<'_> {
     /// One run, start to finish; its result is printed and kept. An error here is
     /// the bench's own (database or broker unreachable), not the contender's.
     async fn measure(&mut self, phase: Phase, run: Run) -> Result<(), BenchError> {
+        self.reconnect_if_lost().await?;
         self.reset().await?;
         let run_id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let workload = Workload::new(&run_id, run.shape);
@@ -135,7 +147,7 @@ impl Bench<'_> {
             let queues = RunQueues::new(format!("idemq-bench-{run_id}"), run.contender.is_idemq());
             queues.declare(&self.admin).await?;
             let report = self.consume(&run, &run_id, &workload, &queues).await;
-            result.issues.extend(check::leftovers(&queues.delete(&self.admin).await?));
+            result.issues.extend(check::leftovers(&self.delete(&queues).await?));
             match report {
                 Ok(report) => {
                     result.issues.extend(check::counts(&run, &workload, &report));
@@ -212,7 +224,7 @@ impl Bench<'_> {
             spawn::child(&spec, self.urls).await
         }
         .await;
-        let mut issues = check::leftovers(&queues.delete(&self.admin).await?);
+        let mut issues = check::leftovers(&self.delete(&queues).await?);
         match primed {
             Ok(report) if report.counts.applied == workload.distinct() => {}
             Ok(report) => {
@@ -223,6 +235,38 @@ impl Bench<'_> {
         issues.extend(check::ledger(&mut self.db, workload).await?);
         self.checkpoint().await?;
         Ok(issues.into_iter().map(|issue| format!("priming: {issue}")).collect())
+    }
+
+    /// Connects again to a broker or database that went away since the last run
+    /// (someone restarted it): the next run starts clean, the last one has been
+    /// judged by its own checks.
+    async fn reconnect_if_lost(&mut self) -> Result<(), BenchError> {
+        if !self.admin.status().connected() {
+            eprintln!("bench: the broker connection was lost; connecting again");
+            self.admin = Connection::connect(&self.urls.amqp, ConnectionProperties::default()).await?;
+        }
+        if self.db.batch_execute("SELECT 1").await.is_err() {
+            eprintln!("bench: the database connection was lost; connecting again");
+            self.db = AsyncPgConnection::establish(&self.urls.database).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes a run's queues, on a new broker connection if the old one was lost
+    /// during the run.
+    async fn delete(&mut self, queues: &RunQueues) -> Result<Leftovers, BenchError> {
+        match queues.delete(&self.admin).await {
+            Ok(left) => Ok(left),
+            Err(err) if !self.admin.status().connected() => {
+                eprintln!(
+                    "bench: the broker connection was lost during the run ({}); connecting again",
+                    idemq::redact(&err.to_string())
+                );
+                self.admin = Connection::connect(&self.urls.amqp, ConnectionProperties::default()).await?;
+                queues.delete(&self.admin).await
+            }
+            Err(err) => Err(err),
+        }
     }
 
     /// Empties the tables, so no run inherits another's work, and flushes dirty pages.

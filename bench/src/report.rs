@@ -7,10 +7,15 @@ use crate::contenders::Contender;
 use crate::metrics::{median, Percentiles};
 use crate::plan::{Load, Phase, RunResult};
 
+/// How long the machine's load is sampled before the first run.
+pub(crate) const IDLE_SAMPLE: std::time::Duration = std::time::Duration::from_secs(1);
+/// Busier than this (a share of all cores) before the start, and the header warns.
+const QUIET_BELOW: f64 = 0.10;
+
 const COLUMNS: &str = "contender                 conc   deliv    secs  1st ms    msg/s   p50 ms   p99 ms  \
                        rss MiB  cpu us  all us  applied   dups  check";
 
-pub(crate) fn header(config: &Config, postgres_version: &str) {
+pub(crate) fn header(config: &Config, postgres_version: &str, busy_before: Option<f64>) {
     let shape = config.shape;
     let deliveries = crate::workload::Workload::new("x", shape).deliveries();
     let cores = std::thread::available_parallelism().map_or_else(|_| "?".to_owned(), |n| n.to_string());
@@ -25,12 +30,23 @@ pub(crate) fn header(config: &Config, postgres_version: &str) {
         },
     );
     println!("machine: {cores} cores, PostgreSQL {postgres_version}; persistent messages to quorum queues");
+    if let Some(busy) = busy_before {
+        let warning =
+            if busy >= QUIET_BELOW { "  !!! other load is running: expect noisy numbers" } else { "" };
+        println!(
+            "machine busy before the start: {:.0}% of all cores over {IDLE_SAMPLE:?}{warning}",
+            busy * 100.0
+        );
+    }
     println!("contenders, each in a child process of its own:");
     for contender in Contender::ALL {
         println!("  {:<18} {}", contender.name(), contender.describe());
     }
     println!("  … dups-only        the same backlog, every payment applied before the run");
-    println!("  … light            one message at a time (published, settled, the next)");
+    println!(
+        "  … light            one message at a time (published, settled, the next); the child publishes \
+         too, so its rows show latency only"
+    );
     println!(
         "columns: msg/s = deliveries settled / secs (from the consumer's start, connects included, to the last \
          settlement); 1st ms = time to the first settlement;"
@@ -110,7 +126,12 @@ pub(crate) fn row(result: &RunResult) {
         ),
         Some(report) => {
             let latency = shown_latency(result, report);
-            let rate = (run.load != Load::Light).then(|| report.rate());
+            // A light-load child publishes too, and mostly waits: its rate, RSS and
+            // CPU per message are not the consumer's.
+            let backlog = run.load != Load::Light;
+            let rate = backlog.then(|| report.rate());
+            let rss = mib(report).filter(|_| backlog);
+            let cpu = |cpu_s| per_delivery_us(report, cpu_s).filter(|_| backlog);
             let (applied, dups) = if run.contender.uses_database() {
                 (report.counts.applied.to_string(), report.counts.duplicates.to_string())
             } else {
@@ -124,9 +145,9 @@ pub(crate) fn row(result: &RunResult) {
                 num(rate, 0),
                 num(ms(latency.p50_us), 2),
                 num(ms(latency.p99_us), 2),
-                num(mib(report), 1),
-                num(per_delivery_us(report, report.process_cpu_s), 0),
-                num(per_delivery_us(report, report.machine_cpu_s), 0),
+                num(rss, 1),
+                num(cpu(report.process_cpu_s), 0),
+                num(cpu(report.machine_cpu_s), 0),
                 applied,
                 dups,
             )
