@@ -1,0 +1,254 @@
+//! The command line: the parent's flags, and the spec a child is started with.
+
+use crate::contenders::Contender;
+
+/// The bench's own database (created if missing, tables truncated between runs).
+pub(crate) const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/idemq_bench";
+
+pub(crate) const USAGE: &str = "\
+usage: bench [flags]
+  --messages N              distinct payments per backlog run (default 20000)
+  --duplicates-every K      every K-th payment is published twice, back to back (default 10; 0: none)
+  --accounts A              accounts the payments spread over (default 10, as in the demo)
+  --rounds R                rounds; each runs every contender once, in turn (default 3)
+  --baseline-concurrency C  the baseline's (and idemq per-message mode's) concurrency; without it,
+                            a sweep picks the baseline's best
+  --sweep C1,C2,..          the concurrencies that sweep tries, one run each (default 8,16,32,64)
+  --light N                 light-load messages per contender and round, one at a time (default 300; 0: skip)
+  --rss-check N             after the rounds, one backlog run per contender with N payments, and its
+                            peak RSS compared with the rounds' (e.g. 100000)
+  --rss-tolerance PCT       how much larger that peak RSS may be and still count as the same (default 25)
+environment: AMQP_URL, DATABASE_URL (default postgres://postgres@127.0.0.1:5432/idemq_bench), RUST_LOG";
+
+/// Where the broker and the database are.
+#[derive(Debug, Clone)]
+pub(crate) struct Urls {
+    pub(crate) amqp: String,
+    pub(crate) database: String,
+}
+
+impl Urls {
+    /// `AMQP_URL` and `DATABASE_URL`, with local defaults.
+    pub(crate) fn from_env() -> Self {
+        let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+        Self {
+            amqp: env("AMQP_URL", idemq::DEFAULT_AMQP_URL),
+            database: env("DATABASE_URL", DEFAULT_DATABASE_URL),
+        }
+    }
+}
+
+/// What a run's messages look like (see [`crate::workload::Workload`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub(crate) messages: usize,
+    pub(crate) duplicates_every: usize,
+    pub(crate) accounts: usize,
+}
+
+/// The parent's flags.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) shape: Shape,
+    pub(crate) rounds: usize,
+    pub(crate) baseline_concurrency: Option<usize>,
+    pub(crate) sweep: Vec<usize>,
+    pub(crate) light: usize,
+    pub(crate) rss_check: Option<usize>,
+    pub(crate) rss_tolerance_pct: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            shape: Shape { messages: 20_000, duplicates_every: 10, accounts: 10 },
+            rounds: 3,
+            baseline_concurrency: None,
+            sweep: vec![8, 16, 32, 64],
+            light: 300,
+            rss_check: None,
+            rss_tolerance_pct: 25,
+        }
+    }
+}
+
+/// Why the command line was refused; `Help` is `--help`.
+#[derive(Debug)]
+pub(crate) enum ParseError {
+    Help,
+    Bad(String),
+}
+
+fn concurrency(flag: &str, n: usize) -> Result<usize, ParseError> {
+    if n == 0 || n > usize::from(u16::MAX) {
+        return Err(ParseError::Bad(format!("{flag} must be 1..=65535, not {n}")));
+    }
+    Ok(n)
+}
+
+fn number(flag: &str, value: &str) -> Result<usize, ParseError> {
+    value.parse().map_err(|_| ParseError::Bad(format!("{flag} takes a number, not '{value}'")))
+}
+
+fn positive(flag: &str, value: &str) -> Result<usize, ParseError> {
+    match number(flag, value)? {
+        0 => Err(ParseError::Bad(format!("{flag} must be at least 1"))),
+        n => Ok(n),
+    }
+}
+
+impl Config {
+    pub(crate) fn parse(args: &[String]) -> Result<Self, ParseError> {
+        let mut config = Self::default();
+        let mut args = args.iter();
+        while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                return Err(ParseError::Help);
+            }
+            let value = args.next().ok_or_else(|| ParseError::Bad(format!("{flag} needs a value")))?;
+            match flag.as_str() {
+                "--messages" => config.shape.messages = positive(flag, value)?,
+                "--duplicates-every" => config.shape.duplicates_every = number(flag, value)?,
+                "--accounts" => config.shape.accounts = positive(flag, value)?,
+                "--rounds" => config.rounds = positive(flag, value)?,
+                "--baseline-concurrency" => {
+                    config.baseline_concurrency = Some(concurrency(flag, positive(flag, value)?)?);
+                }
+                "--sweep" => {
+                    config.sweep = value
+                        .split(',')
+                        .map(|c| concurrency(flag, positive(flag, c.trim())?))
+                        .collect::<Result<_, _>>()?;
+                }
+                "--light" => config.light = number(flag, value)?,
+                "--rss-check" => config.rss_check = Some(positive(flag, value)?),
+                "--rss-tolerance" => config.rss_tolerance_pct = number(flag, value)?,
+                _ => return Err(ParseError::Bad(format!("unknown flag: {flag}"))),
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// What a child process runs: `bench --child <contender> --queue Q [--concurrency C]
+/// --expect N [--light --run-id ID --messages N --accounts A --warmup W]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChildSpec {
+    pub(crate) contender: Contender,
+    pub(crate) queue: String,
+    /// The contender's concurrency, where it takes one (baseline, idemq per-message).
+    pub(crate) concurrency: Option<usize>,
+    /// Deliveries to settle before the clock stops (backlog runs).
+    pub(crate) expect: u64,
+    /// Light load: the child publishes its own messages, one at a time.
+    pub(crate) light: Option<LightSpec>,
+}
+
+/// A light-load run: the workload the child publishes itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LightSpec {
+    pub(crate) run_id: String,
+    pub(crate) messages: usize,
+    pub(crate) accounts: usize,
+    /// The first messages, not counted in the latency (connections warming up).
+    pub(crate) warmup: usize,
+}
+
+impl ChildSpec {
+    /// The arguments that [`ChildSpec::parse`] reads back.
+    pub(crate) fn to_args(&self) -> Vec<String> {
+        let mut args = vec!["--child".to_owned(), self.contender.name().to_owned()];
+        args.extend(["--queue".to_owned(), self.queue.clone()]);
+        if let Some(c) = self.concurrency {
+            args.extend(["--concurrency".to_owned(), c.to_string()]);
+        }
+        args.extend(["--expect".to_owned(), self.expect.to_string()]);
+        if let Some(light) = &self.light {
+            args.push("--light".to_owned());
+            args.extend(["--run-id".to_owned(), light.run_id.clone()]);
+            args.extend(["--messages".to_owned(), light.messages.to_string()]);
+            args.extend(["--accounts".to_owned(), light.accounts.to_string()]);
+            args.extend(["--warmup".to_owned(), light.warmup.to_string()]);
+        }
+        args
+    }
+
+    /// Parses what follows `--child`.
+    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
+        let mut args = args.iter();
+        let name = args.next().ok_or("--child needs a contender")?;
+        let contender = Contender::from_name(name).ok_or_else(|| format!("unknown contender '{name}'"))?;
+        let (mut queue, mut concurrency, mut expect) = (None, None, 0);
+        let (mut light, mut run_id, mut messages, mut accounts, mut warmup) = (false, None, 0, 1, 0);
+        while let Some(flag) = args.next() {
+            if flag == "--light" {
+                light = true;
+                continue;
+            }
+            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let n = || value.parse::<usize>().map_err(|_| format!("{flag} takes a number, not '{value}'"));
+            match flag.as_str() {
+                "--queue" => queue = Some(value.clone()),
+                "--concurrency" => concurrency = Some(n()?),
+                "--expect" => expect = n()? as u64,
+                "--run-id" => run_id = Some(value.clone()),
+                "--messages" => messages = n()?,
+                "--accounts" => accounts = n()?,
+                "--warmup" => warmup = n()?,
+                _ => return Err(format!("unknown child flag: {flag}")),
+            }
+        }
+        let light = match (light, run_id) {
+            (false, _) => None,
+            (true, Some(run_id)) => Some(LightSpec { run_id, messages, accounts, warmup }),
+            (true, None) => return Err("--light needs --run-id".into()),
+        };
+        Ok(Self { contender, queue: queue.ok_or("--child needs --queue")?, concurrency, expect, light })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|&a| a.to_owned()).collect()
+    }
+
+    #[test]
+    fn a_child_spec_reads_back_what_it_writes() {
+        let backlog = ChildSpec {
+            contender: Contender::Baseline,
+            queue: "q".into(),
+            concurrency: Some(32),
+            expect: 22_000,
+            light: None,
+        };
+        let light = ChildSpec {
+            contender: Contender::IdemqGroup,
+            queue: "q2".into(),
+            concurrency: None,
+            expect: 300,
+            light: Some(LightSpec { run_id: "abc".into(), messages: 300, accounts: 10, warmup: 20 }),
+        };
+        for spec in [backlog, light] {
+            let args = spec.to_args();
+            assert_eq!(args[0], "--child");
+            assert_eq!(ChildSpec::parse(&args[1..]).unwrap(), spec);
+        }
+    }
+
+    #[test]
+    fn flags_set_what_they_name_and_bad_values_are_refused() {
+        let config =
+            Config::parse(&strings(&["--messages", "100", "--sweep", "4, 8", "--rss-check", "1000"]))
+                .unwrap();
+        assert_eq!(config.shape.messages, 100);
+        assert_eq!(config.sweep, [4, 8]);
+        assert_eq!(config.rss_check, Some(1000));
+        assert!(matches!(Config::parse(&strings(&["--rounds", "0"])), Err(ParseError::Bad(_))));
+        assert!(matches!(Config::parse(&strings(&["--sweep", "8,x"])), Err(ParseError::Bad(_))));
+        assert!(matches!(Config::parse(&strings(&["--bogus", "1"])), Err(ParseError::Bad(_))));
+        assert!(matches!(Config::parse(&strings(&["--help"])), Err(ParseError::Help)));
+    }
+}

@@ -1,0 +1,143 @@
+//! The consumers measured, each started the same way in a child process and fed
+//! to the same [`Recorder`].
+
+mod baseline;
+mod raw;
+mod runtime;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Urls;
+use crate::metrics::Recorder;
+use crate::BenchError;
+
+/// A consumer the bench measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Contender {
+    /// lapin with manual acks and no database: the broker's ceiling.
+    Raw,
+    /// The hand-written per-message transaction loop.
+    Baseline,
+    /// idemq, one transaction per delivery (`batch_size(1)`), the baseline's concurrency.
+    IdemqPerMessage,
+    /// idemq with its defaults (group commit), a handler without a lane.
+    IdemqGroup,
+    /// idemq with its defaults and the demo's `apply_payment`, whose lane is the account.
+    IdemqLanes,
+}
+
+impl Contender {
+    pub(crate) const ALL: [Self; 5] =
+        [Self::Raw, Self::Baseline, Self::IdemqPerMessage, Self::IdemqGroup, Self::IdemqLanes];
+
+    /// The name on the command line (`bench --child <name>`) and in the tables.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw",
+            Self::Baseline => "baseline",
+            Self::IdemqPerMessage => "idemq-per-message",
+            Self::IdemqGroup => "idemq-group",
+            Self::IdemqLanes => "idemq-lanes",
+        }
+    }
+
+    pub(crate) fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    /// What it is, in a line.
+    pub(crate) fn describe(self) -> String {
+        match self {
+            Self::Raw => format!(
+                "lapin, manual acks (one `multiple` ack per {} deliveries and when idle), prefetch {}, no database",
+                raw::ACK_EVERY,
+                raw::PREFETCH
+            ),
+            Self::Baseline => {
+                "hand-written lapin + diesel-async loop: dedup row + effect in one transaction, ack after COMMIT"
+                    .to_owned()
+            }
+            Self::IdemqPerMessage => "idemq, .batch_size(1) (per-message mode), handler without a lane".to_owned(),
+            Self::IdemqGroup => {
+                "idemq, Runtime::builder() defaults (group commit), handler without a lane".to_owned()
+            }
+            Self::IdemqLanes => {
+                "idemq, Runtime::builder() defaults (group commit), apply_payment with lane = \"account\"".to_owned()
+            }
+        }
+    }
+
+    /// Whether it writes the ledger (everything but the raw consumer).
+    pub(crate) fn uses_database(self) -> bool {
+        self != Self::Raw
+    }
+
+    /// Whether it is an idemq runtime, which declares the retry policy's wait queues.
+    pub(crate) fn is_idemq(self) -> bool {
+        matches!(self, Self::IdemqPerMessage | Self::IdemqGroup | Self::IdemqLanes)
+    }
+
+    /// Whether it takes a concurrency (the others run with their defaults).
+    pub(crate) fn takes_concurrency(self) -> bool {
+        matches!(self, Self::Baseline | Self::IdemqPerMessage)
+    }
+
+    /// Starts consuming `queue`; every delivery it settles goes to `recorder`.
+    pub(crate) async fn start(
+        self,
+        urls: &Urls,
+        queue: &str,
+        concurrency: Option<usize>,
+        recorder: Arc<Recorder>,
+    ) -> Result<Consumer, BenchError> {
+        let concurrency = concurrency.unwrap_or(idemq::DEFAULT_CONCURRENCY);
+        match self {
+            Self::Raw => raw::start(urls, queue, recorder).await,
+            Self::Baseline => baseline::start(urls, queue, concurrency, recorder).await,
+            Self::IdemqPerMessage => {
+                runtime::start(runtime::Flavor::PerMessage(concurrency), urls, queue, recorder)
+            }
+            Self::IdemqGroup => runtime::start(runtime::Flavor::Group, urls, queue, recorder),
+            Self::IdemqLanes => runtime::start(runtime::Flavor::Lanes, urls, queue, recorder),
+        }
+    }
+}
+
+/// A running consumer.
+pub(crate) struct Consumer {
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), BenchError>>,
+    /// Transactions the consumer retried in-process after a database fault (idemq).
+    infrastructure_retries: Box<dyn Fn() -> u64 + Send + Sync>,
+}
+
+impl Consumer {
+    /// Whether it has stopped by itself (an error, or the broker cancelled it).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    pub(crate) fn infrastructure_retries(&self) -> u64 {
+        (self.infrastructure_retries)()
+    }
+
+    /// Stops it and waits for it to drain and close. `Ok(false)` if it had not
+    /// finished after `timeout` and was aborted.
+    pub(crate) async fn shutdown(mut self, timeout: Duration) -> Result<bool, BenchError> {
+        self.stop.cancel();
+        match tokio::time::timeout(timeout, &mut self.task).await {
+            Ok(joined) => {
+                joined??;
+                Ok(true)
+            }
+            Err(_elapsed) => {
+                self.task.abort();
+                Ok(false)
+            }
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! Contenders 3–5: idemq's [`Runtime`] on the payments queue, with the default
+//! retry policy (whose wait queues it declares at start-up). Every setting not
+//! named here is the builder's default.
+
+use std::sync::Arc;
+
+use diesel_async::AsyncPgConnection;
+use idemq::{idempotent_handler, Outcome, Queue, Runtime, Settled, Topology};
+use idemq_example_payments::{apply_payment, PaymentRequested};
+use tokio_util::sync::CancellationToken;
+
+use super::Consumer;
+use crate::config::Urls;
+use crate::metrics::{Recorder, Settle};
+use crate::BenchError;
+
+/// The demo's `apply_payment` without its lane: the same dedup name, the same
+/// effect, so group commit can be measured with lanes and without.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn apply_payment_unlaned(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    apply_payment::call(conn, msg).await
+}
+
+/// How the runtime is configured.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Flavor {
+    /// `.batch_size(1).concurrency(c)`, the unlaned handler.
+    PerMessage(usize),
+    /// Defaults, the unlaned handler.
+    Group,
+    /// Defaults, `apply_payment` (lane = "account").
+    Lanes,
+}
+
+pub(super) fn start(
+    flavor: Flavor,
+    urls: &Urls,
+    queue: &str,
+    recorder: Arc<Recorder>,
+) -> Result<Consumer, BenchError> {
+    let builder = Runtime::builder()
+        .amqp_url(&urls.amqp)
+        .database_url(&urls.database)
+        .topology(Topology::new().queue(Queue::new(queue)))
+        .observer(move |settled| record(&recorder, settled));
+    let builder = match flavor {
+        Flavor::PerMessage(concurrency) => {
+            builder.consume(queue, apply_payment_unlaned).batch_size(1).concurrency(concurrency)
+        }
+        Flavor::Group => builder.consume(queue, apply_payment_unlaned),
+        Flavor::Lanes => builder.consume(queue, apply_payment),
+    };
+    let runtime = builder.build()?;
+    let stats = runtime.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move { runtime.run(stop).await.map_err(BenchError::from) }
+    });
+    Ok(Consumer {
+        stop,
+        task,
+        infrastructure_retries: Box::new(move || stats.snapshot().infrastructure_retries),
+    })
+}
+
+fn record(recorder: &Recorder, settled: &Settled) {
+    if !settled.settled_with_broker {
+        // The ack (or nack) was not sent: the broker delivers the message again.
+        return recorder.returned();
+    }
+    let how = match settled.outcome {
+        Outcome::Applied => Settle::Applied,
+        Outcome::Duplicate => Settle::Duplicate,
+        Outcome::DeadLettered { .. } | Outcome::AlreadyCopied { .. } => Settle::Failed,
+        // Retry, Requeued, Abandoned: the message comes again.
+        _ => return recorder.returned(),
+    };
+    recorder.settle(how, settled.received_at, settled.settled_at);
+}

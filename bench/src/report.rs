@@ -1,0 +1,315 @@
+//! What the bench prints: a row per run as it ends, then the medians, the ratios,
+//! light-load latency, the RSS check and the verdict.
+
+use crate::child::ChildReport;
+use crate::config::Config;
+use crate::contenders::Contender;
+use crate::metrics::{median, Percentiles};
+use crate::plan::{Load, Phase, RunResult};
+
+/// How long the machine's load is sampled before the first run.
+pub(crate) const IDLE_SAMPLE: std::time::Duration = std::time::Duration::from_secs(1);
+/// Busier than this (a share of all cores) before the start, and the header warns.
+const QUIET_BELOW: f64 = 0.10;
+
+const COLUMNS: &str = "contender                 conc   deliv    secs  1st ms    msg/s   p50 ms   p99 ms  \
+                       rss MiB  cpu us  all us  applied   dups  check";
+
+pub(crate) fn header(config: &Config, postgres_version: &str, busy_before: Option<f64>) {
+    let shape = config.shape;
+    let deliveries = crate::workload::Workload::new("x", shape).deliveries();
+    let cores = std::thread::available_parallelism().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    println!(
+        "idemq bench: {} payments over {} accounts, {} published twice = {deliveries} deliveries per backlog run",
+        shape.messages,
+        shape.accounts,
+        match shape.duplicates_every {
+            0 => "no payment".to_owned(),
+            1 => "every payment".to_owned(),
+            k => format!("every {k}th"),
+        },
+    );
+    println!("machine: {cores} cores, PostgreSQL {postgres_version}; persistent messages to quorum queues");
+    if let Some(busy) = busy_before {
+        let warning =
+            if busy >= QUIET_BELOW { "  !!! other load is running: expect noisy numbers" } else { "" };
+        println!(
+            "machine busy before the start: {:.0}% of all cores over {IDLE_SAMPLE:?}{warning}",
+            busy * 100.0
+        );
+    }
+    println!("contenders, each in a child process of its own:");
+    for contender in Contender::ALL {
+        println!("  {:<18} {}", contender.name(), contender.describe());
+    }
+    println!("  … dups-only        the same backlog, every payment applied before the run");
+    println!(
+        "  … light            one message at a time (published, settled, the next); the child publishes \
+         too, so its rows show latency only"
+    );
+    println!(
+        "columns: msg/s = deliveries settled / secs (from the consumer's start, connects included, to the last \
+         settlement); 1st ms = time to the first settlement;"
+    );
+    println!(
+        "  p50/p99 = in-process latency, delivery received → settled (a backlog waits in the broker before \
+         that); for light rows, end to end, publish → settled;"
+    );
+    println!(
+        "  rss = the child's peak RSS (VmHWM); cpu us = the child's own CPU (user + sys) per delivery; all us = \
+         the whole machine's busy CPU per delivery (broker, PostgreSQL and all)"
+    );
+}
+
+pub(crate) fn sweep_header(sweep: &[usize]) {
+    let list: Vec<String> = sweep.iter().map(usize::to_string).collect();
+    println!("\n== baseline concurrency sweep: {} (one run each) ==\n{COLUMNS}", list.join(", "));
+}
+
+pub(crate) fn chosen_concurrency(config: &Config, concurrency: usize) {
+    match config.baseline_concurrency {
+        Some(_) => {
+            println!("\nbaseline and idemq per-message concurrency: {concurrency} (--baseline-concurrency)")
+        }
+        None => println!("\nbaseline and idemq per-message concurrency: {concurrency} (the sweep's best)"),
+    }
+}
+
+pub(crate) fn round_header(round: usize, rounds: usize) {
+    println!("\n== round {round} of {rounds} ==\n{COLUMNS}");
+}
+
+pub(crate) fn rss_check_header(messages: usize) {
+    println!("\n== peak RSS check: one backlog run per contender with {messages} payments ==\n{COLUMNS}");
+}
+
+fn num(value: Option<f64>, precision: usize) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| format!("{v:.precision$}"))
+}
+
+fn ms(percentile: Option<f64>) -> Option<f64> {
+    percentile.map(|us| us / 1000.0)
+}
+
+fn mib(report: &ChildReport) -> Option<f64> {
+    report.peak_rss_kib.map(|kib| kib as f64 / 1024.0)
+}
+
+fn per_delivery_us(report: &ChildReport, cpu_s: Option<f64>) -> Option<f64> {
+    cpu_s.map(|s| s * 1e6 / report.counts.settled().max(1) as f64)
+}
+
+/// The latency a row shows: end to end for light load, in-process otherwise.
+fn shown_latency(result: &RunResult, report: &ChildReport) -> Percentiles {
+    match (result.run.load, report.end_to_end) {
+        (Load::Light, Some(end_to_end)) => end_to_end,
+        _ => report.latency,
+    }
+}
+
+/// One run's row, printed as it ends; a failed check is also shouted on stderr.
+pub(crate) fn row(result: &RunResult) {
+    let run = &result.run;
+    let conc = run.concurrency.map_or_else(|| "dflt".to_owned(), |c| c.to_string());
+    let conc = if run.contender == Contender::Raw { "-".to_owned() } else { conc };
+    let check = if result.ok() {
+        let notes =
+            if result.notes.is_empty() { String::new() } else { format!(" ({})", result.notes.join("; ")) };
+        format!("ok{notes}")
+    } else {
+        format!("FAILED: {}", result.issues.join("; "))
+    };
+    let cells = match &result.report {
+        None => format!(
+            "{:>7} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>6}",
+            "-", "", "", "", "", "", "", "", "", "", ""
+        ),
+        Some(report) => {
+            let latency = shown_latency(result, report);
+            // A light-load child publishes too, and mostly waits: its rate, RSS and
+            // CPU per message are not the consumer's.
+            let backlog = run.load != Load::Light;
+            let rate = backlog.then(|| report.rate());
+            let rss = mib(report).filter(|_| backlog);
+            let cpu = |cpu_s| per_delivery_us(report, cpu_s).filter(|_| backlog);
+            let (applied, dups) = if run.contender.uses_database() {
+                (report.counts.applied.to_string(), report.counts.duplicates.to_string())
+            } else {
+                ("-".to_owned(), "-".to_owned())
+            };
+            format!(
+                "{:>7} {:>7.2} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>6}",
+                report.counts.settled(),
+                report.elapsed_s,
+                num(report.first_s.map(|s| s * 1000.0), 0),
+                num(rate, 0),
+                num(ms(latency.p50_us), 2),
+                num(ms(latency.p99_us), 2),
+                num(rss, 1),
+                num(cpu(report.process_cpu_s), 0),
+                num(cpu(report.machine_cpu_s), 0),
+                applied,
+                dups,
+            )
+        }
+    };
+    println!("{:<24} {conc:>5} {cells}  {check}", run.label());
+    if !result.ok() {
+        eprintln!("!!! CHECK FAILED: {} ({:?}): {}", run.label(), result.phase, result.issues.join("; "));
+    }
+}
+
+/// The passed runs of the rounds with this label.
+fn rounds<'a>(results: &'a [RunResult], label: &str) -> Vec<&'a ChildReport> {
+    results
+        .iter()
+        .filter(|r| matches!(r.phase, Phase::Round(_)) && r.run.label() == label)
+        .filter_map(RunResult::passed)
+        .collect()
+}
+
+fn median_of(reports: &[&ChildReport], metric: impl Fn(&ChildReport) -> Option<f64>) -> Option<f64> {
+    median(reports.iter().filter_map(|&r| metric(r)))
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("x{:.2}", a / b),
+        _ => "-".to_owned(),
+    }
+}
+
+/// The backlog contenders of the summary: number (as in BENCHMARKS.md), label.
+const BACKLOG: [(&str, &str); 7] = [
+    ("1", "raw"),
+    ("2", "baseline"),
+    ("3", "idemq-per-message"),
+    ("4", "idemq-group"),
+    ("5", "idemq-lanes"),
+    ("6", "idemq-lanes dups-only"),
+    ("", "baseline dups-only"),
+];
+
+/// The medians, ratios, light-load latency, RSS check and verdict. `false` when a
+/// check failed.
+pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]) -> bool {
+    println!("\n== medians over {} rounds (runs whose checks failed are left out) ==", config.rounds);
+    println!(
+        "  # contender                    msg/s   p50 ms   p99 ms  rss MiB  cpu us  all us  runs (msg/s)\
+         \n    (p50/p99: in-process, received → settled; baseline and per-message at concurrency {concurrency})"
+    );
+    let rate = |label: &str| median_of(&rounds(results, label), |r| Some(r.rate()));
+    for (number, label) in BACKLOG {
+        let reports = rounds(results, label);
+        let runs: Vec<String> = reports.iter().map(|r| format!("{:.0}", r.rate())).collect();
+        println!(
+            "{number:>3} {label:<24} {:>9} {:>8} {:>8} {:>8} {:>7} {:>7}  [{}]",
+            num(rate(label), 0),
+            num(ms(median_of(&reports, |r| r.latency.p50_us)), 2),
+            num(ms(median_of(&reports, |r| r.latency.p99_us)), 2),
+            num(median_of(&reports, mib), 1),
+            num(median_of(&reports, |r| per_delivery_us(r, r.process_cpu_s)), 0),
+            num(median_of(&reports, |r| per_delivery_us(r, r.machine_cpu_s)), 0),
+            runs.join(", "),
+        );
+    }
+    println!("\nratios of the median msg/s:");
+    for (numbers, what, a, b) in [
+        ("3/2", "idemq per-message / baseline", "idemq-per-message", "baseline"),
+        ("4/2", "idemq group commit / baseline", "idemq-group", "baseline"),
+        ("5/2", "idemq group commit + lanes / baseline", "idemq-lanes", "baseline"),
+        ("4/1", "idemq group commit / raw broker", "idemq-group", "raw"),
+        ("5/1", "idemq group commit + lanes / raw broker", "idemq-lanes", "raw"),
+        ("6/5", "idemq-lanes: duplicates only / first deliveries", "idemq-lanes dups-only", "idemq-lanes"),
+        ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
+    ] {
+        println!("  {numbers:>3}  {what:<48} {:>6}", ratio(rate(a), rate(b)));
+    }
+    if config.light > 0 {
+        light_summary(config, results);
+    }
+    let rss_ok = config.rss_check.is_none_or(|messages| rss_summary(config, messages, results));
+    let failed = results.iter().filter(|r| !r.ok()).count();
+    if failed == 0 && rss_ok {
+        println!(
+            "\ncorrectness: every run ok ({} runs, each ledger exact, every queue drained, no dead letters)",
+            results.len()
+        );
+        true
+    } else {
+        println!(
+            "\n!!! CORRECTNESS FAILED: {failed} of {} runs failed their checks (marked FAILED above){}",
+            results.len(),
+            if rss_ok { "" } else { "; peak RSS grows with the backlog" }
+        );
+        false
+    }
+}
+
+fn light_summary(config: &Config, results: &[RunResult]) {
+    let warmup = crate::parent::light_warmup(config.light);
+    println!(
+        "\nlight load: one message at a time, {} per run (the first {warmup} not counted); end-to-end latency, \
+         publish → settled; medians over the rounds",
+        config.light
+    );
+    println!("  contender                  p50 ms   p99 ms");
+    let percentile = |label: &str, p: fn(&Percentiles) -> Option<f64>| {
+        median_of(&rounds(results, label), |r| r.end_to_end.as_ref().and_then(p))
+    };
+    let p50 = |p: &Percentiles| p.p50_us;
+    let p99 = |p: &Percentiles| p.p99_us;
+    for contender in ["baseline", "idemq-per-message", "idemq-group", "idemq-lanes"] {
+        let label = format!("{contender} light");
+        println!(
+            "  {contender:<24} {:>8} {:>8}",
+            num(ms(percentile(&label, p50)), 2),
+            num(ms(percentile(&label, p99)), 2)
+        );
+    }
+    let (group, single) = ("idemq-group light", "idemq-per-message light");
+    println!(
+        "  group commit / per-message: p50 {}, p99 {}",
+        ratio(percentile(group, p50), percentile(single, p50)),
+        ratio(percentile(group, p99), percentile(single, p99))
+    );
+}
+
+/// Peak RSS at `--rss-check` messages against the rounds'. `false` if it grew past
+/// the tolerance for some contender.
+fn rss_summary(config: &Config, messages: usize, results: &[RunResult]) -> bool {
+    let tolerance = config.rss_tolerance_pct as f64 / 100.0;
+    println!(
+        "\npeak RSS against backlog size: {} payments (median of the rounds) vs {messages} (tolerance {}%)",
+        config.shape.messages, config.rss_tolerance_pct
+    );
+    println!("  contender                 MiB small  MiB large   ratio  verdict");
+    let mut ok = true;
+    for contender in Contender::ALL {
+        let small = median_of(&rounds(results, contender.name()), mib);
+        let large = results
+            .iter()
+            .filter(|r| r.phase == Phase::RssCheck && r.run.contender == contender)
+            .filter_map(RunResult::passed)
+            .find_map(mib);
+        let verdict = match (small, large) {
+            (Some(small), Some(large)) if large <= small * (1.0 + tolerance) => "independent of the backlog",
+            (Some(_), Some(_)) => {
+                ok = false;
+                "!!! GROWS with the backlog"
+            }
+            _ => {
+                ok = false;
+                "!!! not measured (a run failed)"
+            }
+        };
+        println!(
+            "  {:<24} {:>10} {:>10} {:>7}  {verdict}",
+            contender.name(),
+            num(small, 1),
+            num(large, 1),
+            ratio(large, small)
+        );
+    }
+    ok
+}
