@@ -42,8 +42,9 @@
 //!
 //! The life of a delivery is one state machine, in one module (`delivery.rs`):
 //!
-//! decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` → handler →
-//! checked COMMIT → ack | retry | dead-letter
+//! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
+//! batch's rows in one statement) → handlers → checked COMMIT → ack | retry |
+//! dead-letter
 //!
 //! - **Ack after commit, always.** Handlers never see the delivery or its acker. The
 //!   COMMIT is *checked*, in the same round trip: a transaction aborted by a statement
@@ -77,9 +78,17 @@
 //!   *session*; the runtime reconnects with backoff, declares again and resumes.
 //!   Copies are published on a connection of their own, so a broker memory alarm
 //!   never stalls consumption. SIGTERM drains within a deadline.
-//! - **Batches later, same machine:** the pipeline is prepare (pure, per delivery) →
-//!   transact → settle, so group commit (one transaction, a savepoint per handler,
-//!   multi-ack) slots in with per-message mode as a batch of one.
+//! - **Group commit, same guarantees:** up to [`RuntimeBuilder::batch_size`]
+//!   deliveries that have arrived run in one transaction and are acked together (one
+//!   `multiple` ack, only below the channel's watermark of unsettled deliveries); a
+//!   lone message is a batch of one, never waiting for a timer. No delivery is
+//!   charged for a neighbour: a failing handler is re-run alone and the others
+//!   without it, a batch failing as a whole (refused COMMIT, a lock wait over 200 ms)
+//!   in halves. Decisions are pure functions (`verdict.rs`), acks have their own
+//!   module (`acks.rs`). Per-message mode is `batch_size(1)`.
+//! - **Lanes:** `#[idempotent_handler(key = "...", lane = "account")]` sends one lane
+//!   value's deliveries to one pipeline, in arrival order: never applied concurrently
+//!   or out of order within a process, and batches stop colliding on its rows.
 //!
 //! ## Handlers
 //!

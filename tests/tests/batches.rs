@@ -1,0 +1,127 @@
+//! Group commit and lanes: a backlog runs in batches, a failing delivery never sinks
+//! its batch, and one lane's messages are applied one at a time, in arrival order.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+use idemq::{idempotent_handler, FailureKind, HandlerError, Outcome, Permanent};
+use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_tests::unique;
+
+/// The payments handler, except that an amount of 13 is refused (permanently).
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn refuses_thirteen(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    if msg.amount_cents == 13 {
+        return Err(Permanent("thirteen is refused").into());
+    }
+    apply_payment::call(conn, msg).await?;
+    Ok(())
+}
+
+/// A backlog published before the consumer starts is applied in batches of several
+/// deliveries per transaction; the one delivery whose handler fails is dead-lettered
+/// alone, its batch neighbours are applied, and none of them is charged an attempt.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backlog_runs_in_batches_and_a_failing_delivery_does_not_sink_its_neighbours() {
+    let bed = Bed::new().await;
+    let payments: Vec<_> = (1..=40).map(payment).collect();
+    for p in &payments {
+        bed.publish(p).await;
+    }
+    let running = Running::start(bed.runtime().concurrency(2).consume(&bed.queue, refuses_thirteen));
+    running.wait_settled(payments.len()).await;
+    let events = running.events();
+    let stats = running.stats.snapshot();
+    running.stop().await.expect("clean shutdown");
+
+    assert!(events.iter().any(|e| e.batch > 1), "some transaction held several deliveries: {events:?}");
+    let dead: Vec<_> = events.iter().filter(|e| matches!(e.outcome, Outcome::DeadLettered { .. })).collect();
+    assert_eq!(dead.len(), 1, "{events:?}");
+    assert!(matches!(dead[0].outcome, Outcome::DeadLettered { kind: FailureKind::Handler, .. }));
+    assert_eq!(dead[0].batch, 1, "the failing delivery was decided alone");
+    assert_eq!(events.iter().filter(|e| e.outcome == Outcome::Applied).count(), payments.len() - 1);
+    assert_eq!(stats.retried, 0, "no neighbour was charged an attempt");
+    assert!(stats.batch_splits >= 1, "the batch holding it was split: {stats:?}");
+    assert_eq!(bed.ledger_total().await, payments.len() as i64 - 1);
+    assert_eq!(bed.doubled().await, Vec::<String>::new());
+    assert_eq!(bed.broker.message_count(&bed.dlq).await, 1);
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
+/// What the laned handler saw: per account, the amounts in the order applied, and
+/// whether one account ever had two handlers running at once.
+#[derive(Default)]
+struct LaneLog {
+    running: HashMap<String, u32>,
+    applied: HashMap<String, Vec<i64>>,
+    overlapped: Vec<String>,
+}
+
+static LANES: Mutex<Option<LaneLog>> = Mutex::new(None);
+
+fn lane_log<T>(f: impl FnOnce(&mut LaneLog) -> T) -> T {
+    f(LANES.lock().expect("lane log").get_or_insert_with(LaneLog::default))
+}
+
+#[idempotent_handler(key = "payment_id", lane = "account")]
+async fn laned(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    lane_log(|log| {
+        let running = log.running.entry(msg.account.clone()).or_default();
+        *running += 1;
+        if *running > 1 {
+            log.overlapped.push(msg.account.clone());
+        }
+    });
+    // Long enough for a concurrent run of the same lane to be caught.
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let (account, amount) = (msg.account.clone(), msg.amount_cents);
+    let result = apply_payment::call(conn, msg).await;
+    lane_log(|log| {
+        *log.running.entry(account.clone()).or_default() -= 1;
+        if result.is_ok() {
+            log.applied.entry(account).or_default().push(amount);
+        }
+    });
+    result.map_err(Into::into)
+}
+
+/// With a lane, deliveries of one account go to one pipeline: never two at once, in
+/// the order published, while several accounts (pipelines) proceed side by side.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_lanes_messages_are_applied_one_at_a_time_in_arrival_order() {
+    let bed = Bed::new().await;
+    let accounts: Vec<String> = (0..4).map(|_| unique("lane")).collect();
+    let per_account = 30;
+    for amount in 1..=per_account {
+        for account in &accounts {
+            let p = PaymentRequested {
+                payment_id: unique("pay"),
+                account: account.clone(),
+                amount_cents: amount,
+            };
+            bed.publish(&p).await;
+        }
+    }
+    let total = accounts.len() * per_account as usize;
+    let running = Running::start(bed.runtime().consume(&bed.queue, laned));
+    running.wait_settled(total).await;
+    running.stop().await.expect("clean shutdown");
+
+    let (applied, overlapped) = lane_log(|log| {
+        let applied: HashMap<String, Vec<i64>> =
+            accounts.iter().map(|a| (a.clone(), log.applied.get(a).cloned().unwrap_or_default())).collect();
+        let overlapped: Vec<String> =
+            log.overlapped.iter().filter(|a| accounts.contains(a)).cloned().collect();
+        (applied, overlapped)
+    });
+    assert_eq!(overlapped, Vec::<String>::new(), "one lane ran two handlers at once");
+    let in_order: Vec<i64> = (1..=per_account).collect();
+    for (account, amounts) in &applied {
+        assert_eq!(amounts, &in_order, "account {account}: applied in arrival order, each once");
+    }
+    assert_eq!(bed.ledger_total().await, total as i64);
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
