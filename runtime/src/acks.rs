@@ -14,6 +14,8 @@
 //! registers each delivery as it takes it from the stream.
 
 use std::collections::BTreeSet;
+use std::future::Future;
+use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
@@ -29,6 +31,15 @@ pub(crate) struct Acks {
 
 /// Whether each frame was sent (`false`: the channel is gone, the broker redelivers).
 pub(crate) type Sent = lapin::Result<bool>;
+
+/// The longest one ack or nack frame may take to go out. A connection whose I/O
+/// died may never answer; the lock must not be held forever (the broker redelivers
+/// whatever was not settled).
+const FRAME_TIMEOUT: Duration = Duration::from_secs(5);
+
+async fn bounded(frame: impl Future<Output = Sent>) -> Sent {
+    tokio::time::timeout(FRAME_TIMEOUT, frame).await.unwrap_or(Ok(false))
+}
 
 impl Acks {
     /// Registers a delivery as taken from the channel's stream.
@@ -48,14 +59,16 @@ impl Acks {
             deliveries.iter().filter(|d| d.delivery_tag < watermark).max_by_key(|d| d.delivery_tag).copied();
         let below = deliveries.iter().filter(|d| d.delivery_tag < watermark).count();
         let multiple = match highest_below {
-            Some(highest) if below > 1 => Some(highest.acker.ack(BasicAckOptions { multiple: true }).await),
+            Some(highest) if below > 1 => {
+                Some(bounded(highest.acker.ack(BasicAckOptions { multiple: true })).await)
+            }
             _ => None,
         };
         let mut sent = Vec::with_capacity(deliveries.len());
         for delivery in deliveries {
             let result = match &multiple {
                 Some(result) if delivery.delivery_tag < watermark => clone_result(result),
-                _ => delivery.acker.ack(BasicAckOptions::default()).await,
+                _ => bounded(delivery.acker.ack(BasicAckOptions::default())).await,
             };
             sent.push(result);
         }
@@ -71,7 +84,7 @@ impl Acks {
     pub(crate) async fn requeue_tag(&self, tag: u64, acker: &Acker) -> Sent {
         let mut unsettled = self.unsettled.lock().await;
         unsettled.remove(&tag);
-        acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+        bounded(acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await
     }
 
     /// Acks one delivery.
