@@ -187,6 +187,14 @@ fn edit_distance(a: &str, b: &str) -> usize {
     d[a.len()][b.len()]
 }
 
+/// Example field paths for an option's messages.
+fn example(option: &str) -> &'static str {
+    match option {
+        "lane" => "\"account\" or \"order.customer_id\"",
+        _ => "\"payment_id\" or \"order.id\"",
+    }
+}
+
 impl KeyPath {
     /// Parses the value of option `option` (`key` or `lane`).
     fn parse(lit: LitStr, option: &str) -> syn::Result<Self> {
@@ -196,7 +204,8 @@ impl KeyPath {
                 lit.span(),
                 format!(
                     "`{value}` is not a field path: {why}; write the message field holding the {option}, \
-                     e.g. \"payment_id\" or \"order.id\""
+                     e.g. {}",
+                    example(option)
                 ),
             )
         };
@@ -204,7 +213,8 @@ impl KeyPath {
             return Err(syn::Error::new(
                 lit.span(),
                 format!(
-                    "`{option}` is empty; write the message field holding the {option}, e.g. \"payment_id\" or \"order.id\""
+                    "`{option}` is empty; write the message field holding the {option}, e.g. {}",
+                    example(option)
                 ),
             ));
         }

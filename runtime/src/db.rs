@@ -16,31 +16,7 @@ use diesel_async::{
 };
 use futures_util::FutureExt;
 
-diesel::table! {
-    /// One row per (handler scope, key) applied; exists if and only if the effect does.
-    idemq_dedup (handler, key) {
-        handler -> Text,
-        key -> Text,
-        fingerprint -> Nullable<Bytea>,
-    }
-}
-
-diesel::table! {
-    /// Handler starts of redelivered messages, committed before the handler runs.
-    idemq_started (handler, key) {
-        handler -> Text,
-        key -> Text,
-        starts -> Integer,
-        last_started_at -> Timestamptz,
-    }
-}
-
-diesel::table! {
-    /// Copies (retry copies, dead letters) the broker confirmed.
-    idemq_copies (copy_id) {
-        copy_id -> Text,
-    }
-}
+use crate::schema::{idemq_copies, idemq_dedup, idemq_started};
 
 /// The tables [`check_schema`] requires, with the privileges idemq uses on them.
 const TABLES: [&str; 3] = ["idemq_dedup", "idemq_started", "idemq_copies"];

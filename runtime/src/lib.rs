@@ -157,6 +157,7 @@ mod prepare;
 mod redact;
 mod retry;
 mod runtime;
+pub mod schema;
 mod session;
 mod topology;
 mod verdict;

@@ -17,15 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{amqp_url, unique, with_timeout, Broker, TestDb, TestVhost};
 
-diesel::table! {
-    /// idemq's dedup table, for assertions.
-    idemq_dedup (handler, key) {
-        /// Handler name.
-        handler -> Text,
-        /// Stored key.
-        key -> Text,
-    }
-}
+use idemq::schema::idemq_dedup;
 
 /// How a test's runtimes run their transactions. The correctness suites run each
 /// of their tests in both modes ([`in_both_modes!`](crate::in_both_modes)): the
