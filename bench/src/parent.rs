@@ -181,6 +181,7 @@ impl Bench<'_> {
                 Err(err) => result.issues.push(err),
             }
             if run.contender.uses_database() {
+                self.reconnect_if_lost().await?;
                 result.issues.extend(check::ledger(&mut self.db, &workload).await?);
             }
         }
@@ -254,14 +255,15 @@ impl Bench<'_> {
             }
             Err(err) => issues.push(format!("priming failed: {err}")),
         }
+        self.reconnect_if_lost().await?;
         issues.extend(check::ledger(&mut self.db, workload).await?);
         self.checkpoint().await?;
         Ok(issues.into_iter().map(|issue| format!("priming: {issue}")).collect())
     }
 
-    /// Connects again to a broker or database that went away since the last run
-    /// (someone restarted it): the next run starts clean, the last one has been
-    /// judged by its own checks.
+    /// Connects again to a broker or database that went away (someone restarted
+    /// it) since the last run, or during a run before its check: the contender has
+    /// been judged by its own counts, and the ledger check reads what committed.
     async fn reconnect_if_lost(&mut self) -> Result<(), BenchError> {
         if !self.admin.status().connected() {
             eprintln!("bench: the broker connection was lost; connecting again");
