@@ -45,6 +45,10 @@ fn light_runs(concurrency: usize, shape: Shape) -> Vec<Run> {
         .collect()
 }
 
+/// The advisory lock a bench holds on its database for the whole invocation: two
+/// benches on one database would truncate each other's tables mid-run.
+const BENCH_LOCK: i64 = 0x6964_656d_715f_6265; // "idemq_be"
+
 /// The whole program. `Ok(false)` when a check failed.
 pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError> {
     idemq_example_payments::migrate(&urls.database).await?;
@@ -54,6 +58,7 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
         db: AsyncPgConnection::establish(&urls.database).await?,
         results: Vec::new(),
     };
+    lock_database(&mut bench.db).await?;
     let busy_before = machine_busy(report::IDLE_SAMPLE).await;
     report::header(config, &bench.postgres_version().await?, busy_before);
     let concurrency = match config.baseline_concurrency {
@@ -82,6 +87,23 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
     }
     let _ = bench.admin.close(200, "bench done".into()).await;
     Ok(report::summary(config, concurrency, &bench.results))
+}
+
+/// Takes [`BENCH_LOCK`] on `db`'s session, waiting (and saying so) while another
+/// bench holds it.
+async fn lock_database(db: &mut AsyncPgConnection) -> Result<(), BenchError> {
+    #[derive(diesel::QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        locked: bool,
+    }
+    let query = format!("SELECT pg_try_advisory_lock({BENCH_LOCK}) AS locked");
+    let tried: Locked = diesel::sql_query(query).get_result(db).await?;
+    if !tried.locked {
+        eprintln!("bench: another bench is running on this database; waiting until it ends");
+        db.batch_execute(&format!("SELECT pg_advisory_lock({BENCH_LOCK})")).await?;
+    }
+    Ok(())
 }
 
 /// The share of all cores the machine is busy over `sample` (from `/proc/stat`).
@@ -159,6 +181,7 @@ impl Bench<'_> {
                 Err(err) => result.issues.push(err),
             }
             if run.contender.uses_database() {
+                self.reconnect_if_lost().await?;
                 result.issues.extend(check::ledger(&mut self.db, &workload).await?);
             }
         }
@@ -232,14 +255,15 @@ impl Bench<'_> {
             }
             Err(err) => issues.push(format!("priming failed: {err}")),
         }
+        self.reconnect_if_lost().await?;
         issues.extend(check::ledger(&mut self.db, workload).await?);
         self.checkpoint().await?;
         Ok(issues.into_iter().map(|issue| format!("priming: {issue}")).collect())
     }
 
-    /// Connects again to a broker or database that went away since the last run
-    /// (someone restarted it): the next run starts clean, the last one has been
-    /// judged by its own checks.
+    /// Connects again to a broker or database that went away (someone restarted
+    /// it) since the last run, or during a run before its check: the contender has
+    /// been judged by its own counts, and the ledger check reads what committed.
     async fn reconnect_if_lost(&mut self) -> Result<(), BenchError> {
         if !self.admin.status().connected() {
             eprintln!("bench: the broker connection was lost; connecting again");
@@ -248,6 +272,7 @@ impl Bench<'_> {
         if self.db.batch_execute("SELECT 1").await.is_err() {
             eprintln!("bench: the database connection was lost; connecting again");
             self.db = AsyncPgConnection::establish(&self.urls.database).await?;
+            lock_database(&mut self.db).await?;
         }
         Ok(())
     }
