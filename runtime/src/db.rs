@@ -99,15 +99,10 @@ pub(crate) async fn begin_and_claim(
         .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
     let mut sorted = rows.to_vec();
     sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    let begin = if sorted.len() > 1 {
-        format!("BEGIN; SET LOCAL lock_timeout = {}", BATCH_LOCK_TIMEOUT.as_millis())
-    } else {
-        "BEGIN".to_owned()
-    };
     // Both through shared references, polled together: tokio-postgres sends them
     // back to back in this order, and the server runs them in order.
     let (mut first, mut second) = (&*conn, &*conn);
-    let began = first.batch_execute(&begin);
+    let began = first.batch_execute("BEGIN");
     // `txid_current()` is evaluated per inserted row. (Function calls, not SQL
     // literals: a literal would make diesel prepare the statement anew every time.)
     let (began, inserted) = if let [(key, fingerprint)] = sorted.as_slice() {
@@ -160,6 +155,13 @@ pub(crate) async fn begin_and_claim(
         }
         (Err(err), _) => Err(err),
     }
+}
+
+/// Makes the open transaction wait at most [`BATCH_LOCK_TIMEOUT`] for a lock: for a
+/// transaction that runs several handlers (one running alone keeps the session's
+/// limit, and only its failures are charged as attempts).
+pub(crate) async fn limit_batch_lock_waits(conn: &mut AsyncPgConnection) -> QueryResult<()> {
+    conn.batch_execute(&format!("SET LOCAL lock_timeout = {}", BATCH_LOCK_TIMEOUT.as_millis())).await
 }
 
 /// The fingerprints stored with existing dedup rows, by key (a row stored without

@@ -71,6 +71,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -161,6 +162,11 @@ pub(crate) struct Consumer {
     pub(crate) frame_max: u32,
     /// Which connection session this consumer belongs to (1, 2, … after reconnects).
     pub(crate) session: u64,
+    /// The batch size the intake aims for now: halved when a batch had to be run
+    /// again smaller (its handlers collided on locks, or one failed), one more after
+    /// each batch that committed whole, up to [`BatchLimits::size`]. Batches that
+    /// lock the same hot rows thus shrink until they stop colliding.
+    pub(crate) batch_limit: AtomicUsize,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -400,10 +406,12 @@ impl Consumer {
         };
         let mut decisions: Vec<Option<Decision>> = items.iter().map(|_| None).collect();
         let mut parts: VecDeque<Vec<usize>> = VecDeque::from([(0..items.len()).collect()]);
+        let mut split = false;
         while let Some(part) = parts.pop_front() {
             let ran = self.run_part(items, &part, &mut prepared).await;
             if !ran.next.is_empty() {
                 self.shared.stats.batch_split();
+                split = true;
             }
             for (index, decision) in ran.decided {
                 decisions[index] = Some(decision);
@@ -412,6 +420,7 @@ impl Consumer {
                 parts.push_front(next);
             }
         }
+        self.adapt_batch_limit(split);
         decisions
             .into_iter()
             .map(|decision| {
@@ -422,6 +431,19 @@ impl Consumer {
                 })
             })
             .collect()
+    }
+
+    /// The batch size the intake should aim for now (see [`Consumer::batch_limit`]).
+    pub(crate) fn batch_limit(&self) -> usize {
+        self.batch_limit.load(Ordering::Relaxed).clamp(1, self.shared.batch.size)
+    }
+
+    fn adapt_batch_limit(&self, split: bool) {
+        let limit = self.batch_limit();
+        let next = if split { (limit / 2).max(1) } else { (limit + 1).min(self.shared.batch.size) };
+        if next != limit {
+            self.batch_limit.store(next, Ordering::Relaxed);
+        }
     }
 
     /// Runs `part` (indices into the batch) until it is decided or split, retrying
@@ -660,6 +682,11 @@ impl Consumer {
             return Ok(ran);
         }
 
+        if new.len() > 1 {
+            if let Err(err) = db::limit_batch_lock_waits(conn).await {
+                return Err(rollback(conn, infra(err)).await);
+            }
+        }
         let cancel = conn.cancel_token();
         let mut done = Vec::with_capacity(new.len());
         let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();

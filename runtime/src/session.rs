@@ -279,6 +279,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 tracker: ctx.tracker.clone(),
                 frame_max: publishing.configuration().frame_max(),
                 session,
+                batch_limit: std::sync::atomic::AtomicUsize::new(ctx.shared.batch.size),
                 shared: Arc::clone(&ctx.shared),
             });
             loops.spawn(consume(consumer, stream, tag, ctx.clone_intake(), session_stop.clone()));
@@ -411,7 +412,7 @@ async fn consume(
         // slots run side by side (slow handlers stay concurrent), a backlog fills
         // whole batches.
         let idle = intake.permits.available_permits() + 1;
-        let share = pending.len().div_ceil(idle).clamp(1, limits.size);
+        let share = pending.len().div_ceil(idle).clamp(1, consumer.batch_limit());
         let mut batch = Vec::with_capacity(share);
         while batch.len() < share {
             // A redelivered message runs in a batch of its own.
@@ -429,7 +430,7 @@ async fn consume(
         }
         if !limits.linger.is_zero() && ended.is_none() && pending.is_empty() && !batch[0].runs_alone() {
             let deadline = tokio::time::Instant::now() + limits.linger;
-            while batch.len() < limits.size {
+            while batch.len() < consumer.batch_limit() {
                 let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
                 match next_within(&consumer, &mut stream, wait).await {
                     None => break,
@@ -551,7 +552,8 @@ async fn pipeline(
         let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + limits.linger;
-        while batch.len() < limits.size && !batch[0].runs_alone() {
+        let size = consumer.batch_limit();
+        while batch.len() < size && !batch[0].runs_alone() {
             let next = match deliveries.try_recv() {
                 Ok(next) => next,
                 Err(_) if limits.linger.is_zero() => break,
