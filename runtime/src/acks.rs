@@ -4,10 +4,12 @@
 //! `basic.ack(multiple)` with tag `T` acks *every* unacked delivery of the channel up
 //! to `T`, including ones still in flight elsewhere, and a later ack of one of them
 //! is a 406 that closes the channel. So a multiple ack is sent only below the
-//! *watermark*: the lowest tag of this channel not yet settled. Every tag below it
-//! was settled, and its frame sent, under the same lock, so the only unacked tags a
-//! multiple ack covers are the ones it means to ack. Tags above the watermark are
-//! acked one by one, at once: nothing waits for a slow neighbour.
+//! *watermark*: the lowest tag of this channel whose frame has not gone out, other
+//! than the ones being acked. A tag is forgotten only once its frame was sent, so
+//! every tag below the watermark is settled and the only unacked tags a multiple ack
+//! covers are the ones it means to ack. Tags above the watermark are acked one by
+//! one, at once: nothing waits for a slow neighbour. No lock is held while a frame
+//! goes out.
 //!
 //! This relies on every delivery of the channel being [`Acks::received`] in delivery
 //! order before any later one is settled: one consumer per channel, whose intake
@@ -15,17 +17,18 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::Acker;
-use tokio::sync::Mutex;
 
 /// The settling state of one channel.
 #[derive(Debug, Default)]
 pub(crate) struct Acks {
-    /// Tags received and not yet settled. Locked while frames are sent.
+    /// Tags received whose ack or nack frame has not gone out yet. A tag leaves only
+    /// after its frame was sent, so the watermark never passes a frame in flight.
     unsettled: Mutex<BTreeSet<u64>>,
 }
 
@@ -43,23 +46,32 @@ async fn bounded(frame: impl Future<Output = Sent>) -> Sent {
 
 impl Acks {
     /// Registers a delivery as taken from the channel's stream.
-    pub(crate) async fn received(&self, delivery: &Delivery) {
-        self.unsettled.lock().await.insert(delivery.delivery_tag);
+    pub(crate) fn received(&self, delivery: &Delivery) {
+        self.lock().insert(delivery.delivery_tag);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<u64>> {
+        self.unsettled.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Forgets tags whose frames went out.
+    fn settled(&self, tags: impl IntoIterator<Item = u64>) {
+        let mut unsettled = self.lock();
+        for tag in tags {
+            unsettled.remove(&tag);
+        }
     }
 
     /// Acks `deliveries` (of this channel): one `multiple` ack for those below the
     /// watermark, single acks for the rest. Returns one result per delivery, in order.
     pub(crate) async fn ack(&self, deliveries: &[&Delivery]) -> Vec<Sent> {
-        let mut unsettled = self.unsettled.lock().await;
-        for delivery in deliveries {
-            unsettled.remove(&delivery.delivery_tag);
-        }
-        let watermark = unsettled.first().copied().unwrap_or(u64::MAX);
-        let highest_below =
-            deliveries.iter().filter(|d| d.delivery_tag < watermark).max_by_key(|d| d.delivery_tag).copied();
-        let below = deliveries.iter().filter(|d| d.delivery_tag < watermark).count();
-        let multiple = match highest_below {
-            Some(highest) if below > 1 => {
+        let ours: BTreeSet<u64> = deliveries.iter().map(|d| d.delivery_tag).collect();
+        // The lowest tag of anyone else's still unsettled. Ours stay registered until
+        // their frames are out, so no one else's multiple ack covers them meanwhile.
+        let watermark = self.lock().iter().find(|tag| !ours.contains(tag)).copied().unwrap_or(u64::MAX);
+        let below: Vec<&&Delivery> = deliveries.iter().filter(|d| d.delivery_tag < watermark).collect();
+        let multiple = match below.iter().max_by_key(|d| d.delivery_tag) {
+            Some(highest) if below.len() > 1 => {
                 Some(bounded(highest.acker.ack(BasicAckOptions { multiple: true })).await)
             }
             _ => None,
@@ -72,6 +84,7 @@ impl Acks {
             };
             sent.push(result);
         }
+        self.settled(ours);
         sent
     }
 
@@ -82,9 +95,9 @@ impl Acks {
 
     /// Like [`requeue`](Self::requeue), for a delivery known by its tag and acker.
     pub(crate) async fn requeue_tag(&self, tag: u64, acker: &Acker) -> Sent {
-        let mut unsettled = self.unsettled.lock().await;
-        unsettled.remove(&tag);
-        bounded(acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await
+        let sent = bounded(acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await;
+        self.settled([tag]);
+        sent
     }
 
     /// Acks one delivery.

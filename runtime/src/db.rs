@@ -302,6 +302,13 @@ pub(crate) fn is_connection_error(error: &DieselError) -> bool {
     )
 }
 
+/// Whether an error's text says the transaction collided with another: a lock wait
+/// over `lock_timeout`, a deadlock, a serialization failure. (diesel-async gives no
+/// SQLSTATE for most of these; PostgreSQL's English messages are matched.)
+pub(crate) fn is_contention_message(message: &str) -> bool {
+    ["lock timeout", "deadlock detected", "could not serialize access"].iter().any(|m| message.contains(m))
+}
+
 /// A serialization failure or a deadlock: running the transaction again may succeed.
 fn is_contention(error: &DieselError) -> bool {
     match error {

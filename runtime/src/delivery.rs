@@ -116,6 +116,10 @@ pub enum OnConflict {
 /// deadlock) is run again in-process before it counts as a failed attempt.
 const CONTENTION_RETRIES: u32 = 3;
 
+/// The most rounds of whole batches a consumer whose batches collided waits before
+/// it tries one more batch at once.
+const MAX_PROBE: usize = 256;
+
 /// How long a copy being published when the shutdown cut-off fires may still take to
 /// be confirmed: cutting it off would leave the copy and the original both alive.
 const COPY_GRACE: Duration = Duration::from_secs(5);
@@ -162,11 +166,22 @@ pub(crate) struct Consumer {
     pub(crate) frame_max: u32,
     /// Which connection session this consumer belongs to (1, 2, … after reconnects).
     pub(crate) session: u64,
-    /// The batch size the intake aims for now: halved when a batch had to be run
-    /// again smaller (its handlers collided on locks, or one failed), one more after
-    /// each batch that committed whole, up to [`BatchLimits::size`]. Batches that
-    /// lock the same hot rows thus shrink until they stop colliding.
-    pub(crate) batch_limit: AtomicUsize,
+    /// How many of this consumer's batches may run at once (a handler without a
+    /// lane): starting at one, grown slowly while batches commit whole and halved
+    /// when they collide (a lock wait, a deadlock; see [`Consumer::adapt_width`]), up
+    /// to the runtime's concurrency.
+    /// Batches that lock the same hot rows thus run fewer at a time, and stay whole,
+    /// until they stop colliding.
+    pub(crate) width: AtomicUsize,
+    /// This consumer's batches running now.
+    pub(crate) running: AtomicUsize,
+    /// Told when one of them ends.
+    pub(crate) finished: tokio::sync::Notify,
+    /// Whole batches since the width last changed.
+    pub(crate) clean_batches: AtomicUsize,
+    /// How many rounds of whole batches a wider try waits for (see
+    /// [`Consumer::adapt_width`]).
+    pub(crate) probe: AtomicUsize,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -286,6 +301,9 @@ impl Decision {
 struct Ran {
     decided: Vec<(usize, Decision)>,
     next: Vec<Vec<usize>>,
+    /// It was split because its transactions collided (a lock wait, a deadlock, a
+    /// serialization failure): the consumer's batches should shrink.
+    contended: bool,
 }
 
 /// Why a run of part of a batch decided nothing.
@@ -406,13 +424,14 @@ impl Consumer {
         };
         let mut decisions: Vec<Option<Decision>> = items.iter().map(|_| None).collect();
         let mut parts: VecDeque<Vec<usize>> = VecDeque::from([(0..items.len()).collect()]);
-        let mut split = false;
+        let (mut split, mut contended) = (false, false);
         while let Some(part) = parts.pop_front() {
             let ran = self.run_part(items, &part, &mut prepared).await;
             if !ran.next.is_empty() {
                 self.shared.stats.batch_split();
                 split = true;
             }
+            contended |= ran.contended;
             for (index, decision) in ran.decided {
                 decisions[index] = Some(decision);
             }
@@ -420,7 +439,7 @@ impl Consumer {
                 parts.push_front(next);
             }
         }
-        self.adapt_batch_limit(split);
+        self.adapt_width(split, contended);
         decisions
             .into_iter()
             .map(|decision| {
@@ -433,16 +452,61 @@ impl Consumer {
             .collect()
     }
 
-    /// The batch size the intake should aim for now (see [`Consumer::batch_limit`]).
-    pub(crate) fn batch_limit(&self) -> usize {
-        self.batch_limit.load(Ordering::Relaxed).clamp(1, self.shared.batch.size)
+    /// How many batches may run at once now (see [`Consumer::width`]).
+    pub(crate) fn width(&self) -> usize {
+        self.width.load(Ordering::Relaxed).clamp(1, self.shared.batch.pipelines.max(1))
     }
 
-    fn adapt_batch_limit(&self, split: bool) {
-        let limit = self.batch_limit();
-        let next = if split { (limit / 2).max(1) } else { (limit + 1).min(self.shared.batch.size) };
-        if next != limit {
-            self.batch_limit.store(next, Ordering::Relaxed);
+    /// Waits until fewer than [`Self::width`] batches of this consumer run, then
+    /// counts one more; [`Self::batch_ended`] counts it off.
+    pub(crate) async fn batch_slot(&self) {
+        loop {
+            let finished = self.finished.notified();
+            tokio::pin!(finished);
+            finished.as_mut().enable();
+            let running = self.running.load(Ordering::Acquire);
+            if running < self.width() {
+                if self
+                    .running
+                    .compare_exchange(running, running + 1, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return;
+                }
+                continue;
+            }
+            finished.await;
+        }
+    }
+
+    /// Slots free for more batches now.
+    pub(crate) fn free_slots(&self) -> usize {
+        self.width().saturating_sub(self.running.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn batch_ended(&self) {
+        self.running.fetch_sub(1, Ordering::AcqRel);
+        self.finished.notify_waiters();
+    }
+
+    /// Additive increase, multiplicative decrease: batches that collided halve the
+    /// width; it grows by one after `width × probe` whole batches, and every collision
+    /// doubles `probe` (up to [`MAX_PROBE`]): where batches keep colliding (hot rows,
+    /// no lane) a wider try comes ever more rarely, where they never do the width
+    /// soon reaches the runtime's concurrency.
+    fn adapt_width(&self, split: bool, contended: bool) {
+        let width = self.width();
+        if contended {
+            self.width.store((width / 2).max(1), Ordering::Relaxed);
+            self.clean_batches.store(0, Ordering::Relaxed);
+            let probe = self.probe.load(Ordering::Relaxed);
+            self.probe.store((probe * 2).clamp(1, MAX_PROBE), Ordering::Relaxed);
+        } else if !split && width < self.shared.batch.pipelines {
+            let clean = self.clean_batches.fetch_add(1, Ordering::Relaxed) + 1;
+            if clean >= width * self.probe.load(Ordering::Relaxed).max(1) {
+                self.clean_batches.store(0, Ordering::Relaxed);
+                self.width.store(width + 1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -461,7 +525,7 @@ impl Consumer {
         let first_try = Instant::now();
         let all = |outcome: Outcome| Ran {
             decided: part.iter().map(|&index| (index, Decision::new(outcome.clone()))).collect(),
-            next: Vec::new(),
+            ..Ran::default()
         };
         loop {
             let fault = match self.attempt(items, part, prepared, &mut marked).await {
@@ -488,7 +552,7 @@ impl Consumer {
                         marked: marked.is_some(),
                         batch: 1,
                     };
-                    return Ran { decided: vec![(part[0], decision)], next: Vec::new() };
+                    return Ran { decided: vec![(part[0], decision)], ..Ran::default() };
                 }
                 Fault::Fatal(error) => {
                     let outcome = Outcome::Requeued { error: error.to_string() };
@@ -577,7 +641,7 @@ impl Consumer {
         marked: &mut Option<i32>,
     ) -> Result<Ran, Fault> {
         let infra = |err| Fault::Infra(InfraFault::Database(err));
-        let decided = |decision: Decision| Ran { decided: vec![(index, decision)], next: Vec::new() };
+        let decided = |decision: Decision| Ran { decided: vec![(index, decision)], ..Ran::default() };
         let copy_id = self.copy_id(&item.delivery, item.counts.attempt);
         if db::copy_recorded(conn, &copy_id).await.map_err(infra)? {
             return Ok(decided(Decision::new(Outcome::AlreadyCopied { copy_id })));
@@ -642,6 +706,7 @@ impl Consumer {
                     tracing::debug!(queue = %self.queue, error = %err, batch, "the batch's dedup insert failed; running it in halves");
                     let indices: Vec<usize> = firsts.iter().map(|(index, _)| *index).collect();
                     ran.next = split(&indices, verdict::halves(indices.len()), &repeats);
+                    ran.contended = true;
                     return Ok(ran);
                 }
                 return Err(infra(err));
@@ -731,6 +796,7 @@ impl Consumer {
                 // others run without it (those after it never ran), and it runs alone.
                 tracing::debug!(queue = %self.queue, key = %key, error = %failure, batch, "a handler failed in a batch; running it alone");
                 ran.next = split(&new_indices, verdict::around(new_indices.len(), position), &repeats);
+                ran.contended = db::is_contention_message(&failure.to_string());
                 return Ok(ran);
             }
             let error = match failure {
@@ -761,6 +827,8 @@ impl Consumer {
             tracing::debug!(queue = %self.queue, ?failure, batch, "the batch's COMMIT failed; running it in halves");
             let indices: Vec<usize> = done.iter().map(|(index, _, _)| *index).collect();
             ran.next = split(&indices, verdict::halves(indices.len()), &repeats);
+            ran.contended = matches!(failure, CommitFailure::Refused { contention: true, .. })
+                || matches!(&failure, CommitFailure::Refused { error, .. } if db::is_contention_message(&error.to_string()));
             return Ok(ran);
         }
         let (index, key, _) = done.pop().expect("a transaction with an xid ran a handler");

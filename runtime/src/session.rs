@@ -279,7 +279,12 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 tracker: ctx.tracker.clone(),
                 frame_max: publishing.configuration().frame_max(),
                 session,
-                batch_limit: std::sync::atomic::AtomicUsize::new(ctx.shared.batch.size),
+                // Slow start: one batch at a time, wider while batches commit whole.
+                width: std::sync::atomic::AtomicUsize::new(1),
+                running: std::sync::atomic::AtomicUsize::new(0),
+                finished: tokio::sync::Notify::new(),
+                clean_batches: std::sync::atomic::AtomicUsize::new(0),
+                probe: std::sync::atomic::AtomicUsize::new(1),
                 shared: Arc::clone(&ctx.shared),
             });
             loops.spawn(consume(consumer, stream, tag, ctx.clone_intake(), session_stop.clone()));
@@ -343,7 +348,7 @@ async fn next_within(consumer: &Consumer, stream: &mut lapin::Consumer, wait: Du
 async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) -> Next {
     match next {
         Some(Ok(delivery)) => {
-            consumer.acks.received(&delivery).await;
+            consumer.acks.received(&delivery);
             Next::Delivery(delivery)
         }
         Some(Err(err)) => Next::Ended(format!("queue '{}': {err}", consumer.queue)),
@@ -391,8 +396,17 @@ async fn consume(
                 },
             }
         }
+        // A slot of this consumer's (its width shrinks while its batches collide),
+        // then one of the runtime's.
         let permit = tokio::select! {
-            permit = Arc::clone(&intake.permits).acquire_owned() => permit.expect("the semaphore is never closed"),
+            permit = async {
+                consumer.batch_slot().await;
+                // Counted off again on drop, even if this wait is given up.
+                let mut slot = BatchSlot { consumer: Arc::clone(&consumer), permit: None };
+                let permit = Arc::clone(&intake.permits).acquire_owned().await;
+                slot.permit = Some(permit.expect("the semaphore is never closed"));
+                slot
+            } => permit,
             () = stop.cancelled() => break None,
             // Waiting for a slot must not hide a dead channel: its deliveries can no
             // longer be settled (the broker requeues them), and the session must end.
@@ -411,8 +425,8 @@ async fn consume(
         // Share what waits with the idle transaction slots: a few deliveries and free
         // slots run side by side (slow handlers stay concurrent), a backlog fills
         // whole batches.
-        let idle = intake.permits.available_permits() + 1;
-        let share = pending.len().div_ceil(idle).clamp(1, consumer.batch_limit());
+        let idle = intake.permits.available_permits().min(consumer.free_slots()) + 1;
+        let share = pending.len().div_ceil(idle).clamp(1, limits.size);
         let mut batch = Vec::with_capacity(share);
         while batch.len() < share {
             // A redelivered message runs in a batch of its own.
@@ -430,7 +444,7 @@ async fn consume(
         }
         if !limits.linger.is_zero() && ended.is_none() && pending.is_empty() && !batch[0].runs_alone() {
             let deadline = tokio::time::Instant::now() + limits.linger;
-            while batch.len() < consumer.batch_limit() {
+            while batch.len() < limits.size {
                 let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
                 match next_within(&consumer, &mut stream, wait).await {
                     None => break,
@@ -522,6 +536,20 @@ async fn consume_in_lanes(
     }
 }
 
+/// A running batch's place: one of its consumer's slots and one of the runtime's
+/// permits, both given back when it is dropped.
+struct BatchSlot {
+    consumer: Arc<Consumer>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Drop for BatchSlot {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        self.consumer.batch_ended();
+    }
+}
+
 /// The pipeline a lane value belongs to: a stable hash, so one process always sends
 /// one lane to one pipeline.
 fn lane_slot(lane: &str, pipelines: usize) -> usize {
@@ -552,8 +580,7 @@ async fn pipeline(
         let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + limits.linger;
-        let size = consumer.batch_limit();
-        while batch.len() < size && !batch[0].runs_alone() {
+        while batch.len() < limits.size && !batch[0].runs_alone() {
             let next = match deliveries.try_recv() {
                 Ok(next) => next,
                 Err(_) if limits.linger.is_zero() => break,

@@ -35,17 +35,7 @@ use crate::config::Urls;
 use crate::metrics::{Recorder, Settle};
 use crate::BenchError;
 
-diesel::table! {
-    /// idemq's dedup table (created by `idemq::migrate`), written directly by the baseline.
-    idemq_dedup (handler, key) {
-        /// The handler name that scopes the key.
-        handler -> Text,
-        /// The dedup key.
-        key -> Text,
-        /// SHA-256 of the message body.
-        fingerprint -> Nullable<Binary>,
-    }
-}
+use idemq::schema::idemq_dedup;
 
 pub(super) async fn start(
     urls: &Urls,
