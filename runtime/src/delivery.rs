@@ -167,9 +167,9 @@ pub(crate) struct Consumer {
     /// Which connection session this consumer belongs to (1, 2, … after reconnects).
     pub(crate) session: u64,
     /// How many of this consumer's batches may run at once (a handler without a
-    /// lane): starting at one, grown slowly while batches commit whole and halved
-    /// when they collide (a lock wait, a deadlock; see [`Consumer::adapt_width`]), up
-    /// to the runtime's concurrency.
+    /// lane): starting at the runtime's concurrency, halved when batches collide (a
+    /// lock wait, a deadlock) and grown back ever more slowly (see
+    /// [`Consumer::adapt_width`]).
     /// Batches that lock the same hot rows thus run fewer at a time, and stay whole,
     /// until they stop colliding.
     pub(crate) width: AtomicUsize,

@@ -279,8 +279,9 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 tracker: ctx.tracker.clone(),
                 frame_max: publishing.configuration().frame_max(),
                 session,
-                // Slow start: one batch at a time, wider while batches commit whole.
-                width: std::sync::atomic::AtomicUsize::new(1),
+                // Full width: slow handlers run side by side from the start; batches
+                // that collide narrow it at once.
+                width: std::sync::atomic::AtomicUsize::new(ctx.shared.batch.pipelines),
                 running: std::sync::atomic::AtomicUsize::new(0),
                 finished: tokio::sync::Notify::new(),
                 clean_batches: std::sync::atomic::AtomicUsize::new(0),
