@@ -171,20 +171,13 @@ pub(crate) async fn stored_fingerprints(
     scope: &str,
     keys: &[&str],
 ) -> QueryResult<HashMap<String, Option<Vec<u8>>>> {
-    let rows: Vec<(String, Option<Vec<u8>>)> = if let [key] = keys {
-        idemq_dedup::table
-            .find((scope, *key))
-            .select((idemq_dedup::key, idemq_dedup::fingerprint))
-            .load(conn)
-            .await?
-    } else {
-        idemq_dedup::table
-            .filter(idemq_dedup::handler.eq(scope))
-            .filter(idemq_dedup::key.eq_any(keys))
-            .select((idemq_dedup::key, idemq_dedup::fingerprint))
-            .load(conn)
-            .await?
-    };
+    // `key = ANY($2)`: one cached statement for any number of keys, on the primary key.
+    let rows: Vec<(String, Option<Vec<u8>>)> = idemq_dedup::table
+        .filter(idemq_dedup::handler.eq(scope))
+        .filter(idemq_dedup::key.eq_any(keys))
+        .select((idemq_dedup::key, idemq_dedup::fingerprint))
+        .load(conn)
+        .await?;
     Ok(rows.into_iter().collect())
 }
 

@@ -71,7 +71,6 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -99,6 +98,7 @@ use crate::outcome::{FailureKind, Outcome, Settled, Stats};
 use crate::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
 use crate::retry::{wait_queue_name, RetryPolicy};
 use crate::verdict;
+use crate::width::Width;
 
 /// What to do with a known key that arrives with a different payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -115,10 +115,6 @@ pub enum OnConflict {
 /// How often a transaction refused for contention (serialization failure,
 /// deadlock) is run again in-process before it counts as a failed attempt.
 const CONTENTION_RETRIES: u32 = 3;
-
-/// The most rounds of whole batches a consumer whose batches collided waits before
-/// it tries one more batch at once.
-const MAX_PROBE: usize = 256;
 
 /// How long a copy being published when the shutdown cut-off fires may still take to
 /// be confirmed: cutting it off would leave the copy and the original both alive.
@@ -167,21 +163,8 @@ pub(crate) struct Consumer {
     /// Which connection session this consumer belongs to (1, 2, … after reconnects).
     pub(crate) session: u64,
     /// How many of this consumer's batches may run at once (a handler without a
-    /// lane): starting at the runtime's concurrency, halved when batches collide (a
-    /// lock wait, a deadlock) and grown back ever more slowly (see
-    /// [`Consumer::adapt_width`]).
-    /// Batches that lock the same hot rows thus run fewer at a time, and stay whole,
-    /// until they stop colliding.
-    pub(crate) width: AtomicUsize,
-    /// This consumer's batches running now.
-    pub(crate) running: AtomicUsize,
-    /// Told when one of them ends.
-    pub(crate) finished: tokio::sync::Notify,
-    /// Whole batches since the width last changed.
-    pub(crate) clean_batches: AtomicUsize,
-    /// How many rounds of whole batches a wider try waits for (see
-    /// [`Consumer::adapt_width`]).
-    pub(crate) probe: AtomicUsize,
+    /// lane); narrows while its batches collide (see [`Width`]).
+    pub(crate) width: Width,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -439,7 +422,7 @@ impl Consumer {
                 parts.push_front(next);
             }
         }
-        self.adapt_width(split, contended);
+        self.width.adapt(split, contended);
         decisions
             .into_iter()
             .map(|decision| {
@@ -450,64 +433,6 @@ impl Consumer {
                 })
             })
             .collect()
-    }
-
-    /// How many batches may run at once now (see [`Consumer::width`]).
-    pub(crate) fn width(&self) -> usize {
-        self.width.load(Ordering::Relaxed).clamp(1, self.shared.batch.pipelines.max(1))
-    }
-
-    /// Waits until fewer than [`Self::width`] batches of this consumer run, then
-    /// counts one more; [`Self::batch_ended`] counts it off.
-    pub(crate) async fn batch_slot(&self) {
-        loop {
-            let finished = self.finished.notified();
-            tokio::pin!(finished);
-            finished.as_mut().enable();
-            let running = self.running.load(Ordering::Acquire);
-            if running < self.width() {
-                if self
-                    .running
-                    .compare_exchange(running, running + 1, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    return;
-                }
-                continue;
-            }
-            finished.await;
-        }
-    }
-
-    /// Slots free for more batches now.
-    pub(crate) fn free_slots(&self) -> usize {
-        self.width().saturating_sub(self.running.load(Ordering::Acquire))
-    }
-
-    pub(crate) fn batch_ended(&self) {
-        self.running.fetch_sub(1, Ordering::AcqRel);
-        self.finished.notify_waiters();
-    }
-
-    /// Additive increase, multiplicative decrease: batches that collided halve the
-    /// width; it grows by one after `width × probe` whole batches, and every collision
-    /// doubles `probe` (up to [`MAX_PROBE`]): where batches keep colliding (hot rows,
-    /// no lane) a wider try comes ever more rarely, where they never do the width
-    /// soon reaches the runtime's concurrency.
-    fn adapt_width(&self, split: bool, contended: bool) {
-        let width = self.width();
-        if contended {
-            self.width.store((width / 2).max(1), Ordering::Relaxed);
-            self.clean_batches.store(0, Ordering::Relaxed);
-            let probe = self.probe.load(Ordering::Relaxed);
-            self.probe.store((probe * 2).clamp(1, MAX_PROBE), Ordering::Relaxed);
-        } else if !split && width < self.shared.batch.pipelines {
-            let clean = self.clean_batches.fetch_add(1, Ordering::Relaxed) + 1;
-            if clean >= width * self.probe.load(Ordering::Relaxed).max(1) {
-                self.clean_batches.store(0, Ordering::Relaxed);
-                self.width.store(width + 1, Ordering::Relaxed);
-            }
-        }
     }
 
     /// Runs `part` (indices into the batch) until it is decided or split, retrying
@@ -613,7 +538,8 @@ impl Consumer {
         let mut conn =
             self.shared.pool.get().await.map_err(|err| Fault::Infra(InfraFault::Pool(err.to_string())))?;
         let result = if alone {
-            self.attempt_alone(&mut conn, &items[part[0]], part[0], runnable.pop(), rejected, marked).await
+            let prepared = runnable.pop().map(|(_, prepared)| prepared);
+            self.attempt_alone(&mut conn, items, part[0], prepared, rejected, marked).await
         } else {
             self.transact(&mut conn, items, runnable, None, ran).await
         };
@@ -634,19 +560,20 @@ impl Consumer {
     async fn attempt_alone(
         &self,
         conn: &mut AsyncPgConnection,
-        item: &Delivered,
+        items: &[Delivered],
         index: usize,
-        prepared: Option<(usize, Prepared)>,
+        prepared: Option<Prepared>,
         rejected: Option<Rejection>,
         marked: &mut Option<i32>,
     ) -> Result<Ran, Fault> {
+        let item = &items[index];
         let infra = |err| Fault::Infra(InfraFault::Database(err));
         let decided = |decision: Decision| Ran { decided: vec![(index, decision)], ..Ran::default() };
         let copy_id = self.copy_id(&item.delivery, item.counts.attempt);
         if db::copy_recorded(conn, &copy_id).await.map_err(infra)? {
             return Ok(decided(Decision::new(Outcome::AlreadyCopied { copy_id })));
         }
-        let Some((_, prepared)) = prepared else {
+        let Some(prepared) = prepared else {
             let rejection = rejected.expect("a message run alone is either decoded or rejected");
             let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message };
             return Ok(decided(Decision::new(outcome)));
@@ -659,11 +586,9 @@ impl Consumer {
                 starts
             }
         };
-        let mut ran = self
-            .transact(conn, std::slice::from_ref(item), vec![(0, prepared)], Some(starts), Ran::default())
-            .await?;
-        for (decided_index, decision) in &mut ran.decided {
-            *decided_index = index;
+        let mut ran =
+            self.transact(conn, items, vec![(index, prepared)], Some(starts), Ran::default()).await?;
+        for (_, decision) in &mut ran.decided {
             decision.marked = true;
         }
         Ok(ran)

@@ -161,6 +161,7 @@ pub mod schema;
 mod session;
 mod topology;
 mod verdict;
+mod width;
 
 pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
 pub use delivery::OnConflict;

@@ -27,6 +27,7 @@ use crate::error::{redact, Error};
 use crate::prepare::ErasedHandler;
 use crate::retry::RetryPolicy;
 use crate::topology::{Queue, Topology};
+use crate::width::Width;
 
 /// The longest a session may take to connect, declare and start consuming.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -279,13 +280,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 tracker: ctx.tracker.clone(),
                 frame_max: publishing.configuration().frame_max(),
                 session,
-                // Full width: slow handlers run side by side from the start; batches
-                // that collide narrow it at once.
-                width: std::sync::atomic::AtomicUsize::new(ctx.shared.batch.pipelines),
-                running: std::sync::atomic::AtomicUsize::new(0),
-                finished: tokio::sync::Notify::new(),
-                clean_batches: std::sync::atomic::AtomicUsize::new(0),
-                probe: std::sync::atomic::AtomicUsize::new(1),
+                width: Width::new(ctx.shared.batch.pipelines),
                 shared: Arc::clone(&ctx.shared),
             });
             loops.spawn(consume(consumer, stream, tag, ctx.clone_intake(), session_stop.clone()));
@@ -401,7 +396,7 @@ async fn consume(
         // then one of the runtime's.
         let permit = tokio::select! {
             permit = async {
-                consumer.batch_slot().await;
+                consumer.width.acquire().await;
                 // Counted off again on drop, even if this wait is given up.
                 let mut slot = BatchSlot { consumer: Arc::clone(&consumer), permit: None };
                 let permit = Arc::clone(&intake.permits).acquire_owned().await;
@@ -426,7 +421,7 @@ async fn consume(
         // Share what waits with the idle transaction slots: a few deliveries and free
         // slots run side by side (slow handlers stay concurrent), a backlog fills
         // whole batches.
-        let idle = intake.permits.available_permits().min(consumer.free_slots()) + 1;
+        let idle = intake.permits.available_permits().min(consumer.width.free()) + 1;
         let share = pending.len().div_ceil(idle).clamp(1, limits.size);
         let mut batch = Vec::with_capacity(share);
         while batch.len() < share {
@@ -471,14 +466,7 @@ async fn consume(
     for delivery in pending {
         let _ = consumer.acks.requeue(&delivery).await;
     }
-    match reason {
-        Some(reason) => reason,
-        None => {
-            // Stop intake; prefetched deliveries not yet taken return when the channel closes.
-            bounded(consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
-            String::from("stopped")
-        }
-    }
+    intake_ended(&consumer, &tag, reason).await
 }
 
 /// The intake of a handler with a lane: each delivery is decoded as it arrives and
@@ -528,10 +516,17 @@ async fn consume_in_lanes(
     };
     // The pipelines finish what they hold (in flight, within the shutdown deadline).
     drop(pipelines);
+    intake_ended(&consumer, &tag, reason).await
+}
+
+/// Why an intake loop ended: `reason` if the stream did; after `stop` (`None`) it
+/// cancels the consumer — prefetched deliveries not yet taken return when the channel
+/// closes — and says "stopped".
+async fn intake_ended(consumer: &Consumer, tag: &str, reason: Option<String>) -> String {
     match reason {
         Some(reason) => reason,
         None => {
-            bounded(consumer.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
+            bounded(consumer.channel.basic_cancel(tag.into(), BasicCancelOptions::default())).await;
             String::from("stopped")
         }
     }
@@ -547,7 +542,7 @@ struct BatchSlot {
 impl Drop for BatchSlot {
     fn drop(&mut self) {
         drop(self.permit.take());
-        self.consumer.batch_ended();
+        self.consumer.width.release();
     }
 }
 

@@ -22,8 +22,7 @@ use futures_util::StreamExt;
 use idemq::Handler;
 use idemq_example_payments::{apply_payment, PaymentRequested};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
-use lapin::types::FieldTable;
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicQosOptions};
 use lapin::{Connection, ConnectionProperties};
 use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
@@ -52,14 +51,7 @@ pub(super) async fn start(
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(&urls.database, config);
     let pool = Pool::builder(manager).max_size(concurrency).runtime(deadpool::Runtime::Tokio1).build()?;
     drop(pool.get().await?);
-    let deliveries = channel
-        .basic_consume(
-            queue.into(),
-            "idemq-bench-baseline".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let deliveries = super::subscribe(&channel, queue, "idemq-bench-baseline").await?;
 
     let stop = CancellationToken::new();
     let task = tokio::spawn({

@@ -15,6 +15,12 @@ use crate::config::Urls;
 use crate::metrics::Recorder;
 use crate::BenchError;
 
+/// Subscribes to `queue` with manual acks (the default `no_ack: false`).
+async fn subscribe(channel: &lapin::Channel, queue: &str, tag: &str) -> lapin::Result<lapin::Consumer> {
+    let options = lapin::options::BasicConsumeOptions::default();
+    channel.basic_consume(queue.into(), tag.into(), options, lapin::types::FieldTable::default()).await
+}
+
 /// A consumer the bench measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Contender {

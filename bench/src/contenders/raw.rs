@@ -7,8 +7,7 @@ use std::time::Instant;
 
 use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
+use lapin::options::{BasicAckOptions, BasicQosOptions};
 use lapin::{Connection, ConnectionProperties, Consumer as Deliveries};
 use tokio_util::sync::CancellationToken;
 
@@ -26,14 +25,7 @@ pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> 
     let connection = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
     channel.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
-    let deliveries = channel
-        .basic_consume(
-            queue.into(),
-            "idemq-bench-raw".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let deliveries = super::subscribe(&channel, queue, "idemq-bench-raw").await?;
     let stop = CancellationToken::new();
     let task = tokio::spawn({
         let stop = stop.clone();
