@@ -12,7 +12,7 @@ use std::time::Duration;
 use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, Outcome, StatsSnapshot};
 use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{publish_stream, slow_payment, stream_deliveries, Bed, Running};
+use idemq_tests::fixture::{publish_stream, stream_deliveries, Bed, Running};
 use idemq_tests::in_both_modes;
 use tokio::process::Command;
 use tokio::sync::Mutex;
@@ -20,11 +20,13 @@ use tokio::sync::Mutex;
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
 /// Streams 400 payments (+20% duplicates) and runs `fault` once 60 have settled;
-/// returns the runtime's counters after everything settled.
+/// returns the runtime's counters after everything settled. The handler takes 25 ms a
+/// payment, so the stream is still flowing when the fault lands (group commit
+/// applied the whole stream of a 3 ms handler before a restart began).
 async fn stream_through<F: std::future::Future<Output = ()>>(bed: &Bed, fault: F) -> StatsSnapshot {
     let payments = publish_stream(bed, 400).await;
     let total = stream_deliveries(payments.len());
-    let running = Running::start(bed.runtime().consume(&bed.queue, slow_payment));
+    let running = Running::start(bed.runtime().consume(&bed.queue, slower_payment));
     running.wait_settled(60).await;
     fault.await;
     idemq_tests::with_timeout("every delivery settled after the fault", Duration::from_secs(120), async {
@@ -158,8 +160,8 @@ async fn a_postgres_restart_mid_stream_loses_nothing_and_doubles_nothing() {
 }
 }
 
-/// The payments handler at 25 ms a payment, so that a stream of 240 is still
-/// flowing when PostgreSQL stops. Same name as `apply_payment`: same dedup rows.
+/// The payments handler at 25 ms a payment, so that a stream is still flowing when
+/// PostgreSQL stops or restarts. Same name as `apply_payment`: same dedup rows.
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
 async fn slower_payment(
     conn: &mut AsyncPgConnection,
