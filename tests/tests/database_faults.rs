@@ -14,6 +14,7 @@ use idemq::{idempotent_handler, Outcome, StatsSnapshot};
 use idemq_example_payments::{apply_payment, PaymentRequested};
 use idemq_tests::fixture::{publish_stream, stream_deliveries, Bed, Running};
 use idemq_tests::in_both_modes;
+use idemq_tests::Mode;
 use tokio::process::Command;
 use tokio::sync::Mutex;
 
@@ -21,12 +22,19 @@ static SERIAL: Mutex<()> = Mutex::const_new(());
 
 /// Streams 400 payments (+20% duplicates) and runs `fault` once 60 have settled;
 /// returns the runtime's counters after everything settled. The handler takes 25 ms a
-/// payment, so the stream is still flowing when the fault lands (group commit
-/// applied the whole stream of a 3 ms handler before a restart began).
+/// payment and group commit runs batches of 8, so the stream is still flowing when
+/// the fault lands (with a 3 ms handler and batches of 64 the whole stream had been
+/// applied before a restart began).
 async fn stream_through<F: std::future::Future<Output = ()>>(bed: &Bed, fault: F) -> StatsSnapshot {
     let payments = publish_stream(bed, 400).await;
     let total = stream_deliveries(payments.len());
-    let running = Running::start(bed.runtime().consume(&bed.queue, slower_payment));
+    // Batches of 8, not 64: with 64, the 480 deliveries settle in one wave (8 slots ×
+    // 64), and a fault after the first 60 lands on an idle stream.
+    let builder = match Mode::current() {
+        Mode::GroupCommit => bed.runtime().batch_size(8),
+        Mode::PerMessage => bed.runtime(),
+    };
+    let running = Running::start(builder.consume(&bed.queue, slower_payment));
     running.wait_settled(60).await;
     fault.await;
     idemq_tests::with_timeout("every delivery settled after the fault", Duration::from_secs(120), async {
