@@ -12,9 +12,9 @@
 //!    sweep unless `--baseline-concurrency` is given.
 //! 3. *idemq-per-message*: idemq with `.batch_size(1)`, at the baseline's concurrency.
 //! 4. *idemq-group*: idemq with the builder's defaults (group commit), a handler
-//!    without a lane (same dedup name and effect as `apply_payment`).
-//! 5. *idemq-lanes*: idemq with the defaults and the demo's `apply_payment`, whose
-//!    lane is the account.
+//!    without a lane (the demo's dedup name and effect, `record_payment`; the demo's
+//!    outbox event is left out, as the baseline has none).
+//! 5. *idemq-lanes*: the same with the demo's lane, the account.
 //! 6. *dups-only*: idemq-lanes (and the baseline) on the same backlog with every
 //!    payment already applied before the run.
 //!

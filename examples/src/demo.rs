@@ -11,7 +11,9 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
-use crate::{accounts, apply_payment, ledger, topology, PaymentRequested, QUEUE};
+use crate::{
+    accounts, apply_payment, ledger, topology, PaymentApplied, PaymentRequested, EVENTS_QUEUE, QUEUE,
+};
 
 /// How big a burst to send.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +45,20 @@ pub struct DemoReport {
     pub consume_time: Duration,
     /// Whether the ledger and balances equal the expected sums.
     pub ledger_ok: bool,
+    /// Lines explaining any mismatch.
+    pub mismatches: Vec<String>,
+    /// What this run's events in `payments.applied` looked like.
+    pub events: EventsReport,
+}
+
+/// This run's `PaymentApplied` events, as found in `payments.applied` (browsed, left
+/// there).
+#[derive(Debug, Default)]
+pub struct EventsReport {
+    /// Copies seen (a relay re-send after a crash would be a second copy).
+    pub copies: usize,
+    /// Payments with at least one event.
+    pub payments: usize,
     /// Lines explaining any mismatch.
     pub mismatches: Vec<String>,
 }
@@ -140,8 +156,59 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
         .into());
     }
 
-    let mismatches = check_ledger(database_url, &run_id, &expected, config.payments).await?;
-    Ok(DemoReport { published, stats, consume_time, ledger_ok: mismatches.is_empty(), mismatches })
+    let mut mismatches = check_ledger(database_url, &run_id, &expected, config.payments).await?;
+    let events = check_events(amqp_url, &run_id, config.payments).await?;
+    mismatches.extend(events.mismatches.iter().cloned());
+    Ok(DemoReport { published, stats, consume_time, ledger_ok: mismatches.is_empty(), mismatches, events })
+}
+
+/// Browses `payments.applied` (every message is returned to the queue when the
+/// channel closes) until it has seen an event for each of this run's payments:
+/// each must have one, and every copy of one payment's event the same message id.
+async fn check_events(amqp_url: &str, run_id: &str, payments: usize) -> Result<EventsReport, DemoError> {
+    use futures_util::StreamExt;
+    let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel.basic_qos(2_000, lapin::options::BasicQosOptions::default()).await?;
+    let mut consumer = channel
+        .basic_consume(
+            EVENTS_QUEUE.into(),
+            "idemq-demo-browse".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
+    let prefix = format!("demo-{run_id}-pay-");
+    let mut ids: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+    let mut copies = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ids.len() < payments && Instant::now() < deadline {
+        let Ok(Some(delivery)) = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await else {
+            break;
+        };
+        let delivery = delivery?;
+        let Ok(event) = serde_json::from_slice::<PaymentApplied>(&delivery.data) else { continue };
+        if !event.payment_id.starts_with(&prefix) {
+            continue;
+        }
+        copies += 1;
+        let message_id =
+            delivery.properties.message_id().as_ref().map(|id| id.to_string()).unwrap_or_default();
+        ids.entry(event.payment_id).or_default().insert(message_id);
+    }
+    // Unacked: closing the channel puts every browsed event back.
+    let _ = channel.close(200, "browsed".into()).await;
+    let _ = connection.close(200, "browsed".into()).await;
+    let mut mismatches = Vec::new();
+    if ids.len() != payments {
+        mismatches
+            .push(format!("{EVENTS_QUEUE} holds events for {} of this run's {payments} payments", ids.len()));
+    }
+    let split = ids.values().filter(|ids| ids.len() != 1 || ids.iter().any(String::is_empty)).count();
+    if split > 0 {
+        mismatches.push(format!("{split} payments' events do not share one message id"));
+    }
+    Ok(EventsReport { copies, payments: ids.len(), mismatches })
 }
 
 /// Compares this run's ledger rows and balances with the expected sums.
@@ -215,6 +282,11 @@ impl std::fmt::Display for DemoReport {
         writeln!(f, "dead-lettered:       {}  (see queue payments.dlq)", s.dead_lettered)?;
         writeln!(f, "handler retries:     {}", s.retried)?;
         writeln!(f, "consumed in:         {secs:.2} s ({:.0} msg/s)", total as f64 / secs.max(1e-9))?;
+        writeln!(
+            f,
+            "events (outbox):     {} payments, {} copies in {EVENTS_QUEUE}, one message_id each",
+            self.events.payments, self.events.copies
+        )?;
         if self.ledger_ok {
             write!(f, "ledger check:        OK (every payment applied exactly once; balances equal the sums)")
         } else {

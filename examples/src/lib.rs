@@ -12,13 +12,15 @@
 use diesel::prelude::*;
 use diesel::upsert::excluded;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use idemq::{idempotent_handler, Queue, Topology};
+use idemq::{idempotent_handler, Context, HandlerError, Queue, Topology};
 use serde::{Deserialize, Serialize};
 
 pub mod demo;
 
 /// The queue the demo consumes.
 pub const QUEUE: &str = "payments";
+/// The queue every applied payment's [`PaymentApplied`] event lands in.
+pub const EVENTS_QUEUE: &str = "payments.applied";
 /// The demo's default database (created if missing).
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/idemq_demo";
 
@@ -57,12 +59,44 @@ pub struct PaymentRequested {
     pub amount_cents: i64,
 }
 
-/// Applies a payment: one ledger row, one balance update. Runs inside idemq's
-/// dedup transaction, so a redelivered payment is never applied twice.
+/// The event published (through idemq's outbox) for every applied payment, to the
+/// queue [`EVENTS_QUEUE`]. Every copy of one payment's event carries the same AMQP
+/// `message_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PaymentApplied {
+    /// The payment's idempotency key.
+    pub payment_id: String,
+    /// The account credited.
+    pub account: String,
+    /// The amount, in cents.
+    pub amount_cents: i64,
+}
+
+/// Applies a payment — one ledger row, one balance update — and publishes a
+/// [`PaymentApplied`] event. Runs inside idemq's dedup transaction, so a redelivered
+/// payment is never applied twice, and its event goes out once the transaction
+/// commits (never if it rolls back).
 #[idempotent_handler(key = "payment_id", lane = "account")]
 pub async fn apply_payment(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
+    ctx: &mut Context,
+) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    let event =
+        PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
+    ctx.publish("", EVENTS_QUEUE, &event)?;
+    Ok(())
+}
+
+/// The payment's effect on the demo's tables (without the event): for callers with
+/// a transaction of their own, like the benchmark's hand-written baseline.
+///
+/// # Errors
+/// The database's.
+pub async fn record_payment(
+    conn: &mut AsyncPgConnection,
+    msg: &PaymentRequested,
 ) -> Result<(), diesel::result::Error> {
     diesel::insert_into(ledger::table)
         .values((
@@ -82,9 +116,11 @@ pub async fn apply_payment(
     Ok(())
 }
 
-/// The demo's topology: the `payments` quorum queue and its `payments.dlq`.
+/// The demo's topology: the `payments` quorum queue and its `payments.dlq`, and the
+/// durable `payments.applied` queue the events go to (classic: browsing it, as the
+/// demo does, does not count deliveries against a delivery limit).
 pub fn topology() -> Topology {
-    Topology::new().queue(Queue::new(QUEUE))
+    Topology::new().queue(Queue::new(QUEUE)).queue(Queue::new(EVENTS_QUEUE).classic())
 }
 
 /// The demo's own tables.

@@ -12,7 +12,7 @@ use syn::spanned::Spanned;
 use syn::ItemFn;
 
 use crate::attr::Options;
-use crate::handler::HandlerFn;
+use crate::handler::{HandlerFn, Role};
 
 pub(crate) fn idempotent_handler(attr: TokenStream, item: TokenStream) -> TokenStream {
     let item: ItemFn = match syn::parse2(item.clone()) {
@@ -45,7 +45,7 @@ fn fallback(item: &ItemFn, err: &syn::Error) -> TokenStream {
 }
 
 fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
-    let HandlerFn { item, conn_ty, message_ty, output, error_ty } = handler;
+    let HandlerFn { item, conn_ty, message_ty, ctx_ty, roles, output, error_ty } = handler;
     let ItemFn { attrs, vis, sig, block } = item;
     let ident = &sig.ident;
     let inputs = &sig.inputs;
@@ -88,13 +88,26 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     let conn_expr = quote_spanned! {conn_ty.span()=>
         <#conn_ty as __IdemqConnection<'_>>::__idemq_connection(__idemq_conn)
     };
+    let ctx_expr = ctx_ty.as_ref().map(|ctx_ty| {
+        quote_spanned! {ctx_ty.span()=>
+            let __idemq_ctx = <#ctx_ty as __IdemqContext<'_>>::__idemq_context(__idemq_ctx);
+        }
+    });
+    // The arguments in the fn's own order.
+    let call_args = roles.iter().map(|role| match role {
+        Role::Connection => quote! { __idemq_conn },
+        Role::Message => quote! { __idemq_message },
+        Role::Context => quote! { __idemq_ctx },
+    });
+    let unused_ctx = ctx_ty.is_none().then(|| quote! { let _ = __idemq_ctx; });
     // Naming the return type underlines all of it; `impl Trait` (legal in an async
     // fn's return type) cannot be named in an expression, so it is inferred instead.
     let result_expr = if mentions_impl_trait(output.to_token_stream()) {
         quote_spanned! {output.span()=> __IdemqResult::__idemq_result(result) }
     } else {
-        quote_spanned! {output.span()=> <#output as __IdemqResult<_>>::__idemq_result(result) }
+        quote_spanned! {output.span()=> <#output as __IdemqResult<_, _>>::__idemq_result(result) }
     };
+    let output_expr = quote_spanned! {output.span()=> __IdemqOutput::__idemq_output(&value) };
     let error_span = error_ty.as_ref().map_or_else(|| output.span(), Spanned::span);
     let error_expr = quote_spanned! {error_span=>
         __IdemqError::__idemq_error(error)
@@ -103,9 +116,9 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     // rustc's note on the value held across an `.await`), not on the attribute.
     let boxed = quote_spanned! {ident.span()=>
         ::std::boxed::Box::pin(async move {
-            let result = #ident::call(__idemq_conn, __idemq_message).await;
+            let result = #ident::call(#(#call_args),*).await;
             match #result_expr {
-                ::core::result::Result::Ok(()) => ::core::result::Result::Ok(()),
+                ::core::result::Result::Ok(value) => #output_expr,
                 ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
             }
         })
@@ -149,8 +162,9 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             fn handle<'__idemq_a>(
                 &'__idemq_a self,
                 __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+                __idemq_ctx: &'__idemq_a mut ::idemq::Context,
                 __idemq_message: <Self as ::idemq::Handler>::Message,
-            ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<(), ::idemq::HandlerError>> {
+            ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
                 #[diagnostic::on_unimplemented(
                     message = "a handler's first argument is the transaction's connection, not `{Self}`",
                     label = "write `&mut AsyncPgConnection` here",
@@ -168,18 +182,56 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 }
 
                 #[diagnostic::on_unimplemented(
-                    message = "a handler returns `Result<(), E>`, not `{Self}`",
-                    label = "write `Result<(), E>` here",
-                    note = "`E` is your error type (any `std::error::Error + Send + Sync + 'static`, \
-                            retried) or `idemq::HandlerError`"
+                    message = "a handler's context argument is `&mut idemq::Context` (or `&idemq::Context`), not `{Self}`",
+                    label = "write `&mut idemq::Context` here",
+                    note = "after the connection, the argument taken by value is the message and the one \
+                            taken by reference the context"
                 )]
-                trait __IdemqResult<E> {
-                    fn __idemq_result(self) -> ::core::result::Result<(), E>;
+                trait __IdemqContext<'c> {
+                    fn __idemq_context(ctx: &'c mut ::idemq::Context) -> Self;
                 }
                 #[diagnostic::do_not_recommend]
-                impl<E> __IdemqResult<E> for ::core::result::Result<(), E> {
-                    fn __idemq_result(self) -> ::core::result::Result<(), E> {
+                impl<'c> __IdemqContext<'c> for &'c mut ::idemq::Context {
+                    fn __idemq_context(ctx: &'c mut ::idemq::Context) -> Self {
+                        ctx
+                    }
+                }
+                #[diagnostic::do_not_recommend]
+                impl<'c> __IdemqContext<'c> for &'c ::idemq::Context {
+                    fn __idemq_context(ctx: &'c mut ::idemq::Context) -> Self {
+                        ctx
+                    }
+                }
+
+                #[diagnostic::on_unimplemented(
+                    message = "a handler returns `Result<R, E>`, not `{Self}`",
+                    label = "write `Result<(), E>` here",
+                    note = "`E` is your error type (any `std::error::Error + Send + Sync + 'static`, \
+                            retried) or `idemq::HandlerError`; `R` is `()` or a result to store and reply with"
+                )]
+                trait __IdemqResult<R, E> {
+                    fn __idemq_result(self) -> ::core::result::Result<R, E>;
+                }
+                #[diagnostic::do_not_recommend]
+                impl<R, E> __IdemqResult<R, E> for ::core::result::Result<R, E> {
+                    fn __idemq_result(self) -> ::core::result::Result<R, E> {
                         self
+                    }
+                }
+
+                #[diagnostic::on_unimplemented(
+                    message = "a handler's result `{Self}` must implement `serde::Serialize`",
+                    label = "`{Self}` is not `Serialize`",
+                    note = "idemq stores what a handler returns with its dedup row and sends it again as the \
+                            reply to a duplicated request: derive `serde::Serialize` on it, or return `()`"
+                )]
+                trait __IdemqOutput {
+                    fn __idemq_output(&self) -> ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>;
+                }
+                #[diagnostic::do_not_recommend]
+                impl<T: ::idemq::__private::Serialize> __IdemqOutput for T {
+                    fn __idemq_output(&self) -> ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError> {
+                        ::idemq::HandlerOutput::json(self)
                     }
                 }
 
@@ -202,6 +254,8 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 }
 
                 let __idemq_conn = #conn_expr;
+                #ctx_expr
+                #unused_ctx
                 #boxed
             }
         }

@@ -7,13 +7,25 @@
 use syn::spanned::Spanned;
 use syn::{FnArg, GenericArgument, ItemFn, PatType, PathArguments, ReturnType, Type};
 
+/// What an argument of the handler fn is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Connection,
+    Message,
+    Context,
+}
+
 /// A handler fn that has the right shape.
 pub(crate) struct HandlerFn {
     pub(crate) item: ItemFn,
     /// The first argument's type, as written (`&mut AsyncPgConnection`).
     pub(crate) conn_ty: Type,
-    /// The second argument's type: the message.
+    /// The message argument's type (the argument taken by value).
     pub(crate) message_ty: Type,
+    /// The context argument's type (`&mut Context` or `&Context`), if taken.
+    pub(crate) ctx_ty: Option<Type>,
+    /// What each argument is, in the fn's order.
+    pub(crate) roles: Vec<Role>,
     /// The declared return type.
     pub(crate) output: Type,
     /// The `E` of a written-out `Result<(), E>`, to underline error-type errors on it.
@@ -41,7 +53,8 @@ impl HandlerFn {
         if let Some(variadic) = &sig.variadic {
             errors.push(syn::Error::new(variadic.span(), "a handler cannot be variadic"));
         }
-        let expected = "a handler takes `(conn: &mut AsyncPgConnection, message: YourMessage)`";
+        let expected = "a handler takes `(conn: &mut AsyncPgConnection, message: YourMessage)`, \
+                        and optionally `ctx: &mut idemq::Context`";
         let mut typed = Vec::new();
         for arg in &sig.inputs {
             match arg {
@@ -52,14 +65,39 @@ impl HandlerFn {
                 FnArg::Typed(pat) => typed.push(pat),
             }
         }
-        let (conn_ty, message_ty) = match typed.as_slice() {
-            [conn, message] => (check_conn(conn, &mut errors), check_message(message, &mut errors)),
+        // After the connection, the argument taken by reference is the context, the
+        // one taken by value the message: the compiler can tell them apart, so any
+        // order is accepted.
+        let (conn_ty, message_ty, ctx_ty, roles) = match typed.as_slice() {
+            [conn, message] => (
+                check_conn(conn, &mut errors),
+                check_message(message, &mut errors),
+                None,
+                vec![Role::Connection, Role::Message],
+            ),
+            [conn, a, b] => {
+                let conn_ty = check_conn(conn, &mut errors);
+                let (message, ctx, roles) = match (is_reference(&a.ty), is_reference(&b.ty)) {
+                    (false, true) => (a, b, vec![Role::Connection, Role::Message, Role::Context]),
+                    (true, false) => (b, a, vec![Role::Connection, Role::Context, Role::Message]),
+                    _ => {
+                        errors.push(syn::Error::new(
+                            sig.paren_token.span.join(),
+                            "of the two arguments after the connection, one is the message, taken by \
+                             value (`message: YourMessage`), and one the context, taken by reference \
+                             (`ctx: &mut idemq::Context`)",
+                        ));
+                        (a, b, Vec::new())
+                    }
+                };
+                (conn_ty, check_message(message, &mut errors), Some((*ctx.ty).clone()), roles)
+            }
             _ => {
                 errors.push(syn::Error::new(
                     sig.paren_token.span.join(),
-                    format!("expected 2 arguments, found {}; {expected}", sig.inputs.len()),
+                    format!("expected 2 or 3 arguments, found {}; {expected}", sig.inputs.len()),
                 ));
-                (None, None)
+                (None, None, None, Vec::new())
             }
         };
         let output = match &sig.output {
@@ -67,8 +105,8 @@ impl HandlerFn {
             ReturnType::Default => {
                 errors.push(syn::Error::new(
                     sig.paren_token.span.close(),
-                    "a handler returns `Result<(), E>` (E: any error, or idemq::HandlerError): \
-                     add `-> Result<(), YourError>`",
+                    "a handler returns `Result<R, E>` (R: `()` or a result to store and reply with; \
+                     E: any error, or idemq::HandlerError): add `-> Result<(), YourError>`",
                 ));
                 None
             }
@@ -81,11 +119,15 @@ impl HandlerFn {
         match (conn_ty, message_ty, output) {
             (Some(conn_ty), Some(message_ty), Some(output)) => {
                 let error_ty = error_type(&output);
-                Ok(Self { item, conn_ty, message_ty, output, error_ty })
+                Ok(Self { item, conn_ty, message_ty, ctx_ty, roles, output, error_ty })
             }
             _ => unreachable!("every missing part records an error"),
         }
     }
+}
+
+fn is_reference(ty: &Type) -> bool {
+    matches!(peel(ty), Type::Reference(_))
 }
 
 /// The type inside any invisible groups (from `macro_rules!` fragments) or parentheses.
@@ -142,7 +184,7 @@ fn check_message(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
     }
 }
 
-/// `E` in `Result<(), E>` (any path ending in `Result` with two type arguments).
+/// `E` in `Result<R, E>` (any path ending in `Result` with two type arguments).
 fn error_type(output: &Type) -> Option<Type> {
     let Type::Path(path) = peel(output) else { return None };
     let last = path.path.segments.last()?;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{Array, Bool, Bytea, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Bytea, Nullable, Text};
 use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
 use diesel_async::{
@@ -16,10 +16,11 @@ use diesel_async::{
 };
 use futures_util::FutureExt;
 
-use crate::schema::{idemq_copies, idemq_dedup, idemq_started};
+use crate::outbox::Outgoing;
+use crate::schema::{idemq_copies, idemq_dedup, idemq_outbox, idemq_started};
 
 /// The tables [`check_schema`] requires, with the privileges idemq uses on them.
-const TABLES: [&str; 3] = ["idemq_dedup", "idemq_started", "idemq_copies"];
+const TABLES: [&str; 4] = ["idemq_dedup", "idemq_started", "idemq_copies", "idemq_outbox"];
 
 diesel::define_sql_function! {
     /// The current top-level transaction's id (assigning one if it has none yet).
@@ -164,21 +165,201 @@ pub(crate) async fn limit_batch_lock_waits(conn: &mut AsyncPgConnection) -> Quer
     conn.batch_execute(&format!("SET LOCAL lock_timeout = {}", BATCH_LOCK_TIMEOUT.as_millis())).await
 }
 
-/// The fingerprints stored with existing dedup rows, by key (a row stored without
-/// one maps to `None`; a key without a row is absent).
-pub(crate) async fn stored_fingerprints(
+/// What an existing dedup row holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stored {
+    /// The applied payload's fingerprint (`None`: stored without one).
+    pub(crate) fingerprint: Option<Vec<u8>>,
+    /// What the handler returned, or a failed request's error reply.
+    pub(crate) result: Option<Vec<u8>>,
+    /// The row records a request's permanent failure.
+    pub(crate) failed: bool,
+}
+
+/// The existing dedup rows of `keys`, by key (a key without a row is absent).
+pub(crate) async fn stored_rows(
     conn: &mut AsyncPgConnection,
     scope: &str,
     keys: &[&str],
-) -> QueryResult<HashMap<String, Option<Vec<u8>>>> {
+) -> QueryResult<HashMap<String, Stored>> {
     // `key = ANY($2)`: one cached statement for any number of keys, on the primary key.
-    let rows: Vec<(String, Option<Vec<u8>>)> = idemq_dedup::table
+    let rows: Vec<(String, Option<Vec<u8>>, Option<Vec<u8>>, bool)> = idemq_dedup::table
         .filter(idemq_dedup::handler.eq(scope))
         .filter(idemq_dedup::key.eq_any(keys))
-        .select((idemq_dedup::key, idemq_dedup::fingerprint))
+        .select((idemq_dedup::key, idemq_dedup::fingerprint, idemq_dedup::result, idemq_dedup::failed))
         .load(conn)
         .await?;
-    Ok(rows.into_iter().collect())
+    Ok(rows
+        .into_iter()
+        .map(|(key, fingerprint, result, failed)| (key, Stored { fingerprint, result, failed }))
+        .collect())
+}
+
+/// Stores what the handlers of a batch returned with their (just inserted) dedup
+/// rows: one statement for the batch.
+pub(crate) async fn store_results(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    results: &[(&str, &[u8])],
+) -> QueryResult<()> {
+    if results.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<&str> = results.iter().map(|(key, _)| *key).collect();
+    let values: Vec<&[u8]> = results.iter().map(|(_, value)| *value).collect();
+    diesel::sql_query(
+        "UPDATE idemq_dedup AS d SET result = u.result \
+         FROM unnest($2::text[], $3::bytea[]) AS u(key, result) \
+         WHERE d.handler = $1 AND d.key = u.key",
+    )
+    .bind::<Text, _>(scope)
+    .bind::<Array<Text>, _>(keys)
+    .bind::<Array<Bytea>, _>(values)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Records a request's permanent failure as its dedup row (holding the error
+/// reply), in the caller's transaction. Returns whether the row was new.
+pub(crate) async fn store_failure(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    reply: &[u8],
+) -> QueryResult<bool> {
+    let inserted = diesel::insert_into(idemq_dedup::table)
+        .values((
+            idemq_dedup::handler.eq(scope),
+            idemq_dedup::key.eq(key),
+            idemq_dedup::fingerprint.eq(fingerprint),
+            idemq_dedup::result.eq(reply),
+            idemq_dedup::failed.eq(true),
+        ))
+        .on_conflict_do_nothing()
+        .execute(conn)
+        .await?;
+    Ok(inserted == 1)
+}
+
+/// Deletes one dedup row.
+pub(crate) async fn forget(conn: &mut AsyncPgConnection, scope: &str, key: &str) -> QueryResult<bool> {
+    let deleted = diesel::delete(idemq_dedup::table.find((scope, key))).execute(conn).await?;
+    Ok(deleted == 1)
+}
+
+/// Writes outbox rows (each with its message id set) in the caller's transaction:
+/// one statement for any number (every column an array parameter).
+pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing]) -> QueryResult<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = rows.iter().map(|row| row.message_id.as_deref().unwrap_or_default()).collect();
+    let exchanges: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).collect();
+    let routing_keys: Vec<&str> = rows.iter().map(|row| row.routing_key.as_str()).collect();
+    let bodies: Vec<&[u8]> = rows.iter().map(|row| row.body.as_slice()).collect();
+    let content_types: Vec<Option<&str>> = rows.iter().map(|row| row.content_type.as_deref()).collect();
+    let correlation_ids: Vec<Option<&str>> = rows.iter().map(|row| row.correlation_id.as_deref()).collect();
+    let headers: Vec<Option<String>> = rows
+        .iter()
+        .map(|row| (!row.headers.is_empty()).then(|| serde_json::to_string(&row.headers).unwrap_or_default()))
+        .collect();
+    let mandatory: Vec<bool> = rows.iter().map(|row| row.mandatory).collect();
+    diesel::sql_query(
+        "INSERT INTO idemq_outbox \
+         (message_id, exchange, routing_key, body, content_type, correlation_id, headers, mandatory) \
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], \
+         $7::text[], $8::bool[])",
+    )
+    .bind::<Array<Text>, _>(ids)
+    .bind::<Array<Text>, _>(exchanges)
+    .bind::<Array<Text>, _>(routing_keys)
+    .bind::<Array<Bytea>, _>(bodies)
+    .bind::<Array<Nullable<Text>>, _>(content_types)
+    .bind::<Array<Nullable<Text>>, _>(correlation_ids)
+    .bind::<Array<Nullable<Text>>, _>(headers)
+    .bind::<Array<Bool>, _>(mandatory)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// An outbox row as the relay publishes it.
+#[derive(Debug, Queryable)]
+pub(crate) struct OutboxRow {
+    pub(crate) id: i64,
+    pub(crate) message_id: String,
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) content_type: Option<String>,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) headers: Option<String>,
+    pub(crate) mandatory: bool,
+    pub(crate) attempts: i32,
+}
+
+/// Locks up to `limit` rows that are due, oldest first, skipping rows another
+/// relay holds (in the caller's transaction: held until it ends).
+pub(crate) async fn claim_outbox(conn: &mut AsyncPgConnection, limit: i64) -> QueryResult<Vec<OutboxRow>> {
+    idemq_outbox::table
+        .filter(idemq_outbox::available_at.le(diesel::dsl::now))
+        .order(idemq_outbox::id)
+        .limit(limit)
+        .select((
+            idemq_outbox::id,
+            idemq_outbox::message_id,
+            idemq_outbox::exchange,
+            idemq_outbox::routing_key,
+            idemq_outbox::body,
+            idemq_outbox::content_type,
+            idemq_outbox::correlation_id,
+            idemq_outbox::headers,
+            idemq_outbox::mandatory,
+            idemq_outbox::attempts,
+        ))
+        .for_update()
+        .skip_locked()
+        .load(conn)
+        .await
+}
+
+/// Deletes rows whose messages were published.
+pub(crate) async fn delete_outbox(conn: &mut AsyncPgConnection, ids: &[i64]) -> QueryResult<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    diesel::delete(idemq_outbox::table.filter(idemq_outbox::id.eq_any(ids))).execute(conn).await.map(drop)
+}
+
+/// Puts a row whose publish failed back for later, after `delay`.
+pub(crate) async fn postpone_outbox(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    delay: Duration,
+    error: &str,
+) -> QueryResult<()> {
+    diesel::sql_query(
+        "UPDATE idemq_outbox SET attempts = attempts + 1, \
+         available_at = now() + $2 * interval '1 millisecond', last_error = $3 WHERE id = $1",
+    )
+    .bind::<BigInt, _>(id)
+    .bind::<BigInt, _>(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
+    .bind::<Text, _>(error)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Rows waiting in the outbox (due or not).
+pub(crate) async fn outbox_backlog(conn: &mut AsyncPgConnection) -> QueryResult<i64> {
+    idemq_outbox::table.count().get_result(conn).await
+}
+
+/// Wakes the relays listening on [`crate::relay::CHANNEL`] (outside any transaction).
+pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
+    conn.batch_execute(&format!("NOTIFY {}", crate::relay::CHANNEL)).await
 }
 
 /// Why the checked COMMIT did not commit.

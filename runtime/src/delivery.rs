@@ -76,7 +76,7 @@ use std::time::{Duration, Instant};
 
 use diesel_async::pooled_connection::deadpool::{Object, Pool};
 use diesel_async::pooled_connection::PoolableConnection;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use diesel_async::{AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager};
 use futures_util::FutureExt;
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
@@ -89,11 +89,13 @@ use tokio_util::task::TaskTracker;
 
 use crate::acks::Acks;
 use crate::backoff::Backoff;
+use crate::db::Stored;
 use crate::db::{self, CommitFailure};
 use crate::dead_letter::{self, headers, Letter};
 use crate::error::Error;
 use crate::handler::{ErrorClass, HandlerError};
 use crate::key::hex;
+use crate::outbox::{self, Context, HandlerOutput, Outgoing, Request};
 use crate::outcome::{FailureKind, Outcome, Settled, Stats};
 use crate::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
 use crate::retry::{wait_queue_name, RetryPolicy};
@@ -178,6 +180,8 @@ pub(crate) struct Shared {
     pub(crate) batch: BatchLimits,
     pub(crate) stats: Arc<Stats>,
     pub(crate) observer: Option<crate::runtime::Observer>,
+    /// Wakes the outbox relay(s) after a COMMIT that wrote outbox rows.
+    pub(crate) outbox: crate::relay::OutboxSignal,
     /// Taken for writing by a redelivered message (it runs alone), for reading by
     /// every batch: a crash while a redelivered message runs is its own.
     pub(crate) turns: RwLock<()>,
@@ -270,11 +274,19 @@ struct Decision {
     marked: bool,
     /// Deliveries in the transaction that decided it (0: decided without one).
     batch: usize,
+    /// The stored reply a duplicated request is answered with, published (and
+    /// confirmed) before its ack.
+    reply: Option<Outgoing>,
 }
 
 impl Decision {
     fn new(outcome: Outcome) -> Self {
-        Self { outcome, key: None, began_at: None, marked: false, batch: 0 }
+        Self { outcome, key: None, began_at: None, marked: false, batch: 0, reply: None }
+    }
+
+    /// Whether settling it waits for a publish (a copy, or a reply).
+    fn publishes(&self) -> bool {
+        self.reply.is_some() || matches!(self.outcome, Outcome::Retry { .. } | Outcome::DeadLettered { .. })
     }
 }
 
@@ -332,9 +344,7 @@ impl Consumer {
         let decisions = decided
             .unwrap_or_else(|| items.iter().map(|_| Decision::new(Outcome::Abandoned)).collect::<Vec<_>>());
         let (copies, settled): (Vec<_>, Vec<_>) =
-            items.into_iter().zip(decisions).partition(|(_, decision)| {
-                matches!(decision.outcome, Outcome::Retry { .. } | Outcome::DeadLettered { .. })
-            });
+            items.into_iter().zip(decisions).partition(|(_, decision)| decision.publishes());
         // Copies wait for the broker's confirm (and, under a resource alarm, for the
         // alarm to end): they settle in a task of their own, so the next batch (of
         // this lane) does not wait for them.
@@ -476,6 +486,7 @@ impl Consumer {
                         began_at: None,
                         marked: marked.is_some(),
                         batch: 1,
+                        reply: None,
                     };
                     return Ran { decided: vec![(part[0], decision)], ..Ran::default() };
                 }
@@ -643,11 +654,11 @@ impl Consumer {
         // Applied before: only their keys and fingerprints matter now.
         let applied_before: Vec<Repeat> = applied_before.into_iter().map(Repeat::from).collect();
 
-        // The payloads applied under each key, for the repeats.
-        let mut payloads: HashMap<String, Option<Vec<u8>>> = HashMap::new();
+        // The rows applied under each key (payload, result), for the repeats.
+        let mut payloads: HashMap<String, Stored> = HashMap::new();
         if !applied_before.is_empty() {
             let keys: Vec<&str> = applied_before.iter().map(|known| known.key.as_str()).collect();
-            let stored = match db::stored_fingerprints(conn, &self.scope, &keys).await {
+            let stored = match db::stored_rows(conn, &self.scope, &keys).await {
                 Ok(stored) => stored,
                 Err(err) => return Err(rollback(conn, infra(err)).await),
             };
@@ -657,12 +668,12 @@ impl Consumer {
                 return Err(rollback(conn, infra(diesel::result::Error::NotFound)).await);
             }
             payloads = stored;
-            self.resolve_repeats(&mut ran, applied_before, &payloads, began_at, batch);
+            self.resolve_repeats(&mut ran, items, applied_before, &payloads, began_at, batch);
         }
         let Some(xid) = claim.xid.filter(|_| !new.is_empty()) else {
             // Nothing new: nothing to keep.
             AnsiTransactionManager::rollback_transaction(conn).await.map_err(infra)?;
-            self.resolve_repeats(&mut ran, repeats, &payloads, began_at, batch);
+            self.resolve_repeats(&mut ran, items, repeats, &payloads, began_at, batch);
             return Ok(ran);
         };
         if let Some(outcome) = starts.and_then(|starts| verdict::poison(starts, self.delivery_limit)) {
@@ -682,10 +693,18 @@ impl Consumer {
         let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();
         for (position, (index, prepared)) in new.into_iter().enumerate() {
             let Prepared { key, fingerprint, effect, .. } = prepared;
-            let run = AssertUnwindSafe(effect(conn)).catch_unwind();
+            let delivered = &items[index];
+            let mut ctx = Context::new(
+                &self.scope,
+                key.as_str(),
+                delivered.counts.attempt,
+                delivered.counts.redelivered,
+                &delivered.delivery.properties,
+            );
+            let run = AssertUnwindSafe(effect(conn, &mut ctx)).catch_unwind();
             let failure = match tokio::time::timeout(self.shared.handler_timeout, run).await {
-                Ok(Ok(Ok(()))) => {
-                    done.push((index, key, fingerprint));
+                Ok(Ok(Ok(output))) => {
+                    done.push(Done { index, key, fingerprint, output, published: ctx.take_published() });
                     continue;
                 }
                 Ok(Ok(Err(error))) => Failure::Returned(error),
@@ -728,20 +747,51 @@ impl Consumer {
                 Failure::Returned(error) => error,
                 Failure::Cut(message) => HandlerError::transient(message),
             };
+            let class = error.class();
             let outcome = self.handler_failed(error, items[index].counts.attempt);
+            if class == ErrorClass::Permanent {
+                self.store_failure(conn, &items[index], &key, &fingerprint, &outcome).await?;
+            }
             ran.decided.push((index, self.decision(outcome, key.as_str(), Some(began_at), batch)));
             ran.next = rerun_repeats(repeats);
             return Ok(ran);
         }
 
+        // The outbox rows and stored results of the whole batch: one statement each.
+        let mut rows: Vec<Outgoing> = Vec::new();
+        let mut results: Vec<(&str, &[u8])> = Vec::new();
+        for done in &done {
+            rows.extend(done.published.iter().cloned());
+            if let Some(request) = Request::of(&items[done.index].delivery.properties) {
+                let body = HandlerOutput::reply_body(done.output.0.as_deref());
+                rows.push(Outgoing::reply(&request, self.reply_id(done.key.as_str()), body, true));
+            }
+            if let Some(result) = &done.output.0 {
+                results.push((done.key.as_str(), result));
+            }
+        }
+        let written = async {
+            db::insert_outbox(conn, &rows).await?;
+            db::store_results(conn, &self.scope, &results).await
+        };
+        if let Err(err) = written.await {
+            return Err(rollback(conn, infra(err)).await);
+        }
+        drop(results);
+
         let failure = match db::commit_checked(conn, xid).await {
             Ok(()) => {
-                for (index, key, fingerprint) in done {
-                    payloads.insert(key.as_str().to_owned(), Some(fingerprint.to_vec()));
+                if !rows.is_empty() {
+                    self.shared.outbox.committed();
+                }
+                for Done { index, key, fingerprint, output, .. } in done {
+                    let stored =
+                        Stored { fingerprint: Some(fingerprint.to_vec()), result: output.0, failed: false };
+                    payloads.insert(key.as_str().to_owned(), stored);
                     ran.decided
                         .push((index, self.decision(Outcome::Applied, key.as_str(), Some(began_at), batch)));
                 }
-                self.resolve_repeats(&mut ran, repeats, &payloads, began_at, batch);
+                self.resolve_repeats(&mut ran, items, repeats, &payloads, began_at, batch);
                 return Ok(ran);
             }
             // COMMIT's fate is unknown: retry; the dedup rows decide.
@@ -750,13 +800,13 @@ impl Consumer {
         };
         if done.len() > 1 {
             tracing::debug!(queue = %self.queue, ?failure, batch, "the batch's COMMIT failed; running it in halves");
-            let indices: Vec<usize> = done.iter().map(|(index, _, _)| *index).collect();
+            let indices: Vec<usize> = done.iter().map(|done| done.index).collect();
             ran.next = split(&indices, verdict::halves(indices.len()), &repeats);
             ran.contended = matches!(failure, CommitFailure::Refused { contention: true, .. })
                 || matches!(&failure, CommitFailure::Refused { error, .. } if db::is_contention_message(&error.to_string()));
             return Ok(ran);
         }
-        let (index, key, _) = done.pop().expect("a transaction with an xid ran a handler");
+        let Done { index, key, .. } = done.pop().expect("a transaction with an xid ran a handler");
         let attempt = items[index].counts.attempt;
         let error = match failure {
             CommitFailure::Aborted => HandlerError::transient(ABORTED),
@@ -781,11 +831,13 @@ impl Consumer {
 
     /// Decides the repeats of keys whose payload is known (applied by this
     /// transaction or before it); any other runs next.
+    /// A duplicated request is answered with the stored result (or stored error).
     fn resolve_repeats(
         &self,
         ran: &mut Ran,
+        items: &[Delivered],
         repeats: Vec<Repeat>,
-        payloads: &HashMap<String, Option<Vec<u8>>>,
+        payloads: &HashMap<String, Stored>,
         began_at: Instant,
         batch: usize,
     ) {
@@ -795,12 +847,19 @@ impl Consumer {
                 Some(stored) => {
                     let outcome = verdict::already_applied(
                         &repeat.key,
-                        stored.as_deref(),
+                        stored.fingerprint.as_deref(),
                         &repeat.fingerprint,
                         self.shared.on_conflict,
                     );
-                    ran.decided
-                        .push((repeat.index, self.decision(outcome, &repeat.key, Some(began_at), batch)));
+                    let mut decision = self.decision(outcome, &repeat.key, Some(began_at), batch);
+                    if decision.outcome == Outcome::Duplicate {
+                        if let Some(request) = Request::of(&items[repeat.index].delivery.properties) {
+                            let body = HandlerOutput::reply_body(stored.result.as_deref());
+                            let id = self.reply_id(&repeat.key);
+                            decision.reply = Some(Outgoing::reply(&request, id, body, !stored.failed));
+                        }
+                    }
+                    ran.decided.push((repeat.index, decision));
                 }
                 None => unresolved.push(repeat.index),
             }
@@ -811,7 +870,49 @@ impl Consumer {
     }
 
     fn decision(&self, outcome: Outcome, key: &str, began_at: Option<Instant>, batch: usize) -> Decision {
-        Decision { outcome, key: Some(key.to_owned()), began_at, marked: false, batch }
+        Decision { outcome, key: Some(key.to_owned()), began_at, marked: false, batch, reply: None }
+    }
+
+    /// The message id of the reply to the request with `key` (every copy of it).
+    fn reply_id(&self, key: &str) -> String {
+        outbox::message_id(&self.scope, key, "reply")
+    }
+
+    /// A request that failed permanently (its transaction rolled back): its failure
+    /// is committed as its dedup row, holding the error reply, with that reply in the
+    /// outbox — so a duplicate of it gets the same error, without running the handler
+    /// (see [`outbox::forget`] to apply it after a fix). Other failures store nothing.
+    async fn store_failure(
+        &self,
+        conn: &mut AsyncPgConnection,
+        item: &Delivered,
+        key: &crate::Key,
+        fingerprint: &Fingerprint,
+        outcome: &Outcome,
+    ) -> Result<(), Fault> {
+        let (Some(request), Outcome::DeadLettered { kind, error }) =
+            (Request::of(&item.delivery.properties), outcome)
+        else {
+            return Ok(());
+        };
+        let body = outbox::error_reply(kind.as_str(), error);
+        let reply = Outgoing::reply(&request, self.reply_id(key.as_str()), body, false);
+        let scope = &self.scope;
+        let stored = conn
+            .transaction::<bool, diesel::result::Error, _>(async |conn| {
+                let new =
+                    db::store_failure(conn, scope, key.as_str(), fingerprint.as_slice(), &reply.body).await?;
+                if new {
+                    db::insert_outbox(conn, std::slice::from_ref(&reply)).await?;
+                }
+                Ok(new)
+            })
+            .await
+            .map_err(|err| Fault::Infra(InfraFault::Database(err)))?;
+        if stored {
+            self.shared.outbox.committed();
+        }
+        Ok(())
     }
 
     fn handler_failed(&self, error: HandlerError, attempt: u32) -> Outcome {
@@ -882,6 +983,9 @@ impl Consumer {
         cut_off: &CancellationToken,
     ) -> bool {
         let (delivery, counts) = (&item.delivery, &item.counts);
+        if let Some(reply) = decision.reply.take() {
+            return self.settle_reply(delivery, decision, reply, cut_off).await;
+        }
         // (target queue, kind, error, retry_of) of the copy.
         let (target, kind, error, retry_of) = match &decision.outcome {
             Outcome::Retry { error, delay } => {
@@ -935,6 +1039,38 @@ impl Consumer {
         report(self.acks.ack_one(delivery).await, self, decision)
     }
 
+    /// A duplicated request: its stored reply goes into the outbox (committed on its
+    /// own, before the ack: a crash between them only sends the reply once more,
+    /// under the same message id), then the duplicate is acked. If the row cannot be
+    /// written, the delivery is requeued and answered when it comes back.
+    async fn settle_reply(
+        &self,
+        delivery: &Delivery,
+        decision: &mut Decision,
+        reply: Outgoing,
+        cut_off: &CancellationToken,
+    ) -> bool {
+        let write = async {
+            let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
+            db::insert_outbox(&mut conn, std::slice::from_ref(&reply)).await.map_err(|err| err.to_string())
+        };
+        let written = tokio::time::timeout(BOOKKEEPING_TIMEOUT, write)
+            .await
+            .unwrap_or_else(|_| Err(format!("the outbox insert took over {BOOKKEEPING_TIMEOUT:?}")));
+        if let Err(error) = written {
+            tracing::error!(queue = %self.queue, key = ?decision.key, %error, "could not queue the stored reply of a duplicated request; the delivery is requeued");
+            decision.outcome =
+                Outcome::Requeued { error: format!("the stored reply could not be queued: {error}") };
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = cut_off.cancelled() => {}
+            }
+            return report(self.acks.requeue(delivery).await, self, decision);
+        }
+        self.shared.outbox.committed();
+        report(self.acks.ack_one(delivery).await, self, decision)
+    }
+
     /// `<sha256(scope, body) in hex, 32 chars>:<attempt>`: the same for every copy
     /// of one message at one attempt (copies keep the body byte for byte).
     fn copy_id(&self, delivery: &Delivery, attempt: u32) -> String {
@@ -980,6 +1116,16 @@ impl Consumer {
 /// Whether the delivery goes back to the queue (the rest without a copy is acked).
 fn needs_requeue(outcome: &Outcome) -> bool {
     matches!(outcome, Outcome::Abandoned | Outcome::Requeued { .. })
+}
+
+/// A handler that ran to `Ok` in the open transaction.
+struct Done {
+    index: usize,
+    key: crate::Key,
+    fingerprint: Fingerprint,
+    output: HandlerOutput,
+    /// What it published, for the outbox.
+    published: Vec<Outgoing>,
 }
 
 /// A delivery whose key an earlier one of its batch holds: decided by that one's fate.

@@ -12,6 +12,7 @@ use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
 
 use crate::key::{Key, KeyError};
+use crate::outbox::{Context, HandlerOutput};
 
 /// A boxed, `Send` future borrowing for `'a`, as returned by [`Handler::handle`].
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -62,11 +63,14 @@ pub trait Handler: Send + Sync + 'static {
     }
 
     /// Applies the message's effect on `conn`, inside the runtime's transaction.
+    /// Messages published through `ctx` go into the outbox in that transaction;
+    /// the output is stored with the dedup row and is the reply to a request.
     fn handle<'a>(
         &'a self,
         conn: &'a mut AsyncPgConnection,
+        ctx: &'a mut Context,
         message: Self::Message,
-    ) -> BoxFuture<'a, Result<(), HandlerError>>;
+    ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>>;
 }
 
 /// Whether a failed attempt may succeed later.

@@ -152,9 +152,11 @@ pub mod fault;
 mod handler;
 mod key;
 mod migrate;
+pub mod outbox;
 mod outcome;
 mod prepare;
 mod redact;
+mod relay;
 mod retry;
 mod runtime;
 pub mod schema;
@@ -170,8 +172,10 @@ pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::idempotent_handler;
 pub use key::{Key, KeyError, KeyField, MAX_STORED_KEY_BYTES};
 pub use migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
+pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, PublishError};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use redact::redact;
+pub use relay::{Relay, RelayBuilder};
 pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_BATCH_SIZE,
@@ -189,4 +193,5 @@ struct ReadmeDoctests;
 #[doc(hidden)]
 pub mod __private {
     pub use diesel_async::AsyncPgConnection;
+    pub use serde::Serialize;
 }

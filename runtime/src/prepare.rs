@@ -7,14 +7,20 @@ use diesel_async::AsyncPgConnection;
 
 use crate::handler::{BoxFuture, Handler, HandlerError};
 use crate::key::{Key, KeyError};
+use crate::outbox::{Context, HandlerOutput};
 use crate::outcome::FailureKind;
 
 mod fingerprint;
 pub(crate) use fingerprint::Fingerprint;
 
 /// The effect of one message, ready to run inside the transaction.
-pub(crate) type Effect =
-    Box<dyn for<'c> FnOnce(&'c mut AsyncPgConnection) -> BoxFuture<'c, Result<(), HandlerError>> + Send>;
+pub(crate) type Effect = Box<
+    dyn for<'c> FnOnce(
+            &'c mut AsyncPgConnection,
+            &'c mut Context,
+        ) -> BoxFuture<'c, Result<HandlerOutput, HandlerError>>
+        + Send,
+>;
 
 /// A decoded message: its key, fingerprint and effect.
 pub(crate) struct Prepared {
@@ -113,7 +119,7 @@ impl<H: Handler> ErasedHandler for Arc<H> {
         };
         let handler = Arc::clone(self);
         let effect: Effect =
-            Box::new(move |conn| Box::pin(async move { handler.handle(conn, message).await }));
+            Box::new(move |conn, ctx| Box::pin(async move { handler.handle(conn, ctx, message).await }));
         Ok(Prepared { key, fingerprint, lane, effect })
     }
 }

@@ -57,6 +57,7 @@ pub struct RuntimeBuilder {
     reconnect_max: Duration,
     observer: Option<Observer>,
     on_connection_event: Option<ConnectionObserver>,
+    relay: Option<crate::relay::Settings>,
     #[cfg(feature = "fault-injection")]
     fault_hook: Option<crate::fault::FaultHook>,
 }
@@ -94,6 +95,7 @@ impl RuntimeBuilder {
             reconnect_max: Duration::from_secs(30),
             observer: None,
             on_connection_event: None,
+            relay: Some(crate::relay::Settings::default()),
             #[cfg(feature = "fault-injection")]
             fault_hook: None,
         }
@@ -252,6 +254,24 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Whether the runtime runs an outbox [relay](crate::Relay) (default: yes). Turn
+    /// it off when relays run on their own (`Relay::run`); the runtime then wakes
+    /// them with a `NOTIFY` (at most one per 50 ms) after commits that wrote rows.
+    pub fn relay(mut self, enabled: bool) -> Self {
+        self.relay = enabled.then(|| self.relay.unwrap_or_default());
+        self
+    }
+
+    /// How often the runtime's relay looks for outbox rows it was not woken for
+    /// (written by other processes or by [`enqueue`](crate::enqueue) in
+    /// application code; default 1 s).
+    pub fn relay_poll_interval(mut self, interval: std::time::Duration) -> Self {
+        if let Some(settings) = &mut self.relay {
+            settings.poll_interval = interval;
+        }
+        self
+    }
+
     /// Installs a test-only [fault hook](crate::fault).
     #[cfg(feature = "fault-injection")]
     pub fn fault_hook(mut self, hook: crate::fault::FaultHook) -> Self {
@@ -392,6 +412,7 @@ impl Runtime {
             }
         }
 
+        let relay_wake = b.relay.map(|_| Arc::new(tokio::sync::Notify::new()));
         let shared = Arc::new(Shared {
             pool,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
@@ -401,6 +422,7 @@ impl Runtime {
             batch: BatchLimits { size: b.batch_size, linger: b.linger, pipelines: b.concurrency },
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),
+            outbox: crate::relay::OutboxSignal::new(relay_wake.clone()),
             turns: tokio::sync::RwLock::new(()),
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
             // retry can fix (then `run` returns that error after draining).
@@ -409,6 +431,26 @@ impl Runtime {
             fault_hook: b.fault_hook.clone(),
         });
         let stop = shared.fatal.stop.clone();
+        // The relay outlives the consumers' drain (it publishes what they commit) and
+        // stops after it; without one, relays elsewhere are notified.
+        let relay_stop = CancellationToken::new();
+        let relay = match (b.relay, relay_wake) {
+            (Some(settings), Some(wake)) => {
+                let worker = crate::relay::Worker {
+                    pool: crate::relay::relay_pool(&b.database_url)?,
+                    amqp_url: b.amqp_url.clone(),
+                    database_url: b.database_url.clone(),
+                    settings,
+                    wake,
+                };
+                tokio::spawn(worker.run(relay_stop.clone()))
+            }
+            _ => {
+                let shared = Arc::clone(&shared);
+                let stop = relay_stop.clone();
+                tokio::spawn(async move { shared.outbox.notify_elsewhere(shared.pool.clone(), stop).await })
+            }
+        };
         let consumers = b
             .consumers
             .into_iter()
@@ -466,6 +508,10 @@ impl Runtime {
         }
         if let Some(connections) = connections {
             connections.close("shutdown").await;
+        }
+        relay_stop.cancel();
+        if let Err(err) = relay.await {
+            tracing::error!(error = %err, "the outbox relay task failed");
         }
         match ctx.shared.fatal.take() {
             Some(fatal) => Err(fatal),

@@ -10,6 +10,10 @@ diesel::table! {
         key -> Text,
         /// SHA-256 of the canonical payload (see the crate docs, "the same payload").
         fingerprint -> Nullable<Bytea>,
+        /// What the handler returned (JSON), or the error reply of a failed request.
+        result -> Nullable<Bytea>,
+        /// The row records a request's permanent failure (`result`: its error reply).
+        failed -> Bool,
     }
 }
 
@@ -32,5 +36,37 @@ diesel::table! {
     idemq_copies (copy_id) {
         /// The copy's `x-idemq-copy-id`.
         copy_id -> Text,
+    }
+}
+
+diesel::table! {
+    /// Messages waiting to be published by the relay (deleted once confirmed).
+    idemq_outbox (id) {
+        /// Commit-time order (a sequence; no order is promised, see the crate docs).
+        id -> Int8,
+        /// The AMQP `message_id` it is published with.
+        message_id -> Text,
+        /// The exchange.
+        exchange -> Text,
+        /// The routing key.
+        routing_key -> Text,
+        /// The body.
+        body -> Bytea,
+        /// The AMQP `content_type`.
+        content_type -> Nullable<Text>,
+        /// The AMQP `correlation_id`.
+        correlation_id -> Nullable<Text>,
+        /// A JSON object of string headers.
+        headers -> Nullable<Text>,
+        /// `false`: best effort (direct reply-to), never retried.
+        mandatory -> Bool,
+        /// Failed publishes so far.
+        attempts -> Integer,
+        /// When the relay may try it (again).
+        available_at -> Timestamptz,
+        /// Why the last publish failed.
+        last_error -> Nullable<Text>,
+        /// When its transaction wrote it.
+        created_at -> Timestamptz,
     }
 }

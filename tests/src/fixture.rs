@@ -11,7 +11,7 @@ use diesel_async::AsyncPgConnection;
 use diesel_async::RunQueryDsl;
 use idemq::idempotent_handler;
 use idemq::{ConnectionEvent, Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
-use idemq_example_payments::{apply_payment, ledger, PaymentRequested};
+use idemq_example_payments::{ledger, record_payment, PaymentRequested};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -229,6 +229,16 @@ impl Drop for Bed {
     }
 }
 
+/// The demo's payment effect under the demo's dedup name and lane, without its
+/// outbox event: tests never publish into the demo's shared `payments.applied`.
+#[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
+pub async fn ledger_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    record_payment(conn, &msg).await
+}
+
 /// The payments handler, a little slow (3 ms inside its transaction), so that
 /// faults find work in flight. Same name as `apply_payment`: same dedup rows.
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
@@ -236,7 +246,7 @@ pub async fn slow_payment(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
 ) -> Result<(), diesel::result::Error> {
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     tokio::time::sleep(Duration::from_millis(3)).await;
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, FailureKind, HandlerError, Outcome, Permanent};
-use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{payment, Bed, Running};
 use idemq_tests::unique;
 
@@ -17,7 +17,7 @@ async fn refuses_thirteen(conn: &mut AsyncPgConnection, msg: PaymentRequested) -
     if msg.amount_cents == 13 {
         return Err(Permanent("thirteen is refused").into());
     }
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     Ok(())
 }
 
@@ -78,7 +78,7 @@ async fn laned(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<()
     // Long enough for a concurrent run of the same lane to be caught.
     tokio::time::sleep(Duration::from_millis(2)).await;
     let (account, amount) = (msg.account.clone(), msg.amount_cents);
-    let result = apply_payment::call(conn, msg).await;
+    let result = record_payment(conn, &msg).await;
     lane_log(|log| {
         *log.running.entry(account.clone()).or_default() -= 1;
         if result.is_ok() {

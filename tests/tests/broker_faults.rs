@@ -6,8 +6,7 @@
 use std::time::Duration;
 
 use idemq::ConnectionEvent;
-use idemq_example_payments::apply_payment;
-use idemq_tests::fixture::{payment, publish_stream, slow_payment, Bed, Running};
+use idemq_tests::fixture::{ledger_payment, payment, publish_stream, slow_payment, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, Broker};
 use lapin::BasicProperties;
@@ -96,7 +95,7 @@ async fn a_blocked_publishing_connection_does_not_stall_consumption() {
 
     let restore = RestoreBroker;
     assert!(rabbitmqctl(&["set_vm_memory_high_watermark", "0"]), "raise a memory alarm");
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment));
     eventually("the good messages applied during the alarm", Duration::from_secs(30), || async {
         bed.ledger_total().await == good.len() as i64
     })

@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{ConnectionEvent, Outcome};
-use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, publish_stream, slow_payment, Bed, ConsumerProcess, Running};
+use idemq_example_payments::PaymentRequested;
+use idemq_tests::fixture::{
+    ledger_payment, payment, publish_stream, slow_payment, Bed, ConsumerProcess, Running,
+};
 use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, proxy::Proxy, Broker};
 use tokio::process::Command;
@@ -263,7 +265,7 @@ async fn chaos_sigterm_with_handlers_faster_than_the_shutdown_deadline_acks_them
     })
     .await;
     assert_eq!(broker.message_count(&bed.queue).await, 0, "no delivery was returned unacked");
-    let after = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    let after = Running::start(bed.runtime().consume(&bed.queue, ledger_payment));
     eventually("a second consumer is subscribed", Duration::from_secs(10), || async {
         after.connection_events().contains(&ConnectionEvent::Connected { session: 1 })
     })
@@ -289,7 +291,7 @@ async fn a_silent_broker_is_detected_by_heartbeats_and_the_runtime_reconnects() 
             .amqp_url(via_proxy)
             .heartbeat(Duration::from_secs(1))
             .reconnect_max_backoff(Duration::from_millis(500))
-            .consume(&bed.queue, apply_payment),
+            .consume(&bed.queue, ledger_payment),
     );
     let first = payment(1);
     bed.publish(&first).await;
@@ -325,7 +327,7 @@ in_both_modes! {
 async fn a_consumer_cancelled_by_the_broker_resubscribes() {
     let bed = Bed::isolated().await;
     let running = Running::start(
-        bed.runtime().reconnect_max_backoff(Duration::from_millis(500)).consume(&bed.queue, apply_payment),
+        bed.runtime().reconnect_max_backoff(Duration::from_millis(500)).consume(&bed.queue, ledger_payment),
     );
     eventually("consuming", Duration::from_secs(10), || async {
         running.connection_events().contains(&ConnectionEvent::Connected { session: 1 })

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, Outcome, StatsSnapshot};
-use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{publish_stream, stream_deliveries, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::Mode;
@@ -175,7 +175,7 @@ async fn slower_payment(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
 ) -> Result<(), diesel::result::Error> {
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     tokio::time::sleep(Duration::from_millis(25)).await;
     Ok(())
 }

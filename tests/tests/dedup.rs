@@ -9,8 +9,8 @@ use std::time::Duration;
 use diesel_async::AsyncPgConnection;
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{idempotent_handler, ConnectionEvent, Outcome, Settled};
-use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_example_payments::{record_payment, PaymentRequested};
+use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::with_timeout;
 
@@ -22,7 +22,7 @@ async fn the_same_message_twice_is_applied_once_and_both_are_acked() {
     bed.publish(&p).await;
     bed.publish(&p).await;
 
-    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment), 2).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, ledger_payment), 2).await;
 
     let outcomes: Vec<_> = events.iter().map(|e| e.outcome.clone()).collect();
     assert_eq!(outcomes, [Outcome::Applied, Outcome::Duplicate]);
@@ -42,7 +42,7 @@ async fn slow_payment(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
 ) -> Result<(), diesel::result::Error> {
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     tokio::time::sleep(Duration::from_millis(40)).await;
     Ok(())
 }
@@ -130,7 +130,7 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
             }
         })
     });
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).fault_hook(hook));
+    let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment).fault_hook(hook));
     running.wait_settled(2).await;
     let events = running.events();
     let connection_events = running.connection_events();
@@ -183,7 +183,7 @@ async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_
     assert_ne!(url, bed.db.url(), "the database URL goes through the proxy");
     let p = payment(77);
     bed.publish(&p).await;
-    let running = Running::start(bed.runtime().database_url(url).consume(&bed.queue, apply_payment));
+    let running = Running::start(bed.runtime().database_url(url).consume(&bed.queue, ledger_payment));
 
     let committing = format!(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state = 'active' \

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
-use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{next_attempt, payment, test_retry_policy, Bed, Running};
+use idemq_example_payments::{record_payment, PaymentRequested};
+use idemq_tests::fixture::{ledger_payment, next_attempt, payment, test_retry_policy, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::{header_i64, header_str};
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -17,7 +17,7 @@ use lapin::BasicProperties;
 #[idempotent_handler(key = "payment_id")]
 async fn fails_twice(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     let attempt = next_attempt(&msg.payment_id);
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     if attempt <= 2 {
         return Err(HandlerError::transient("the first two attempts fail after writing"));
     }
@@ -141,7 +141,7 @@ async fn a_message_whose_handler_started_limit_times_is_dead_lettered_as_poison(
     // ... and the broker's redelivery after the last one.
     idemq_tests::redeliver_once(&bed.broker, &bed.queue).await;
 
-    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment), 1).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, ledger_payment), 1).await;
     assert!(events[0].redelivered, "{events:?}");
     assert!(
         matches!(&events[0].outcome, Outcome::DeadLettered { kind: FailureKind::Poison, .. }),
@@ -164,7 +164,7 @@ async fn a_first_delivery_with_a_client_set_delivery_count_is_applied_not_poison
     table.insert(headers::DELIVERY_COUNT.into(), AMQPValue::LongLongInt(50));
     let props = BasicProperties::default().with_headers(table).with_content_type("application/json".into());
     bed.broker.publish_bytes(&bed.queue, &serde_json::to_vec(&p).unwrap(), props).await;
-    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment), 1).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, ledger_payment), 1).await;
     assert_eq!(events[0].outcome, Outcome::Applied, "{events:?}");
     assert_eq!(events[0].delivery_count, 0, "the client's count is not reported as the broker's");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
@@ -275,7 +275,7 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
     bed.publish(&good).await;
 
     let events = Running::settle(
-        bed.runtime().consume(&bed.queue, apply_payment).max_body_bytes(4_096),
+        bed.runtime().consume(&bed.queue, ledger_payment).max_body_bytes(4_096),
         cases.len() + 2,
     )
     .await;
@@ -315,7 +315,7 @@ async fn same_key_with_another_payload_is_dead_lettered_as_conflict() {
     bed.publish(&first).await;
     bed.publish(&reused).await;
     // One at a time, so the first payload is the one applied.
-    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1), 3).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, ledger_payment).concurrency(1), 3).await;
 
     assert_eq!(events[0].outcome, Outcome::Applied);
     assert_eq!(events[1].outcome, Outcome::Duplicate, "the identical copy is a plain duplicate");
@@ -355,7 +355,7 @@ async fn a_reserialized_copy_is_a_duplicate_and_another_amount_is_still_a_confli
     let other_amount = reserialized(101);
     bed.broker.publish_bytes(&bed.queue, &other_amount, props()).await;
     // One at a time, so the first copy is the one applied.
-    let events = Running::settle(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1), 3).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, ledger_payment).concurrency(1), 3).await;
 
     assert_eq!(events[0].outcome, Outcome::Applied, "{events:?}");
     assert_eq!(events[1].outcome, Outcome::Duplicate, "the re-serialized copy is a duplicate: {events:?}");
@@ -377,7 +377,7 @@ in_both_modes! {
 /// original instead of acking it; once the DLQ exists again the message lands there.
 async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
     let bed = Bed::new().await;
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment));
     // After start-up, which declares the DLQ.
     tokio::time::sleep(Duration::from_millis(500)).await;
     bed.broker.delete_queue(&bed.dlq).await;
@@ -403,7 +403,7 @@ async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
 #[idempotent_handler(key = "payment_id")]
 async fn hangs_first(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     let attempt = next_attempt(&msg.payment_id);
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     if attempt == 1 {
         tokio::time::sleep(Duration::from_secs(60)).await;
     }
@@ -459,7 +459,7 @@ async fn dead_letters_of_messages_with_huge_headers_stay_under_frame_max() {
     let good = payment(77);
     bed.publish(&good).await;
 
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment).concurrency(1));
+    let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment).concurrency(1));
     running.wait_settled(3).await;
     let events = running.events();
     running.stop().await.expect("the connection survived");

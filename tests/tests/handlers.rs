@@ -9,8 +9,8 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idemq::{
     headers, idempotent_handler, Error, FailureKind, HandlerError, Outcome, Queue, RetryPolicy, Topology,
 };
-use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{next_attempt, payment, test_retry_policy, Bed, Running};
+use idemq_example_payments::{record_payment, PaymentRequested};
+use idemq_tests::fixture::{ledger_payment, next_attempt, payment, test_retry_policy, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, header_str, unique};
 
@@ -35,7 +35,7 @@ async fn first_attempt_fails_then_applies<H: idemq::Handler>(handler: H, phrase:
 #[idempotent_handler(key = "payment_id")]
 async fn ignores_an_error(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     let first = next_attempt(&msg.payment_id) == 1;
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     if first {
         let _ = diesel::sql_query("INSERT INTO no_such_table VALUES (1)").execute(conn).await;
     }
@@ -61,7 +61,7 @@ async fn ends_the_transaction(
     if next_attempt(&msg.payment_id) == 1 {
         conn.batch_execute("ROLLBACK; BEGIN").await?;
     }
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     Ok(())
 }
 
@@ -81,7 +81,7 @@ async fn deallocates(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Res
     if next_attempt(&msg.payment_id) == 1 {
         conn.batch_execute("DEALLOCATE idemq_check").await?;
     }
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     Ok(())
 }
 
@@ -100,7 +100,7 @@ async fn panics(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(
     if msg.payment_id.starts_with("boom") {
         panic!("boom: account {} exploded", msg.account);
     }
-    apply_payment::call(conn, msg).await
+    record_payment(conn, &msg).await
 }
 
 in_both_modes! {
@@ -143,7 +143,7 @@ async fn sleeps_in_the_database(
     msg: PaymentRequested,
 ) -> Result<(), HandlerError> {
     let first = next_attempt(&msg.payment_id) == 1;
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     if first {
         diesel::sql_query("SELECT pg_sleep(60) /* idemq-test-sleeper */").execute(conn).await?;
     }
@@ -201,7 +201,7 @@ async fn a_commit_refused_by_a_deferred_constraint_is_a_failed_attempt_not_an_ou
     let p = payment(13);
     bed.publish(&p).await;
     let three_attempts = RetryPolicy::new([10, 20].map(Duration::from_millis));
-    let running = Running::start(bed.runtime().consume_with(&bed.queue, apply_payment, three_attempts));
+    let running = Running::start(bed.runtime().consume_with(&bed.queue, ledger_payment, three_attempts));
     running.wait_settled(3).await;
     let events = running.events();
     let stats = running.stats.snapshot();
@@ -230,7 +230,7 @@ mod ledger_a {
         conn: &mut AsyncPgConnection,
         msg: PaymentRequested,
     ) -> Result<(), diesel::result::Error> {
-        apply_payment::call(conn, msg).await
+        record_payment(conn, &msg).await
     }
 }
 
@@ -243,7 +243,7 @@ mod ledger_b {
         conn: &mut AsyncPgConnection,
         msg: PaymentRequested,
     ) -> Result<(), diesel::result::Error> {
-        apply_payment::call(conn, msg).await
+        record_payment(conn, &msg).await
     }
 }
 
@@ -277,9 +277,9 @@ async fn two_services_in_one_database_keep_their_dedup_rows_apart_by_namespace()
     other_topology.declare(&channel).await.expect("declare the other service's queue");
     let p = payment(40);
     bed.publish(&p).await;
-    let billing = Running::start(bed.runtime().namespace("billing").consume(&bed.queue, apply_payment));
+    let billing = Running::start(bed.runtime().namespace("billing").consume(&bed.queue, ledger_payment));
     let audit = Running::start(
-        bed.runtime().topology(other_topology).namespace("audit").consume(&other_queue, apply_payment),
+        bed.runtime().topology(other_topology).namespace("audit").consume(&other_queue, ledger_payment),
     );
     billing.wait_settled(1).await;
     let body = serde_json::to_vec(&p).unwrap();
@@ -325,7 +325,7 @@ async fn a_commit_rolled_back_for_contention_is_run_again_in_process() {
     bed.db.connect().await.batch_execute(SERIALIZATION_FAILURES_AT_COMMIT).await.expect("create the trigger");
     let p = payment(50);
     bed.publish(&p).await;
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment));
     running.wait_settled(1).await;
     let events = running.events();
     let stats = running.stats.snapshot();

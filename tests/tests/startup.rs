@@ -6,8 +6,8 @@ use std::time::Duration;
 use diesel_async::AsyncPgConnection;
 use diesel_async::SimpleAsyncConnection;
 use idemq::{idempotent_handler, Error, HandlerError, Outcome, Queue, Runtime, Topology};
-use idemq_example_payments::{apply_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, test_retry_policy, Bed, Running};
+use idemq_example_payments::PaymentRequested;
+use idemq_tests::fixture::{ledger_payment, payment, test_retry_policy, Bed, Running};
 use idemq_tests::{unique, with_timeout, TestDb};
 use tokio_util::sync::CancellationToken;
 
@@ -20,7 +20,7 @@ async fn a_database_without_idemqs_tables_is_refused_at_start_up_with_the_fix() 
     let runtime = Runtime::builder()
         .database_url(db.url())
         .topology(Topology::new().queue(Queue::new(queue.clone())))
-        .consume(&queue, apply_payment)
+        .consume(&queue, ledger_payment)
         .build()
         .expect("build");
     let result =
@@ -36,7 +36,7 @@ async fn a_database_without_idemqs_tables_is_refused_at_start_up_with_the_fix() 
 #[tokio::test(flavor = "multi_thread")]
 async fn losing_idemqs_table_while_running_stops_the_runtime_and_returns_the_delivery() {
     let bed = Bed::new().await;
-    let running = Running::start(bed.runtime().consume(&bed.queue, apply_payment));
+    let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment));
     bed.publish(&payment(1)).await;
     running.wait_settled(1).await;
     bed.db.connect().await.batch_execute("DROP TABLE idemq_dedup").await.expect("drop the table");
@@ -74,7 +74,7 @@ async fn an_idle_queue_does_not_starve_a_busy_one() {
         .topology(topology)
         .concurrency(1)
         .consume(&idle, never_called)
-        .consume(&bed.queue, apply_payment);
+        .consume(&bed.queue, ledger_payment);
     let events = Running::settle(builder, payments.len()).await;
     assert!(events.iter().all(|e| e.outcome == Outcome::Applied), "{events:?}");
     assert_eq!(bed.ledger_total().await, payments.len() as i64);

@@ -3,7 +3,7 @@
 //! `Semaphore(C)`, a deadpool diesel-async pool of `C` connections with
 //! `RecyclingMethod::Fast`. Per delivery: `serde_json` decode, BEGIN, `INSERT INTO
 //! idemq_dedup … ON CONFLICT DO NOTHING RETURNING key`, if new
-//! `apply_payment::call` (ledger row + balance upsert), COMMIT, ack; a duplicate
+//! `record_payment` (ledger row + balance upsert), COMMIT, ack; a duplicate
 //! commits the empty transaction. On an error it nacks with requeue.
 //!
 //! What it skips is what idemq adds: dead-lettering of bad input, conflict
@@ -20,7 +20,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfi
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use futures_util::StreamExt;
 use idemq::Handler;
-use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_example_payments::{apply_payment, record_payment, PaymentRequested};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicQosOptions};
 use lapin::{Connection, ConnectionProperties};
@@ -149,7 +149,7 @@ async fn apply_once(pool: &Pool<AsyncPgConnection>, body: &[u8]) -> Result<bool,
                 .optional()?
                 .is_some();
             if new {
-                apply_payment::call(conn, message).await?;
+                record_payment(conn, &message).await?;
             }
             Ok::<bool, diesel::result::Error>(new)
         })

@@ -32,7 +32,7 @@ pub(crate) enum Contender {
     IdemqPerMessage,
     /// idemq with its defaults (group commit), a handler without a lane.
     IdemqGroup,
-    /// idemq with its defaults and the demo's `apply_payment`, whose lane is the account.
+    /// idemq with its defaults and the payment effect laned by account, as the demo's `apply_payment`.
     IdemqLanes,
 }
 
@@ -72,7 +72,7 @@ impl Contender {
                 "idemq, Runtime::builder() defaults (group commit), handler without a lane".to_owned()
             }
             Self::IdemqLanes => {
-                "idemq, Runtime::builder() defaults (group commit), apply_payment with lane = \"account\"".to_owned()
+                "idemq, Runtime::builder() defaults (group commit), the payment effect with lane = \"account\"".to_owned()
             }
         }
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, Outcome, Queue, Runtime, Settled, Topology};
-use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_example_payments::{record_payment, PaymentRequested};
 use tokio_util::sync::CancellationToken;
 
 use super::Consumer;
@@ -14,14 +14,23 @@ use crate::config::Urls;
 use crate::metrics::{Recorder, Settle};
 use crate::BenchError;
 
-/// The demo's `apply_payment` without its lane: the same dedup name, the same
-/// effect, so group commit can be measured with lanes and without.
+/// The demo's payment effect (`record_payment`, without the demo's outbox event:
+/// the baseline does not publish either) under the demo's dedup name, without a lane.
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
 async fn apply_payment_unlaned(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
 ) -> Result<(), diesel::result::Error> {
-    apply_payment::call(conn, msg).await
+    record_payment(conn, &msg).await
+}
+
+/// The same, with the demo's lane (the account).
+#[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
+async fn apply_payment_laned(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    record_payment(conn, &msg).await
 }
 
 /// How the runtime is configured.
@@ -31,7 +40,7 @@ pub(super) enum Flavor {
     PerMessage(usize),
     /// Defaults, the unlaned handler.
     Group,
-    /// Defaults, `apply_payment` (lane = "account").
+    /// Defaults, the laned handler (lane = "account", as the demo's).
     Lanes,
 }
 
@@ -51,7 +60,7 @@ pub(super) fn start(
             builder.consume(queue, apply_payment_unlaned).batch_size(1).concurrency(concurrency)
         }
         Flavor::Group => builder.consume(queue, apply_payment_unlaned),
-        Flavor::Lanes => builder.consume(queue, apply_payment),
+        Flavor::Lanes => builder.consume(queue, apply_payment_laned),
     };
     let runtime = builder.build()?;
     let stats = runtime.stats();

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, Queue, RetryPolicy, Runtime, Topology};
-use idemq_example_payments::{apply_payment, PaymentRequested};
+use idemq_example_payments::{record_payment, PaymentRequested};
 
 struct Knobs {
     slow: Duration,
@@ -37,7 +37,7 @@ fn env_number(name: &str, default: u64) -> u64 {
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
 async fn payments(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), diesel::result::Error> {
     let kill = knobs().kill_on.as_deref().is_some_and(|prefix| msg.payment_id.starts_with(prefix));
-    apply_payment::call(conn, msg).await?;
+    record_payment(conn, &msg).await?;
     if kill {
         // Killed mid-transaction, after the effect was written: nothing is recorded.
         let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();

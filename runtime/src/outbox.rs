@@ -1,0 +1,480 @@
+//! The transactional outbox: messages published exactly when their transaction commits.
+//!
+//! A handler publishes through its [`Context`]: `ctx.publish(exchange, routing_key,
+//! &msg)` only *buffers* the message. After the handler returned `Ok`, the runtime
+//! writes the buffered messages of the whole batch into `idemq_outbox` in one
+//! statement, in the transaction that holds the dedup rows, and COMMITs. Rolled back,
+//! nothing is published; committed, the [relay](crate::Relay) publishes each row with
+//! publisher confirms and `mandatory`, and deletes it once the broker confirmed it.
+//!
+//! Message ids are deterministic: the `n`-th message a handler publishes for key `k`
+//! gets `message_id(handler scope, k, n)` (32 hex digits of a SHA-256). A retried
+//! attempt publishes under the same ids (only one attempt ever commits), and a relay
+//! re-send after a crash carries the id of its row: a downstream consumer keyed on
+//! the message id applies it once. Outside a handler, [`enqueue`] writes a row in the
+//! caller's transaction with the id the caller gave or a random (v4 UUID) one, stored
+//! with the row — stable across re-sends, which is all the downstream dedup needs.
+
+use std::collections::BTreeMap;
+
+use diesel_async::AsyncPgConnection;
+use lapin::types::AMQPValue;
+use lapin::BasicProperties;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::handler::HandlerError;
+use crate::key::hex;
+
+/// The exchange of replies: the default exchange routes by queue name.
+const REPLY_EXCHANGE: &str = "";
+
+/// The prefix of RabbitMQ's direct reply-to pseudo-queues, whose replies cannot be
+/// confirmed as routed (see [`Outgoing`]'s best-effort rows).
+const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
+
+/// The header that tells a reply's requester whether its request succeeded.
+pub const STATUS_HEADER: &str = "x-idemq-status";
+
+/// A message type that knows where it is published: the typed form of
+/// [`Context::publish`], [`Context::send`]. (`#[derive(Message)]` will write it.)
+pub trait Message: Serialize {
+    /// The exchange it is published to (`""`: the default exchange).
+    fn exchange(&self) -> &str;
+    /// Its routing key (on the default exchange: the queue's name).
+    fn routing_key(&self) -> &str;
+}
+
+/// A message on its way into the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) message_id: Option<String>,
+    pub(crate) content_type: Option<String>,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) headers: BTreeMap<String, String>,
+    /// `false`: best effort (direct reply-to): published once, without `mandatory`.
+    pub(crate) mandatory: bool,
+}
+
+impl Outgoing {
+    /// `message` as JSON (`content-type: application/json`), to `exchange` with
+    /// `routing_key`.
+    ///
+    /// # Errors
+    /// [`PublishError::Serialize`], or [`PublishError::TooLong`] for a name over
+    /// AMQP's 255 bytes.
+    pub fn json<T: Serialize + ?Sized>(
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+        message: &T,
+    ) -> Result<Self, PublishError> {
+        let body = serde_json::to_vec(message).map_err(PublishError::Serialize)?;
+        Self::bytes(exchange, routing_key, body).map(|outgoing| outgoing.content_type("application/json"))
+    }
+
+    /// A body as it is, without a content type.
+    ///
+    /// # Errors
+    /// [`PublishError::TooLong`] for a name over AMQP's 255 bytes.
+    pub fn bytes(
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+        body: Vec<u8>,
+    ) -> Result<Self, PublishError> {
+        let (exchange, routing_key) = (exchange.into(), routing_key.into());
+        short("the exchange name", &exchange)?;
+        short("the routing key", &routing_key)?;
+        Ok(Self {
+            exchange,
+            routing_key,
+            body,
+            message_id: None,
+            content_type: None,
+            correlation_id: None,
+            headers: BTreeMap::new(),
+            mandatory: true,
+        })
+    }
+
+    /// Sets the AMQP `message_id` (outside a handler; a handler's messages get
+    /// deterministic ids).
+    #[must_use]
+    pub fn message_id(mut self, id: impl Into<String>) -> Self {
+        self.message_id = Some(id.into());
+        self
+    }
+
+    /// Sets the AMQP `content_type`.
+    #[must_use]
+    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Sets the AMQP `correlation_id`.
+    #[must_use]
+    pub fn correlation_id(mut self, id: impl Into<String>) -> Self {
+        self.correlation_id = Some(id.into());
+        self
+    }
+
+    /// Adds a string header.
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// The reply to a request: to `reply_to` on the default exchange, with the
+    /// request's correlation id. Replies to direct reply-to are best effort.
+    pub(crate) fn reply(request: &Request, message_id: String, body: Vec<u8>, ok: bool) -> Self {
+        Self {
+            exchange: REPLY_EXCHANGE.to_owned(),
+            routing_key: request.reply_to.clone(),
+            body,
+            message_id: Some(message_id),
+            content_type: Some("application/json".to_owned()),
+            correlation_id: Some(request.correlation_id.clone()),
+            headers: BTreeMap::from([(STATUS_HEADER.to_owned(), if ok { "ok" } else { "error" }.to_owned())]),
+            mandatory: !request.reply_to.starts_with(DIRECT_REPLY_TO),
+        }
+    }
+
+    /// The AMQP properties it is published with (persistent).
+    pub(crate) fn properties(&self, message_id: &str) -> BasicProperties {
+        let mut properties =
+            BasicProperties::default().with_delivery_mode(2).with_message_id(message_id.into());
+        if let Some(content_type) = &self.content_type {
+            properties = properties.with_content_type(content_type.as_str().into());
+        }
+        if let Some(correlation_id) = &self.correlation_id {
+            properties = properties.with_correlation_id(correlation_id.as_str().into());
+        }
+        if !self.headers.is_empty() {
+            let mut table = lapin::types::FieldTable::default();
+            for (name, value) in &self.headers {
+                table.insert(name.as_str().into(), AMQPValue::LongString(value.as_str().into()));
+            }
+            properties = properties.with_headers(table);
+        }
+        properties
+    }
+}
+
+fn short(what: &'static str, name: &str) -> Result<(), PublishError> {
+    if name.len() > 255 {
+        return Err(PublishError::TooLong { what, len: name.len() });
+    }
+    Ok(())
+}
+
+/// Why a message could not go into the outbox.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// The message could not be serialized to JSON.
+    #[error("the message cannot be serialized to JSON: {0}")]
+    Serialize(#[source] serde_json::Error),
+    /// An exchange name or routing key over AMQP's limit.
+    #[error("{what} is {len} bytes; AMQP allows at most 255")]
+    TooLong {
+        /// Which name.
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// Writing the outbox row failed (the transaction is aborted: return the error).
+    #[error("writing the outbox row failed: {0}")]
+    Database(#[source] diesel::result::Error),
+}
+
+/// Writes `outgoing` into the outbox in the caller's open transaction (any
+/// diesel-async transaction: it is published once that commits, never if it rolls
+/// back). Returns the message id: the one given with [`Outgoing::message_id`], or a
+/// random one stored with the row.
+///
+/// Inside a handler, use [`Context::publish`] instead (deterministic ids, one
+/// statement per batch). The relay of a running [`Runtime`](crate::Runtime) picks
+/// the row up within its poll interval, or at once if something notifies it.
+///
+/// # Errors
+/// [`PublishError::Database`].
+pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result<String, PublishError> {
+    let id = outgoing.message_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let row = Outgoing { message_id: Some(id.clone()), ..outgoing };
+    crate::db::insert_outbox(conn, std::slice::from_ref(&row)).await.map_err(PublishError::Database)?;
+    Ok(id)
+}
+
+/// Deletes the dedup row of `key` under `handler` (its scope: the name, or
+/// `<namespace>/<name>`), so the next message with that key is applied as new.
+/// Returns whether there was one.
+///
+/// For operators: a request whose permanent failure was stored (its duplicates get
+/// the same error reply) can be applied after the cause is fixed by forgetting its
+/// key and replaying its dead letter. Forgetting the key of an *applied* message
+/// makes its next copy apply again: only do it for a message whose effect you know
+/// did not happen.
+///
+/// # Errors
+/// The database's.
+pub async fn forget(conn: &mut AsyncPgConnection, handler: &str, key: &str) -> diesel::QueryResult<bool> {
+    crate::db::forget(conn, handler, key).await
+}
+
+/// Rows waiting in the outbox (due or postponed): the relay's backlog.
+///
+/// # Errors
+/// The database's.
+pub async fn backlog(conn: &mut AsyncPgConnection) -> diesel::QueryResult<i64> {
+    crate::db::outbox_backlog(conn).await
+}
+
+/// `<sha256(scope, key, part) in hex, 32 digits>`: the message id of a handler's
+/// `part`-th published message (or its reply) for `key`.
+pub(crate) fn message_id(scope: &str, key: &str, part: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(scope.as_bytes())
+        .chain_update([0])
+        .chain_update(key.as_bytes())
+        .chain_update([0])
+        .chain_update(part.as_bytes())
+        .finalize();
+    hex(&digest[..16])
+}
+
+/// What a request carries: where its reply goes.
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    pub(crate) reply_to: String,
+    pub(crate) correlation_id: String,
+}
+
+impl Request {
+    /// A delivery with both `reply_to` and `correlation_id` is a request.
+    pub(crate) fn of(properties: &BasicProperties) -> Option<Self> {
+        let reply_to = properties.reply_to().as_ref()?.as_str();
+        let correlation_id = properties.correlation_id().as_ref()?.as_str();
+        (!reply_to.is_empty())
+            .then(|| Self { reply_to: reply_to.to_owned(), correlation_id: correlation_id.to_owned() })
+    }
+}
+
+/// What a handler's run gives a message: the delivery's metadata, and the outbox.
+///
+/// Take it as a third argument (`ctx: &mut Context`, or `&Context` to read only):
+///
+/// ```
+/// use diesel_async::AsyncPgConnection;
+/// use idemq::{idempotent_handler, Context, HandlerError};
+/// # #[derive(serde::Deserialize)] struct Order { id: String }
+/// # #[derive(serde::Serialize)] struct Shipped<'a> { order_id: &'a str }
+///
+/// #[idempotent_handler(key = "id")]
+/// async fn ship(conn: &mut AsyncPgConnection, order: Order, ctx: &mut Context) -> Result<(), HandlerError> {
+///     // ... write the shipment with `conn` ...
+///     # let _ = conn;
+///     ctx.publish("", "orders.shipped", &Shipped { order_id: &order.id })?;
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug)]
+pub struct Context {
+    scope: String,
+    key: String,
+    attempt: u32,
+    redelivered: bool,
+    properties: BasicProperties,
+    published: Vec<Outgoing>,
+}
+
+impl Context {
+    pub(crate) fn new(
+        scope: &str,
+        key: &str,
+        attempt: u32,
+        redelivered: bool,
+        properties: &BasicProperties,
+    ) -> Self {
+        Self {
+            scope: scope.to_owned(),
+            key: key.to_owned(),
+            attempt,
+            redelivered,
+            properties: properties.clone(),
+            published: Vec::new(),
+        }
+    }
+
+    /// Publishes `message` as JSON to `exchange` with `routing_key` once this
+    /// handler's transaction commits (never if it rolls back). Returns its message id.
+    ///
+    /// # Errors
+    /// [`PublishError::Serialize`] or [`PublishError::TooLong`]; with `?` a
+    /// transient handler error (retried).
+    pub fn publish<T: Serialize + ?Sized>(
+        &mut self,
+        exchange: &str,
+        routing_key: &str,
+        message: &T,
+    ) -> Result<String, PublishError> {
+        self.publish_outgoing(Outgoing::json(exchange, routing_key, message)?)
+    }
+
+    /// Publishes a [`Message`] where it says it goes; see [`Context::publish`].
+    ///
+    /// # Errors
+    /// As [`Context::publish`].
+    pub fn send<M: Message + ?Sized>(&mut self, message: &M) -> Result<String, PublishError> {
+        self.publish(message.exchange(), message.routing_key(), message)
+    }
+
+    /// Publishes a message built by hand (headers, a body that is not JSON); its
+    /// message id is the handler's deterministic one, whatever it set.
+    ///
+    /// # Errors
+    /// None today; kept fallible like [`Context::publish`].
+    pub fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
+        let id = message_id(&self.scope, &self.key, &self.published.len().to_string());
+        self.published.push(Outgoing { message_id: Some(id.clone()), ..outgoing });
+        Ok(id)
+    }
+
+    /// The handler's dedup scope (its name, or `<namespace>/<name>`).
+    pub fn handler(&self) -> &str {
+        &self.scope
+    }
+
+    /// The message's stored dedup key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// This attempt's number: 1, then one more per retry.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Whether the broker redelivered this delivery (a consumer before may have
+    /// started it; its transaction, if any, did not commit).
+    pub fn redelivered(&self) -> bool {
+        self.redelivered
+    }
+
+    /// The delivery's AMQP `message_id`, if it has one.
+    pub fn message_id(&self) -> Option<&str> {
+        self.properties.message_id().as_ref().map(|id| id.as_str())
+    }
+
+    /// The delivery's AMQP `correlation_id`, if it has one.
+    pub fn correlation_id(&self) -> Option<&str> {
+        self.properties.correlation_id().as_ref().map(|id| id.as_str())
+    }
+
+    /// The delivery's AMQP `reply_to`, if it has one. A request (`reply_to` and
+    /// `correlation_id`) is answered with the handler's result by idemq itself.
+    pub fn reply_to(&self) -> Option<&str> {
+        self.properties.reply_to().as_ref().map(|queue| queue.as_str())
+    }
+
+    /// A header of the delivery, if it is a string.
+    pub fn header(&self, name: &str) -> Option<String> {
+        let headers = self.properties.headers().as_ref()?;
+        match headers.inner().get(name)? {
+            AMQPValue::LongString(value) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+            AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
+            _ => None,
+        }
+    }
+
+    /// The messages published so far, taken by the runtime after the handler ran.
+    pub(crate) fn take_published(&mut self) -> Vec<Outgoing> {
+        std::mem::take(&mut self.published)
+    }
+}
+
+/// What a handler returned, serialized: stored with the dedup row and sent as the
+/// reply to a request. `()` (and any value serializing to `null`) stores nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HandlerOutput(pub(crate) Option<Vec<u8>>);
+
+impl HandlerOutput {
+    /// Nothing to store.
+    pub fn none() -> Self {
+        Self(None)
+    }
+
+    /// `value` as JSON.
+    ///
+    /// # Errors
+    /// A permanent [`HandlerError`] if it cannot be serialized: the same value
+    /// would fail again.
+    pub fn json<T: Serialize + ?Sized>(value: &T) -> Result<Self, HandlerError> {
+        let bytes = serde_json::to_vec(value).map_err(|err| {
+            HandlerError::permanent(format!("the handler's result cannot be serialized to JSON: {err}"))
+        })?;
+        Ok(Self((bytes != b"null").then_some(bytes)))
+    }
+
+    /// The reply body: the stored JSON, or `null`.
+    pub(crate) fn reply_body(stored: Option<&[u8]>) -> Vec<u8> {
+        stored.map_or_else(|| b"null".to_vec(), <[u8]>::to_vec)
+    }
+}
+
+/// The body of the error reply to a request that failed permanently.
+pub(crate) fn error_reply(kind: &str, error: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({ "error": error, "kind": kind }))
+        .unwrap_or_else(|_| b"{}".to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_ids_are_deterministic_and_keep_their_parts_apart() {
+        assert_eq!(message_id("h", "k", "0"), message_id("h", "k", "0"));
+        assert_eq!(message_id("h", "k", "0").len(), 32);
+        assert_ne!(message_id("h", "k", "0"), message_id("h", "k", "1"));
+        assert_ne!(message_id("h", "k", "0"), message_id("h", "k", "reply"));
+        // The separators keep `(ab, c)` apart from `(a, bc)`.
+        assert_ne!(message_id("ab", "c", "0"), message_id("a", "bc", "0"));
+    }
+
+    #[test]
+    fn published_messages_are_numbered_in_order() {
+        let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+        let first = ctx.publish("", "q", &1).unwrap();
+        let second = ctx.publish("", "q", &2).unwrap();
+        assert_eq!(first, message_id("h", "k", "0"));
+        assert_eq!(second, message_id("h", "k", "1"));
+        let published = ctx.take_published();
+        assert_eq!(published.len(), 2);
+        assert_eq!(published[1].body, b"2");
+    }
+
+    #[test]
+    fn a_name_over_255_bytes_is_refused_when_published_not_by_the_broker() {
+        let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+        let err = ctx.publish("", &"q".repeat(256), &1).unwrap_err();
+        assert!(matches!(err, PublishError::TooLong { len: 256, .. }), "{err}");
+    }
+
+    #[test]
+    fn replies_to_direct_reply_to_are_best_effort() {
+        let request = Request { reply_to: "amq.rabbitmq.reply-to.g1h2AA".into(), correlation_id: "c".into() };
+        assert!(!Outgoing::reply(&request, "id".into(), b"1".to_vec(), true).mandatory);
+        let named = Request { reply_to: "replies".into(), correlation_id: "c".into() };
+        assert!(Outgoing::reply(&named, "id".into(), b"1".to_vec(), true).mandatory);
+    }
+
+    #[test]
+    fn unit_results_store_nothing() {
+        assert_eq!(HandlerOutput::json(&()).unwrap(), HandlerOutput::none());
+        assert_eq!(HandlerOutput::json(&Some(3)).unwrap().0.as_deref(), Some(&b"3"[..]));
+    }
+}

@@ -1,0 +1,553 @@
+//! The outbox relay: publishes committed outbox rows, at least once, each with one
+//! stable `message_id`.
+//!
+//! ```text
+//! wake (in-process signal | NOTIFY idemq_outbox | poll interval)
+//!   └─ BEGIN ─ SELECT … FOR UPDATE SKIP LOCKED (due rows, oldest first, ≤ batch)
+//!        ├─ exchange missing?  → postponed with backoff (never published: a publish to a
+//!        │                        missing exchange would close the channel)
+//!        ├─ publish all, pipelined (mandatory unless best effort), await the confirms
+//!        │    ├─ confirmed and routed → DELETE
+//!        │    ├─ returned (unroutable) / nacked → postponed with backoff, error kept
+//!        │    └─ channel lost → left as they are (the transaction's end unlocks them)
+//!        └─ COMMIT
+//! ```
+//!
+//! A crash after the broker confirmed and before COMMIT publishes the row again: the
+//! downstream dedup (keyed on the message id, or on the body's key) absorbs it.
+//! Several relays may run at once (one per runtime process, or on their own): `SKIP
+//! LOCKED` hands each row to one of them at a time. No order is promised, not even per
+//! aggregate: rows are claimed in id order, and ids are assigned at insert, not at
+//! commit; a postponed row goes out after later ones.
+//!
+//! Wake-ups never cost the handlers' transactions a `NOTIFY`: the runtime's own relay
+//! is woken in-process after each COMMIT that wrote rows; a runtime whose relay is
+//! off sends `NOTIFY idemq_outbox` at most once per [`NOTIFY_INTERVAL`], outside any
+//! transaction. A relay listens on a dedicated connection; a silently dead socket
+//! would leave it waiting forever, so it polls as well.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel_async::pooled_connection::deadpool::Pool;
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use futures_util::StreamExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::db::{self, OutboxRow, SessionLimits};
+use crate::error::{redact, Error};
+use crate::runtime::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+
+/// The `LISTEN`/`NOTIFY` channel relays wake on.
+pub(crate) const CHANNEL: &str = "idemq_outbox";
+
+/// The shortest time between two `NOTIFY`s of one runtime.
+pub(crate) const NOTIFY_INTERVAL: Duration = Duration::from_millis(50);
+
+/// How long a relay waits for the broker to confirm a publish.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a stopping relay keeps publishing what is due.
+const FINAL_PASS: Duration = Duration::from_secs(5);
+
+/// Configures a [`Relay`] run on its own (a runtime runs one by default; see
+/// [`RuntimeBuilder::relay`](crate::RuntimeBuilder::relay)).
+#[derive(Debug, Clone)]
+pub struct RelayBuilder {
+    amqp_url: String,
+    database_url: String,
+    settings: Settings,
+}
+
+/// What a relay's loop needs besides its connections.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    pub(crate) poll_interval: Duration,
+    pub(crate) batch_size: usize,
+    pub(crate) max_backoff: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self { poll_interval: Duration::from_secs(1), batch_size: 256, max_backoff: Duration::from_secs(60) }
+    }
+}
+
+impl RelayBuilder {
+    /// The broker (default: `AMQP_URL`, else [`DEFAULT_AMQP_URL`]).
+    #[must_use]
+    pub fn amqp_url(mut self, url: impl Into<String>) -> Self {
+        self.amqp_url = url.into();
+        self
+    }
+
+    /// The database holding `idemq_outbox` (default: `DATABASE_URL`, else
+    /// [`DEFAULT_DATABASE_URL`]).
+    #[must_use]
+    pub fn database_url(mut self, url: impl Into<String>) -> Self {
+        self.database_url = url.into();
+        self
+    }
+
+    /// How often the relay looks for rows without being woken (default 1 s).
+    #[must_use]
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.settings.poll_interval = interval;
+        self
+    }
+
+    /// The most rows one pass claims and publishes (default 256).
+    #[must_use]
+    pub fn batch_size(mut self, size: usize) -> Self {
+        self.settings.batch_size = size.max(1);
+        self
+    }
+
+    /// The longest a row that failed to publish waits before the next try (default
+    /// 60 s; the wait doubles per failure from 100 ms).
+    #[must_use]
+    pub fn max_backoff(mut self, max: Duration) -> Self {
+        self.settings.max_backoff = max;
+        self
+    }
+
+    /// The relay.
+    pub fn build(self) -> Relay {
+        Relay { builder: self }
+    }
+}
+
+/// Publishes the outbox (see the module docs): runs inside every
+/// [`Runtime`](crate::Runtime) unless turned off, or on its own:
+///
+/// ```no_run
+/// # async fn example() -> Result<(), idemq::Error> {
+/// idemq::Relay::builder().build().run(idemq::shutdown_signal()).await
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct Relay {
+    builder: RelayBuilder,
+}
+
+impl Relay {
+    /// A builder reading `AMQP_URL` and `DATABASE_URL`.
+    pub fn builder() -> RelayBuilder {
+        RelayBuilder {
+            amqp_url: std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned()),
+            database_url: std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned()),
+            settings: Settings::default(),
+        }
+    }
+
+    /// Publishes until `shutdown` is cancelled, then publishes what is due for a
+    /// few more seconds and closes its connections. Broker and database faults are
+    /// retried with backoff.
+    ///
+    /// # Errors
+    /// Start-up failures: the database unreachable, idemq's migrations not applied.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let RelayBuilder { amqp_url, database_url, settings } = self.builder;
+        let pool = relay_pool(&database_url)?;
+        let connect_error = |message: String| Error::DatabaseConnect { url: redact(&database_url), message };
+        let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
+        if let Some(problem) =
+            db::check_schema(&mut conn).await.map_err(|err| connect_error(err.to_string()))?
+        {
+            return Err(problem.into());
+        }
+        drop(conn);
+        let worker = Worker { pool, amqp_url, database_url, settings, wake: Arc::new(Notify::new()) };
+        worker.run(shutdown).await;
+        Ok(())
+    }
+}
+
+/// The relay's own small pool: one connection for passes, one spare.
+pub(crate) fn relay_pool(database_url: &str) -> Result<Pool<AsyncPgConnection>, Error> {
+    db::build_pool(database_url, 2, SessionLimits::for_handler_timeout(CONFIRM_TIMEOUT))
+        .map_err(|err| Error::DatabaseConnect { url: redact(database_url), message: err.to_string() })
+}
+
+/// How a runtime tells relays that rows were committed.
+pub(crate) struct OutboxSignal {
+    /// Its own relay's wake-up, if it runs one.
+    pub(crate) wake: Option<Arc<Notify>>,
+    /// Set after a commit that wrote rows; sent as one `NOTIFY` per interval when
+    /// there is no relay in-process.
+    pending: AtomicBool,
+}
+
+impl OutboxSignal {
+    pub(crate) fn new(wake: Option<Arc<Notify>>) -> Self {
+        Self { wake, pending: AtomicBool::new(false) }
+    }
+
+    /// Rows were committed.
+    pub(crate) fn committed(&self) {
+        match &self.wake {
+            Some(wake) => wake.notify_one(),
+            None => self.pending.store(true, Ordering::Relaxed),
+        }
+    }
+
+    /// Sends the pending `NOTIFY`s (at most one per [`NOTIFY_INTERVAL`]) until `stop`.
+    pub(crate) async fn notify_elsewhere(&self, pool: Pool<AsyncPgConnection>, stop: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(NOTIFY_INTERVAL) => {}
+                () = stop.cancelled() => return,
+            }
+            if self.pending.swap(false, Ordering::Relaxed) {
+                let notified = async {
+                    let mut conn = pool.get().await.map_err(|err| err.to_string())?;
+                    db::notify_relays(&mut conn).await.map_err(|err| err.to_string())
+                };
+                if let Err(error) = notified.await {
+                    // The relays poll as well: a lost wake-up only delays.
+                    tracing::debug!(%error, "could not notify the outbox relays");
+                }
+            }
+        }
+    }
+}
+
+/// A relay's loop and what it needs.
+pub(crate) struct Worker {
+    pub(crate) pool: Pool<AsyncPgConnection>,
+    pub(crate) amqp_url: String,
+    pub(crate) database_url: String,
+    pub(crate) settings: Settings,
+    pub(crate) wake: Arc<Notify>,
+}
+
+/// The relay's broker connection and what it learned on it.
+struct Link {
+    connection: Connection,
+    channel: Channel,
+    /// For passive exchange checks (a failed one closes its channel).
+    probe: Option<Channel>,
+    /// Exchanges known to exist on this connection.
+    exchanges: HashSet<String>,
+}
+
+/// What one pass did.
+struct Pass {
+    claimed: usize,
+    /// The broker connection failed during the pass: reconnect.
+    lost: Option<String>,
+}
+
+impl Worker {
+    /// Publishes until `stop`, then for at most [`FINAL_PASS`] more.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let listening = CancellationToken::new();
+        let listener =
+            tokio::spawn(listen(self.database_url.clone(), Arc::clone(&self.wake), listening.clone()));
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        let mut last_error: Option<String> = None;
+        let mut link: Option<Link> = None;
+        let mut final_until: Option<Instant> = None;
+        loop {
+            if final_until.is_none() && stop.is_cancelled() {
+                final_until = Some(Instant::now() + FINAL_PASS);
+            }
+            if final_until.is_some_and(|until| Instant::now() >= until) {
+                break;
+            }
+            let current = match &mut link {
+                Some(current) => current,
+                None => match self.connect().await {
+                    Ok(connected) => {
+                        backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+                        last_error = None;
+                        link.insert(connected)
+                    }
+                    Err(error) => {
+                        if last_error.as_deref() != Some(error.as_str()) {
+                            tracing::warn!(%error, "outbox relay: cannot reach the broker; retrying");
+                            last_error = Some(error);
+                        }
+                        if final_until.is_some() {
+                            break;
+                        }
+                        tokio::select! {
+                            () = backoff.wait() => {}
+                            () = stop.cancelled() => {}
+                        }
+                        continue;
+                    }
+                },
+            };
+            let pass = self.pass(current).await;
+            let claimed = match pass {
+                Ok(Pass { lost: Some(reason), .. }) => {
+                    tracing::warn!(reason = %redact(&reason), "outbox relay: broker connection lost; reconnecting");
+                    if let Some(old) = link.take() {
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(2),
+                            old.connection.close(200, "reconnecting".into()),
+                        )
+                        .await;
+                    }
+                    continue;
+                }
+                Ok(Pass { claimed, lost: None }) => claimed,
+                Err(error) => {
+                    let error = redact(&error);
+                    if last_error.as_deref() != Some(error.as_str()) {
+                        tracing::warn!(%error, "outbox relay: database fault; retrying");
+                        last_error = Some(error);
+                    }
+                    if final_until.is_some() {
+                        break;
+                    }
+                    tokio::select! {
+                        () = backoff.wait() => {}
+                        () = stop.cancelled() => {}
+                    }
+                    continue;
+                }
+            };
+            if claimed >= self.settings.batch_size {
+                continue;
+            }
+            if final_until.is_some() {
+                break;
+            }
+            tokio::select! {
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep(self.settings.poll_interval) => {}
+                () = stop.cancelled() => {}
+            }
+        }
+        listening.cancel();
+        let _ = listener.await;
+        if let Some(link) = link {
+            let _ = tokio::time::timeout(Duration::from_secs(2), link.channel.close(200, "shutdown".into()))
+                .await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), link.connection.close(200, "shutdown".into()))
+                    .await;
+        }
+    }
+
+    async fn connect(&self) -> Result<Link, String> {
+        let connect = async {
+            let connection =
+                Connection::connect(&self.amqp_url, ConnectionProperties::default()).await.map_err(
+                    |err| format!("connect to {}: {}", redact(&self.amqp_url), redact(&err.to_string())),
+                )?;
+            let channel = connection.create_channel().await.map_err(|err| err.to_string())?;
+            channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
+            Ok(Link { connection, channel, probe: None, exchanges: HashSet::new() })
+        };
+        tokio::time::timeout(Duration::from_secs(30), connect)
+            .await
+            .unwrap_or_else(|_| Err("connecting took over 30 s".to_owned()))
+    }
+
+    /// Claims due rows, publishes them and records what the broker said, in one
+    /// transaction. `Err`: the database failed (nothing recorded; the rows stay).
+    async fn pass(&self, link: &mut Link) -> Result<Pass, String> {
+        let mut conn = self.pool.get().await.map_err(|err| err.to_string())?;
+        let limit = i64::try_from(self.settings.batch_size).unwrap_or(i64::MAX);
+        let max_backoff = self.settings.max_backoff;
+        let result = conn
+            .transaction::<Pass, diesel::result::Error, _>(async |conn| {
+                let rows = db::claim_outbox(conn, limit).await?;
+                if rows.is_empty() {
+                    return Ok(Pass { claimed: 0, lost: None });
+                }
+                let (results, lost) = publish_all(link, &rows).await;
+                let mut sent = Vec::new();
+                for (row, result) in rows.iter().zip(&results) {
+                    match result {
+                        Some(Ok(())) => sent.push(row.id),
+                        Some(Err(error)) if !row.mandatory => {
+                            // Best effort (direct reply-to): never retried.
+                            tracing::warn!(message_id = %row.message_id, routing_key = %row.routing_key, %error, "outbox relay: a best-effort reply could not be published; dropped");
+                            sent.push(row.id);
+                        }
+                        Some(Err(error)) => {
+                            let delay = retry_delay(row.attempts, max_backoff);
+                            tracing::warn!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, ?delay, %error, "outbox relay: could not publish; it stays in the outbox and is retried");
+                            db::postpone_outbox(conn, row.id, delay, error).await?;
+                        }
+                        // Unknown (the connection went): left for the next pass.
+                        None => {}
+                    }
+                }
+                db::delete_outbox(conn, &sent).await?;
+                Ok(Pass { claimed: rows.len(), lost })
+            })
+            .await;
+        result.map_err(|err| err.to_string())
+    }
+}
+
+/// Publishes `rows` pipelined and awaits their confirms. Per row: `Some(Ok)` confirmed
+/// (and routed, if mandatory), `Some(Err)` refused, `None` unknown (connection lost,
+/// then also the reason).
+async fn publish_all(
+    link: &mut Link,
+    rows: &[OutboxRow],
+) -> (Vec<Option<Result<(), String>>>, Option<String>) {
+    let mut results: Vec<Option<Result<(), String>>> = rows.iter().map(|_| None).collect();
+    let mut confirms = Vec::with_capacity(rows.len());
+    let mut lost = None;
+    for (index, row) in rows.iter().enumerate() {
+        match exchange_exists(link, &row.exchange).await {
+            Ok(true) => {}
+            Ok(false) => {
+                results[index] = Some(Err(format!(
+                    "exchange '{}' does not exist; declare it (the message stays in the outbox)",
+                    row.exchange
+                )));
+                continue;
+            }
+            Err(reason) => {
+                lost = Some(reason);
+                break;
+            }
+        }
+        let properties = properties(row);
+        let options = BasicPublishOptions { mandatory: row.mandatory, ..BasicPublishOptions::default() };
+        match link
+            .channel
+            .basic_publish(
+                row.exchange.as_str().into(),
+                row.routing_key.as_str().into(),
+                options,
+                &row.body,
+                properties,
+            )
+            .await
+        {
+            Ok(confirm) => confirms.push((index, confirm)),
+            Err(err) => {
+                lost = Some(err.to_string());
+                break;
+            }
+        }
+    }
+    for (index, confirm) in confirms {
+        let row = &rows[index];
+        results[index] = match tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await {
+            Ok(Ok(Confirmation::Ack(None) | Confirmation::NotRequested)) => Some(Ok(())),
+            Ok(Ok(Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)))) => Some(Err(format!(
+                "unroutable: no queue is bound to exchange '{}' with routing key '{}' (returned, mandatory)",
+                row.exchange, row.routing_key
+            ))),
+            Ok(Ok(Confirmation::Nack(None))) => Some(Err("the broker refused it (nack)".to_owned())),
+            Ok(Err(err)) => {
+                lost.get_or_insert_with(|| err.to_string());
+                None
+            }
+            Err(_) => {
+                lost.get_or_insert_with(|| format!("no confirm within {CONFIRM_TIMEOUT:?}"));
+                None
+            }
+        };
+    }
+    (results, lost)
+}
+
+/// Whether `exchange` exists (the default exchange always does), checked passively
+/// on a probe channel once per connection. `Err`: the connection failed.
+async fn exchange_exists(link: &mut Link, exchange: &str) -> Result<bool, String> {
+    if exchange.is_empty() || link.exchanges.contains(exchange) {
+        return Ok(true);
+    }
+    let probe = match &link.probe {
+        Some(probe) if probe.status().connected() => probe.clone(),
+        _ => {
+            let probe = link.connection.create_channel().await.map_err(|err| err.to_string())?;
+            link.probe = Some(probe.clone());
+            probe
+        }
+    };
+    let passive = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
+    match probe.exchange_declare(exchange.into(), ExchangeKind::Direct, passive, FieldTable::default()).await
+    {
+        Ok(()) => {
+            link.exchanges.insert(exchange.to_owned());
+            Ok(true)
+        }
+        Err(_) if link.connection.status().connected() => {
+            // 404: the probe channel is closed; the next check opens another.
+            link.probe = None;
+            Ok(false)
+        }
+        Err(err) => Err(err.to_string()),
+    }
+}
+
+fn properties(row: &OutboxRow) -> lapin::BasicProperties {
+    let mut outgoing = crate::outbox::Outgoing::bytes(String::new(), String::new(), Vec::new())
+        .expect("empty names are short");
+    outgoing.content_type.clone_from(&row.content_type);
+    outgoing.correlation_id.clone_from(&row.correlation_id);
+    if let Some(headers) = &row.headers {
+        outgoing.headers = serde_json::from_str(headers).unwrap_or_default();
+    }
+    outgoing.properties(&row.message_id)
+}
+
+/// 100 ms, doubling per failure, at most `max`.
+fn retry_delay(attempts: i32, max: Duration) -> Duration {
+    let exponent = u32::try_from(attempts.clamp(0, 20)).unwrap_or(20);
+    Duration::from_millis(100).saturating_mul(2_u32.saturating_pow(exponent)).min(max)
+}
+
+/// Forwards `NOTIFY idemq_outbox` to `wake`, on a dedicated connection (never a
+/// pooled one: a pool would hand the listening session to a handler), reconnecting
+/// with backoff. Polling covers the gaps.
+async fn listen(database_url: String, wake: Arc<Notify>, stop: CancellationToken) {
+    let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
+    loop {
+        let listening = async {
+            let mut conn =
+                AsyncPgConnection::establish(&database_url).await.map_err(|err| err.to_string())?;
+            conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(|err| err.to_string())?;
+            let mut notifications = std::pin::pin!(conn.notifications_stream());
+            while let Some(notification) = notifications.next().await {
+                notification.map_err(|err| err.to_string())?;
+                wake.notify_one();
+            }
+            Err::<(), String>("the notification stream ended".to_owned())
+        };
+        tokio::select! {
+            result = listening => {
+                if let Err(error) = result {
+                    tracing::debug!(error = %redact(&error), "outbox relay: LISTEN connection lost; polling meanwhile");
+                }
+            }
+            () = stop.cancelled() => return,
+        }
+        tokio::select! {
+            () = backoff.wait() => {}
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_rows_back_off_doubling_up_to_the_bound() {
+        let max = Duration::from_secs(60);
+        assert_eq!(retry_delay(0, max), Duration::from_millis(100));
+        assert_eq!(retry_delay(3, max), Duration::from_millis(800));
+        assert_eq!(retry_delay(30, max), max);
+    }
+}
