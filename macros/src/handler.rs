@@ -53,7 +53,7 @@ impl HandlerFn {
         if let Some(variadic) = &sig.variadic {
             errors.push(syn::Error::new(variadic.span(), "a handler cannot be variadic"));
         }
-        let expected = "a handler takes `(conn: &mut AsyncPgConnection, message: YourMessage)`, \
+        let expected = "a handler takes `(conn: &mut AsyncPgConnection, message: YourMessage)` \
                         and optionally `ctx: &mut idemq::Context`";
         let mut typed = Vec::new();
         for arg in &sig.inputs {

@@ -6,6 +6,11 @@
 //! inside its transaction), `KILL_ON` (SIGKILL this process when a payment id starts
 //! with it, inside the transaction), `RETRY_MS` (comma-separated retry delays),
 //! `SHUTDOWN_MS` (the shutdown deadline), `BATCH_SIZE` (empty or absent: the default).
+//!
+//! A two-stage pipeline: with `NEXT_QUEUE`, each applied payment also publishes a
+//! `PaymentApplied` event to that queue through the outbox (stage A); with
+//! `STAGE=b`, the process consumes those events instead and records each in the
+//! table `notified (payment_id, message_id)`, which the test creates (stage B).
 //! Exits 0 after SIGTERM/SIGINT, 1 on a runtime error.
 
 use std::process::ExitCode;
@@ -13,12 +18,14 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, Queue, RetryPolicy, Runtime, Topology};
-use idemq_example_payments::{record_payment, PaymentRequested};
+use diesel_async::RunQueryDsl;
+use idemq::{idempotent_handler, Context, HandlerError, Queue, RetryPolicy, Runtime, Topology};
+use idemq_example_payments::{record_payment, PaymentApplied, PaymentRequested};
 
 struct Knobs {
     slow: Duration,
     kill_on: Option<String>,
+    next_queue: String,
 }
 
 fn knobs() -> &'static Knobs {
@@ -26,6 +33,7 @@ fn knobs() -> &'static Knobs {
     KNOBS.get_or_init(|| Knobs {
         slow: Duration::from_millis(env_number("SLOW_MS", 0)),
         kill_on: std::env::var("KILL_ON").ok().filter(|s| !s.is_empty()),
+        next_queue: std::env::var("NEXT_QUEUE").unwrap_or_default(),
     })
 }
 
@@ -47,6 +55,38 @@ async fn payments(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result
     Ok(())
 }
 
+/// Stage A of the pipeline: the payment, then its event through the outbox.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn payments_then_notify(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+    ctx: &mut Context,
+) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    let event =
+        PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
+    ctx.publish("", &knobs().next_queue, &event)?;
+    tokio::time::sleep(knobs().slow).await;
+    Ok(())
+}
+
+/// Stage B: one `notified` row per event applied (no unique constraint: the
+/// witness that idemq prevents doubles), with the message id it came with.
+#[idempotent_handler(key = "payment_id", name = "stage_b")]
+async fn notify(
+    conn: &mut AsyncPgConnection,
+    event: PaymentApplied,
+    ctx: &Context,
+) -> Result<(), HandlerError> {
+    diesel::sql_query("INSERT INTO notified (payment_id, message_id) VALUES ($1, $2)")
+        .bind::<diesel::sql_types::Text, _>(&event.payment_id)
+        .bind::<diesel::sql_types::Text, _>(ctx.message_id().unwrap_or_default())
+        .execute(conn)
+        .await?;
+    tokio::time::sleep(knobs().slow).await;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -60,10 +100,18 @@ async fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     let limit = u32::try_from(env_number("DELIVERY_LIMIT", 20)).unwrap_or(20);
-    let mut builder = Runtime::builder()
-        .topology(Topology::new().queue(Queue::new(queue.clone()).delivery_limit(limit)))
-        .consume(queue, payments)
-        .concurrency(usize::try_from(env_number("CONCURRENCY", 8)).unwrap_or(8));
+    let mut topology = Topology::new().queue(Queue::new(queue.clone()).delivery_limit(limit));
+    let next = &knobs().next_queue;
+    if !next.is_empty() {
+        topology = topology.queue(Queue::new(next.clone()).delivery_limit(limit));
+    }
+    let builder = Runtime::builder().topology(topology);
+    let builder = match (std::env::var("STAGE").as_deref(), next.is_empty()) {
+        (Ok("b"), _) => builder.consume(queue, notify),
+        (_, false) => builder.consume(queue, payments_then_notify),
+        (_, true) => builder.consume(queue, payments),
+    };
+    let mut builder = builder.concurrency(usize::try_from(env_number("CONCURRENCY", 8)).unwrap_or(8));
     // The test's mode (empty: the runtime's default, group commit).
     if let Some(size) = std::env::var("BATCH_SIZE").ok().and_then(|v| v.parse().ok()) {
         builder = builder.batch_size(size);

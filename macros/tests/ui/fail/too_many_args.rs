@@ -1,5 +1,5 @@
 use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, HandlerError};
+use idemq::{idempotent_handler, Context, HandlerError};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -11,9 +11,10 @@ struct PaymentRequested {
 async fn apply_payment(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
+    ctx: &mut Context,
     retries: u32,
 ) -> Result<(), HandlerError> {
-    let _ = (conn, msg.payment_id, retries);
+    let _ = (conn, msg.payment_id, ctx, retries);
     Ok(())
 }
 

@@ -7,10 +7,12 @@ struct PaymentRequested {
     payment_id: String,
 }
 
+struct Receipt;
+
 #[idempotent_handler(key = "payment_id")]
-async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<u64, HandlerError> {
+async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<Receipt, HandlerError> {
     let _ = (conn, msg.payment_id);
-    Ok(1)
+    Ok(Receipt)
 }
 
 fn main() {}
