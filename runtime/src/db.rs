@@ -183,7 +183,14 @@ pub(crate) async fn stored_rows(
     keys: &[&str],
 ) -> QueryResult<HashMap<String, Stored>> {
     // `key = ANY($2)`: one cached statement for any number of keys, on the primary key.
-    let rows: Vec<(String, Option<Vec<u8>>, Option<Vec<u8>>, bool)> = idemq_dedup::table
+    #[derive(Queryable)]
+    struct Row {
+        key: String,
+        fingerprint: Option<Vec<u8>>,
+        result: Option<Vec<u8>>,
+        failed: bool,
+    }
+    let rows: Vec<Row> = idemq_dedup::table
         .filter(idemq_dedup::handler.eq(scope))
         .filter(idemq_dedup::key.eq_any(keys))
         .select((idemq_dedup::key, idemq_dedup::fingerprint, idemq_dedup::result, idemq_dedup::failed))
@@ -191,7 +198,7 @@ pub(crate) async fn stored_rows(
         .await?;
     Ok(rows
         .into_iter()
-        .map(|(key, fingerprint, result, failed)| (key, Stored { fingerprint, result, failed }))
+        .map(|Row { key, fingerprint, result, failed }| (key, Stored { fingerprint, result, failed }))
         .collect())
 }
 

@@ -8,7 +8,7 @@
 //! ```text
 //!            ┌────────── too large / not JSON / bad shape / bad key ──────────┐
 //!            │                                                                ▼
-//! delivery ─ decode ─ key ─ BEGIN ─ INSERT dedup rows ─┬─ new ─ handler ─ checked COMMIT ─ ack
+//! delivery ─ decode ─ key ─ BEGIN ─ INSERT dedup rows ─┬─ new ─ handler ─ outbox + results ─ checked COMMIT ─ ack
 //!   │                               (the batch's, one  │          │      │  └ unknown ─┐
 //!   │ redelivered:                  statement, keys    │          │      │             ▼
 //!   │  · run alone                  sorted) ON CONFLICT│          │      │ refused: retry in-process on
@@ -26,7 +26,8 @@
 //!   │                                                  │     dead-letters back), then ack
 //!   │                                                  │   transient, last attempt ───┐
 //!   │                                                  │   permanent ─────────────────┤
-//!   │                                                  ├─ exists, same payload ─ ack (duplicate)
+//!   │                                                  ├─ exists, same payload ─ ack (duplicate; a request:
+//!   │                                                  │    its stored reply into the outbox first)
 //!   │                                                  ├─ exists, other payload ──────┤ (conflict)
 //!   │                                                  └─ new, started ≥ limit ───────┤ (poison)
 //!   │                                                                                 ▼
@@ -68,6 +69,12 @@
 //!   message that caused it, not to the prefetch window around it.
 //! - Every copy carries a copy id (lineage + attempt); a redelivered original whose
 //!   copy the broker already confirmed is acked without running its handler.
+//! - What handlers publish (through their [`Context`]) and return goes into the
+//!   batch's transaction after the last handler, one statement for the outbox rows
+//!   (with a request's reply) and one for the results: published if and only if the
+//!   effect commits. A duplicated request's stored reply is committed to the outbox
+//!   before the duplicate is acked; a request's permanent failure is committed as its
+//!   dedup row (holding the error reply) before it is dead-lettered.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;

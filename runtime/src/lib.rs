@@ -89,12 +89,22 @@
 //! - **Lanes:** `#[idempotent_handler(key = "...", lane = "account")]` sends one lane
 //!   value's deliveries to one pipeline, in arrival order: never applied concurrently
 //!   or out of order within a process, and batches stop colliding on its rows.
+//! - **Exactly once across hops:** a handler publishes through its [`Context`] into
+//!   the transactional [`outbox`], in its own transaction; the [`Relay`] publishes
+//!   committed rows with confirms and `mandatory`, at least once with one stable,
+//!   deterministic `message_id`, and deletes them (module docs of [`outbox`] and
+//!   `relay.rs`). A handler's result is stored with its dedup row and is the reply
+//!   to a request (`reply_to` + `correlation_id`); a duplicated request gets the
+//!   stored reply again, byte for byte.
 //!
 //! ## Handlers
 //!
 //! `#[idempotent_handler(key = "field.path")]` turns `async fn f(conn: &mut
-//! AsyncPgConnection, msg: M) -> Result<(), E>` into a unit struct `f` implementing
-//! [`Handler`]; the original fn stays callable as `f::call(conn, msg)`. The key is a
+//! AsyncPgConnection, msg: M) -> Result<R, E>` into a unit struct `f` implementing
+//! [`Handler`]; the original fn stays callable as `f::call(conn, msg)`. `R` is `()`
+//! or a `Serialize` result (stored, replied to requests). An optional third argument
+//! `ctx: &mut Context` (or `&Context`; before or after the message) publishes
+//! through the outbox and reads the delivery's metadata. The key is a
 //! field path into the decoded message (`"order.id"` for nested fields) of a string,
 //! integer, `uuid::Uuid` (feature `uuid`) or `Option` of one (`None` is a missing key).
 //! `name = "..."` overrides the handler name, which scopes dedup keys; two different
