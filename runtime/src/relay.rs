@@ -238,6 +238,37 @@ struct Link {
     exchanges: HashSet<String>,
 }
 
+/// A fault the relay waits out.
+struct Fault {
+    what: &'static str,
+    error: String,
+}
+
+impl Fault {
+    /// Logs it (once per change of fault) and waits out the backoff or `stop`.
+    /// `false`: the relay is finishing (stopping), give up now.
+    async fn wait(
+        self,
+        last_error: &mut Option<String>,
+        backoff: &mut Backoff,
+        stop: &CancellationToken,
+        finishing: bool,
+    ) -> bool {
+        if last_error.as_deref() != Some(self.error.as_str()) {
+            tracing::warn!(error = %self.error, "outbox relay: {}; retrying", self.what);
+            *last_error = Some(self.error);
+        }
+        if finishing {
+            return false;
+        }
+        tokio::select! {
+            () = backoff.wait() => {}
+            () = stop.cancelled() => {}
+        }
+        true
+    }
+}
+
 /// What one pass did.
 struct Pass {
     claimed: usize,
@@ -271,16 +302,9 @@ impl Worker {
                         link.insert(connected)
                     }
                     Err(error) => {
-                        if last_error.as_deref() != Some(error.as_str()) {
-                            tracing::warn!(%error, "outbox relay: cannot reach the broker; retrying");
-                            last_error = Some(error);
-                        }
-                        if final_until.is_some() {
+                        let fault = Fault { what: "cannot reach the broker", error };
+                        if !fault.wait(&mut last_error, &mut backoff, &stop, final_until.is_some()).await {
                             break;
-                        }
-                        tokio::select! {
-                            () = backoff.wait() => {}
-                            () = stop.cancelled() => {}
                         }
                         continue;
                     }
@@ -301,17 +325,9 @@ impl Worker {
                 }
                 Ok(Pass { claimed, lost: None }) => claimed,
                 Err(error) => {
-                    let error = redact(&error);
-                    if last_error.as_deref() != Some(error.as_str()) {
-                        tracing::warn!(%error, "outbox relay: database fault; retrying");
-                        last_error = Some(error);
-                    }
-                    if final_until.is_some() {
+                    let fault = Fault { what: "database fault", error: redact(&error) };
+                    if !fault.wait(&mut last_error, &mut backoff, &stop, final_until.is_some()).await {
                         break;
-                    }
-                    tokio::select! {
-                        () = backoff.wait() => {}
-                        () = stop.cancelled() => {}
                     }
                     continue;
                 }
