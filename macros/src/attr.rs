@@ -1,10 +1,13 @@
-//! Parsing and validating the attribute's options: `key = "..."`, `name = "..."`,
+//! Parsing and validating the attribute's options: `key = "..."` (a field path, a
+//! template, `@message_id`, `@header:…`, `@hash`), `key_fn = path`, `name = "..."`,
 //! `lane = "..."`.
 
 use proc_macro2::{Span, TokenStream};
 use syn::parse::{Parse, ParseStream, Parser};
 use syn::punctuated::Punctuated;
 use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
+
+use crate::errors::Errors;
 
 /// One `ident = value` pair as written; validated later so every error is reported.
 struct RawOption {
@@ -37,8 +40,9 @@ impl Parse for RawOption {
 
 /// The validated options.
 pub(crate) struct Options {
-    /// The key path literal, e.g. `"order.id"` (its span underlines key errors).
-    pub(crate) key: KeyPath,
+    /// Where the dedup key comes from; `None`: from the message type
+    /// (`#[derive(Message)]` with `#[message(key)]`).
+    pub(crate) key: Option<KeySpec>,
     /// `name = "..."`, if given.
     pub(crate) name: Option<LitStr>,
     /// `lane = "..."`, if given: the field whose value picks the pipeline.
@@ -51,52 +55,95 @@ pub(crate) struct KeyPath {
     pub(crate) segments: Vec<syn::Member>,
 }
 
+/// Where a key, or one value of a key template, is read from.
+pub(crate) enum Source {
+    /// A field path into the message.
+    Field(Vec<syn::Member>),
+    /// The delivery's AMQP `message_id` (`@message_id`).
+    MessageId,
+    /// A delivery header (`@header:<name>`).
+    Header(String),
+    /// The payload's fingerprint (`@hash`).
+    Hash,
+}
+
+/// One part of a key template.
+pub(crate) enum Part {
+    Literal(String),
+    Value(Source),
+}
+
+/// How the dedup key is made.
+pub(crate) enum KeySpec {
+    /// `key = "..."`: one source (`"payment_id"`, `"@message_id"`, …).
+    Single { lit: LitStr, source: Source },
+    /// `key = "{tenant}:{order.id}"`.
+    Template { lit: LitStr, parts: Vec<Part> },
+    /// `key_fn = path::to::fn`.
+    Function(syn::Path),
+}
+
+impl KeySpec {
+    /// The key as written, for error messages and the handler's `key_path`.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Self::Single { lit, .. } | Self::Template { lit, .. } => lit.value(),
+            Self::Function(path) => {
+                format!("key_fn {}", quote::quote!(#path).to_string().split_whitespace().collect::<String>())
+            }
+        }
+    }
+}
+
+/// The options, for messages.
+const OPTIONS: &str = "`key = \"field.path\"` (or a template `\"{a}:{b.c}\"`, `\"@message_id\"`, \
+                       `\"@header:name\"`, `\"@hash\"`), `key_fn = path::to::fn`, `name = \"handler_name\"` \
+                       and `lane = \"field.path\"`";
+
 impl Options {
     /// Parses the attribute's tokens, collecting every error.
     pub(crate) fn parse(tokens: TokenStream) -> syn::Result<Self> {
         let raw = Punctuated::<RawOption, Token![,]>::parse_terminated.parse2(tokens)?;
-        let mut errors: Option<syn::Error> = None;
-        let mut push = |err: syn::Error| match &mut errors {
-            Some(all) => all.combine(err),
-            None => errors = Some(err),
-        };
-        let mut key: Option<LitStr> = None;
-        let mut name: Option<LitStr> = None;
-        let mut lane: Option<LitStr> = None;
-        // Whether `key` was written (even misspelled or malformed), so that a missing
-        // key is not reported on top of the error that explains it.
-        let mut key_attempted = false;
+        let mut errors = Errors::default();
+        let (mut key, mut key_fn, mut name, mut lane): (
+            Option<LitStr>,
+            Option<Expr>,
+            Option<LitStr>,
+            Option<LitStr>,
+        ) = (None, None, None, None);
         for option in raw {
+            let duplicate = |errors: &mut Errors| {
+                errors.push(syn::Error::new(
+                    option.name.span(),
+                    format!("duplicate option `{}`; give it once", option.name),
+                ));
+            };
             let slot = match option.name.to_string().as_str() {
-                "key" => {
-                    key_attempted = true;
-                    &mut key
-                }
+                "key" => &mut key,
                 "name" => &mut name,
                 "lane" => &mut lane,
+                "key_fn" => {
+                    if key_fn.is_some() {
+                        duplicate(&mut errors);
+                    } else {
+                        key_fn = Some(option.value);
+                    }
+                    continue;
+                }
                 other => {
                     let hint = match closest_option(other) {
-                        Some(known) => {
-                            key_attempted |= known == "key";
-                            format!("did you mean `{known}`? ")
-                        }
+                        Some(known) => format!("did you mean `{known}`? "),
                         None => String::new(),
                     };
-                    push(syn::Error::new(
+                    errors.push(syn::Error::new(
                         option.name.span(),
-                        format!(
-                            "unknown option `{other}`; {hint}the options are `key = \"field.path\"`, \
-                             `name = \"handler_name\"` and `lane = \"field.path\"`"
-                        ),
+                        format!("unknown option `{other}`; {hint}the options are {OPTIONS}"),
                     ));
                     continue;
                 }
             };
             if slot.is_some() {
-                push(syn::Error::new(
-                    option.name.span(),
-                    format!("duplicate option `{}`; give it once", option.name),
-                ));
+                duplicate(&mut errors);
                 continue;
             }
             match option.value {
@@ -109,7 +156,7 @@ impl Options {
                         }
                         _ => "...".to_owned(),
                     };
-                    push(syn::Error::new_spanned(
+                    errors.push(syn::Error::new_spanned(
                         other,
                         format!(
                             "`{name}` takes a string literal: write `{name} = \"{example}\"`",
@@ -121,42 +168,138 @@ impl Options {
         }
         if let Some(name) = &name {
             if name.value().trim().is_empty() {
-                push(syn::Error::new(
+                errors.push(syn::Error::new(
                     name.span(),
                     "`name` must not be empty; it scopes this handler's dedup keys",
                 ));
             }
         }
-        let lane = lane.and_then(|lit| KeyPath::parse(lit, "lane").map_err(&mut push).ok());
-        let key = match key {
-            Some(lit) => match KeyPath::parse(lit, "key") {
-                Ok(path) => Some(path),
-                Err(err) => {
-                    push(err);
-                    None
-                }
-            },
-            None if key_attempted => None,
-            None => {
-                push(syn::Error::new(
-                    Span::call_site(),
-                    "missing `key`: name the message field that holds the dedup key, \
-                     e.g. #[idempotent_handler(key = \"payment_id\")]",
+        let lane = lane.and_then(|lit| errors.take(KeyPath::parse(lit, "lane")));
+        let key = match (key, key_fn) {
+            (Some(lit), Some(function)) => {
+                errors.push(syn::Error::new_spanned(
+                    &function,
+                    format!(
+                        "give `key = {}` or `key_fn`, not both: they are two ways to make one key",
+                        lit.token()
+                    ),
                 ));
                 None
             }
+            (Some(lit), None) => errors.take(KeySpec::parse(lit)),
+            (None, Some(Expr::Path(path))) => Some(KeySpec::Function(path.path)),
+            (None, Some(other)) => {
+                errors.push(syn::Error::new_spanned(
+                    other,
+                    "`key_fn` takes the path of a fn: write `key_fn = my_key` (a `fn(&Message) -> K`)",
+                ));
+                None
+            }
+            (None, None) => None,
         };
-        match (errors, key) {
-            (Some(errors), _) => Err(errors),
-            (None, Some(key)) => Ok(Self { key, name, lane }),
-            (None, None) => unreachable!("a missing or misspelled key always records an error"),
+        errors.finish(|| Self { key, name, lane })
+    }
+}
+
+impl KeySpec {
+    /// `@…` forms, a template with `{…}`, or a field path.
+    fn parse(lit: LitStr) -> syn::Result<Self> {
+        let value = lit.value();
+        if value.contains(['{', '}']) {
+            let parts = parse_template(&lit, &value)?;
+            return Ok(Self::Template { lit, parts });
+        }
+        let source = parse_source(&lit, &value, "key")?;
+        Ok(Self::Single { lit, source })
+    }
+}
+
+/// One source: `@message_id`, `@header:<name>`, `@hash`, or a field path.
+fn parse_source(lit: &LitStr, value: &str, option: &str) -> syn::Result<Source> {
+    let Some(form) = value.strip_prefix('@') else {
+        return KeyPath::segments(lit, value, option).map(Source::Field);
+    };
+    match form {
+        "message_id" => Ok(Source::MessageId),
+        "hash" => Ok(Source::Hash),
+        _ => match form.strip_prefix("header:") {
+            Some(name) if !name.is_empty() && name.bytes().all(|b| b.is_ascii_graphic()) => {
+                Ok(Source::Header(name.to_owned()))
+            }
+            Some(_) => Err(syn::Error::new(
+                lit.span(),
+                format!(
+                    "`{value}` names no header: write `@header:x-idempotency-key` (a header name, no spaces)"
+                ),
+            )),
+            None => Err(syn::Error::new(
+                lit.span(),
+                format!(
+                    "unknown key source `{value}`; a key starting with `@` is `@message_id` (the AMQP \
+                     property), `@header:<name>` (a delivery header) or `@hash` (the payload's fingerprint)"
+                ),
+            )),
+        },
+    }
+}
+
+/// `{tenant}:{order.id}` → literal and value parts; `{{` and `}}` are literal braces.
+/// Errors give the column (1-based, in characters) inside the template: stable Rust
+/// cannot underline inside a string literal.
+fn parse_template(lit: &LitStr, template: &str) -> syn::Result<Vec<Part>> {
+    let error = |column: usize, what: &str| {
+        syn::Error::new(lit.span(), format!("key template `{template}`, column {column}: {what}"))
+    };
+    let chars: Vec<char> = template.chars().collect();
+    let (mut parts, mut literal, mut i) = (Vec::new(), String::new(), 0);
+    while i < chars.len() {
+        match chars[i] {
+            '{' if chars.get(i + 1) == Some(&'{') => {
+                literal.push('{');
+                i += 2;
+            }
+            '}' if chars.get(i + 1) == Some(&'}') => {
+                literal.push('}');
+                i += 2;
+            }
+            '}' => return Err(error(i + 1, "unmatched `}` (write `}}` for a literal brace)")),
+            '{' => {
+                let Some(len) = chars[i + 1..].iter().position(|&c| c == '}') else {
+                    return Err(error(i + 1, "this `{` is never closed (write `{{` for a literal brace)"));
+                };
+                let inner: String = chars[i + 1..i + 1 + len].iter().collect();
+                if inner.trim().is_empty() {
+                    return Err(error(i + 1, "an empty `{}`; name a field, e.g. `{order.id}`"));
+                }
+                if inner.contains('{') {
+                    return Err(error(i + 1, "`{` inside a placeholder; placeholders do not nest"));
+                }
+                if !literal.is_empty() {
+                    parts.push(Part::Literal(std::mem::take(&mut literal)));
+                }
+                let source = parse_source(lit, inner.trim(), "key")
+                    .map_err(|err| error(i + 2, &format!("in `{{{inner}}}`: {err}")))?;
+                parts.push(Part::Value(source));
+                i += len + 2;
+            }
+            c => {
+                literal.push(c);
+                i += 1;
+            }
         }
     }
+    if !literal.is_empty() {
+        parts.push(Part::Literal(literal));
+    }
+    if !parts.iter().any(|part| matches!(part, Part::Value(_))) {
+        return Err(error(1, "a template needs at least one `{field}`"));
+    }
+    Ok(parts)
 }
 
 /// The known option an unknown one is most likely a typo of (edit distance ≤ 2).
 fn closest_option(unknown: &str) -> Option<&'static str> {
-    ["key", "name", "lane"]
+    ["key", "key_fn", "name", "lane"]
         .into_iter()
         .map(|known| (edit_distance(unknown, known), known))
         .filter(|(distance, _)| *distance <= 2)
@@ -196,9 +339,15 @@ fn example(option: &str) -> &'static str {
 }
 
 impl KeyPath {
-    /// Parses the value of option `option` (`key` or `lane`).
+    /// Parses the value of option `option` (`lane`): a plain field path.
     fn parse(lit: LitStr, option: &str) -> syn::Result<Self> {
         let value = lit.value();
+        let segments = Self::segments(&lit, &value, option)?;
+        Ok(Self { lit, segments })
+    }
+
+    /// The members of a field path, spanned on `lit`.
+    fn segments(lit: &LitStr, value: &str, option: &str) -> syn::Result<Vec<syn::Member>> {
         let invalid = |why: String| {
             syn::Error::new(
                 lit.span(),
@@ -218,22 +367,24 @@ impl KeyPath {
                 ),
             ));
         }
+        // Spanned on the literal (so errors underline it), but marked as the macro's:
+        // rustc then offers no "similar field" fix that would replace the whole
+        // literal, quotes and all, with a bare field name.
+        let span = Span::mixed_site().located_at(lit.span());
         let mut segments = Vec::new();
         for part in value.split('.') {
             let member = if part.is_empty() {
                 return Err(invalid("it has an empty segment (fields are separated by a single `.`)".into()));
             } else if part.bytes().all(|b| b.is_ascii_digit()) {
                 // A tuple field, e.g. "ids.0".
-                part.parse::<u32>()
-                    .ok()
-                    .map(|index| syn::Member::Unnamed(syn::Index { index, span: lit.span() }))
+                part.parse::<u32>().ok().map(|index| syn::Member::Unnamed(syn::Index { index, span }))
             } else {
                 // `type` names the field `r#type`.
                 syn::parse_str::<Ident>(part)
                     .or_else(|_| syn::parse_str::<Ident>(&format!("r#{part}")))
                     .ok()
                     .map(|mut ident| {
-                        ident.set_span(lit.span());
+                        ident.set_span(span);
                         syn::Member::Named(ident)
                     })
             };
@@ -242,6 +393,6 @@ impl KeyPath {
                 None => return Err(invalid(format!("`{part}` is not a field name"))),
             }
         }
-        Ok(Self { lit, segments })
+        Ok(segments)
     }
 }

@@ -6,12 +6,13 @@
 //! (so the error underlines them), and its impl is `do_not_recommend` (so rustc
 //! reports that message, not the impl's unmet bound or a pointer into the expansion).
 
-use proc_macro2::{TokenStream, TokenTree};
+use proc_macro2::{Ident, Span, TokenStream, TokenTree};
 use quote::{quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
 use syn::ItemFn;
 
-use crate::attr::Options;
+use crate::attr::{KeySpec, Options, Part, Source};
+use crate::errors::Errors;
 use crate::handler::{HandlerFn, Role};
 
 pub(crate) fn idempotent_handler(attr: TokenStream, item: TokenStream) -> TokenStream {
@@ -28,13 +29,12 @@ pub(crate) fn idempotent_handler(attr: TokenStream, item: TokenStream) -> TokenS
     };
     let options = Options::parse(attr);
     let handler = HandlerFn::validate(item.clone());
-    match (options, handler) {
-        (Ok(options), Ok(handler)) => expand(&options, &handler),
-        (Err(mut a), Err(b)) => {
-            a.combine(b);
-            fallback(&item, &a)
-        }
-        (Err(err), _) | (_, Err(err)) => fallback(&item, &err),
+    let mut errors = Errors::default();
+    let (options, handler) = (errors.take(options), errors.take(handler));
+    match (errors.finish(|| ()), options, handler) {
+        (Ok(()), Some(options), Some(handler)) => expand(&options, &handler),
+        (Err(err), _, _) => fallback(&item, &err),
+        (Ok(()), _, _) => unreachable!("a missing part always records an error"),
     }
 }
 
@@ -45,7 +45,7 @@ fn fallback(item: &ItemFn, err: &syn::Error) -> TokenStream {
 }
 
 fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
-    let HandlerFn { item, conn_ty, message_ty, ctx_ty, roles, output, error_ty } = handler;
+    let HandlerFn { item, conn_ty, message_ty, message_by_ref, ctx_ty, roles, output, error_ty } = handler;
     let ItemFn { attrs, vis, sig, block } = item;
     let ident = &sig.ident;
     let inputs = &sig.inputs;
@@ -53,22 +53,27 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         Some(name) => name.value(),
         None => ident.to_string(),
     };
-    let key_lit = &options.key.lit;
-    let key_path = key_lit.value();
-    let segments = &options.key.segments;
-    // Spanned on the key literal: a wrong field underlines the `key` string, a key of
-    // an unusable type says so there. The explicit deref names the message type (not
-    // `&Message`) in "no field" errors.
-    let key_expr = quote_spanned! {key_lit.span()=>
-        ::idemq::KeyField::to_key(&(*__idemq_message) #(. #segments)*)
+    // Key and lane expressions name the message through this binding.
+    let message_binding = Ident::new(MESSAGE, Span::mixed_site());
+    let (key_expr, key_path) = match &options.key {
+        Some(spec) => {
+            let key_path = spec.describe();
+            (key_expr(spec), quote! { #key_path })
+        }
+        // No key in the attribute: the message type's own (`#[derive(Message)]` with
+        // `#[message(key)]`), or an error on the message type saying what to write.
+        None => (
+            quote_spanned! {message_ty.span()=>
+                <#message_ty as ::idemq::KeyedMessage>::message_key(__idemq_message)
+            },
+            quote_spanned! {message_ty.span()=> <#message_ty as ::idemq::KeyedMessage>::KEY_PATH },
+        ),
     };
     // A lane reads its field the way the key does (any type a key may have).
     let lane = options.lane.as_ref().map(|lane| {
         let (lane_lit, lane_segments) = (&lane.lit, &lane.segments);
         let lane_path = lane_lit.value();
-        let lane_expr = quote_spanned! {lane_lit.span()=>
-            ::idemq::KeyField::to_key(&(*__idemq_message) #(. #lane_segments)*)
-        };
+        let lane_expr = field_expr(lane_lit, lane_segments);
         quote! {
             fn lane_path(&self) -> ::core::option::Option<&'static str> {
                 ::core::option::Option::Some(#lane_path)
@@ -78,6 +83,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 &self,
                 __idemq_message: &<Self as ::idemq::Handler>::Message,
             ) -> ::core::option::Option<::core::result::Result<::idemq::Key, ::idemq::KeyError>> {
+                let #message_binding = __idemq_message;
                 ::core::option::Option::Some(#lane_expr)
             }
         }
@@ -96,6 +102,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     // The arguments in the fn's own order.
     let call_args = roles.iter().map(|role| match role {
         Role::Connection => quote! { __idemq_conn },
+        Role::Message if *message_by_ref => quote! { &__idemq_message },
         Role::Message => quote! { __idemq_message },
         Role::Context => quote! { __idemq_ctx },
     });
@@ -123,19 +130,36 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
         })
     };
+    // The user's docs describe the handler: they go on the type users register; the
+    // other attributes (`#[allow]`, `#[tracing::instrument]`, …) stay on the fn.
+    let (docs, fn_attrs): (Vec<_>, Vec<_>) = attrs.iter().partition(|attr| attr.path().is_ident("doc"));
+    let described = match &options.key {
+        Some(spec) => format!("dedup key `{}`", spec.describe()),
+        None => "dedup key from the message type".to_owned(),
+    };
     let doc = format!(
-        "Idempotent handler `{name}` (dedup key `{key_path}`); register it with the runtime. \
+        "Idempotent handler `{name}` ({described}); register it with the runtime. \
          The original fn is [`{ident}::call`]."
     );
+    let call_doc = format!(
+        "The fn `{ident}` as written, for unit tests; the runtime calls it through `idemq::Handler`, \
+         inside its transaction."
+    );
+    let doc = if docs.is_empty() {
+        quote! { #[doc = #doc] }
+    } else {
+        quote! { #(#docs)* #[doc = ""] #[doc = #doc] }
+    };
 
     quote! {
-        #[doc = #doc]
+        #doc
         #[allow(non_camel_case_types)]
         #[derive(::core::fmt::Debug, ::core::clone::Clone, ::core::marker::Copy, ::core::default::Default)]
         #vis struct #ident;
 
         impl #ident {
-            #(#attrs)*
+            #[doc = #call_doc]
+            #(#fn_attrs)*
             #vis async fn call(#inputs) -> #output #block
         }
 
@@ -153,7 +177,10 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             fn key(
                 &self,
                 __idemq_message: &<Self as ::idemq::Handler>::Message,
+                __idemq_metadata: &::idemq::Metadata<'_>,
             ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+                let _ = __idemq_metadata;
+                let #message_binding = __idemq_message;
                 #key_expr
             }
 
@@ -184,8 +211,8 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 #[diagnostic::on_unimplemented(
                     message = "a handler's context argument is `&mut idemq::Context` (or `&idemq::Context`), not `{Self}`",
                     label = "write `&mut idemq::Context` here",
-                    note = "after the connection, the argument taken by value is the message and the one \
-                            taken by reference the context"
+                    note = "after the connection, the message is one argument (by value or `&T`) and the \
+                            context the other"
                 )]
                 trait __IdemqContext<'c> {
                     fn __idemq_context(ctx: &'c mut ::idemq::Context) -> Self;
@@ -260,6 +287,55 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
         }
     }
+}
+
+/// The message, as key expressions name it (bound with mixed-site hygiene).
+const MESSAGE: &str = "__idemq_keyed";
+
+/// The expression making the key (in `Handler::key`, where `__idemq_message` and
+/// `__idemq_metadata` are in scope). Spanned on the key literal: a wrong field
+/// underlines the `key` string, a key of an unusable type says so there.
+fn key_expr(spec: &KeySpec) -> TokenStream {
+    match spec {
+        KeySpec::Single { lit, source } => source_expr(lit, source),
+        KeySpec::Template { lit, parts } => {
+            let parts = parts.iter().map(|part| match part {
+                Part::Literal(text) => quote! { ::idemq::TemplatePart::Literal(#text) },
+                Part::Value(source) => {
+                    let value = source_expr(lit, source);
+                    quote! { ::idemq::TemplatePart::Value(#value) }
+                }
+            });
+            quote! { ::idemq::Key::from_template(&[#(#parts),*]) }
+        }
+        KeySpec::Function(path) => quote_spanned! {path.span()=>
+            ::idemq::KeyFn::key(&#path, __idemq_message, __idemq_metadata)
+        },
+    }
+}
+
+/// One source's `Result<Key, KeyError>`.
+fn source_expr(lit: &syn::LitStr, source: &Source) -> TokenStream {
+    match source {
+        // Every token at the literal, with the macro's own (mixed-site) hygiene: a
+        // wrong field underlines the key string, and rustc offers no "similar field"
+        // fix that would replace the whole literal, quotes and all, with a bare name.
+        // The explicit deref names the message type (not `&Message`) in errors.
+        Source::Field(segments) => field_expr(lit, segments),
+        Source::MessageId => quote! { __idemq_metadata.message_id_key() },
+        Source::Header(name) => quote! { __idemq_metadata.header_key(#name) },
+        Source::Hash => quote! { ::core::result::Result::Ok(__idemq_metadata.hash_key()) },
+    }
+}
+
+/// A field path's key: every token at the literal, with the macro's own (mixed-site)
+/// hygiene, so a wrong field underlines the key string and rustc offers no "similar
+/// field" fix replacing the whole literal, quotes and all, with a bare name. The
+/// explicit deref names the message type (not `&Message`) in errors.
+fn field_expr(lit: &syn::LitStr, segments: &[syn::Member]) -> TokenStream {
+    let span = Span::mixed_site().located_at(lit.span());
+    let message = Ident::new(MESSAGE, span);
+    quote_spanned! {span=> ::idemq::KeyField::to_key(&(*#message) #(. #segments)*) }
 }
 
 /// Whether the tokens hold an `impl` (e.g. `Result<(), impl Error>`).

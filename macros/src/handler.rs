@@ -5,6 +5,8 @@
 //! spanned on the user's tokens so its errors underline them (see `expand`).
 
 use syn::spanned::Spanned;
+
+use crate::errors::Errors;
 use syn::{FnArg, GenericArgument, ItemFn, PatType, PathArguments, ReturnType, Type};
 
 /// What an argument of the handler fn is.
@@ -20,8 +22,10 @@ pub(crate) struct HandlerFn {
     pub(crate) item: ItemFn,
     /// The first argument's type, as written (`&mut AsyncPgConnection`).
     pub(crate) conn_ty: Type,
-    /// The message argument's type (the argument taken by value).
+    /// The message's type (`T` of a `msg: T` or `msg: &T` argument).
     pub(crate) message_ty: Type,
+    /// The message is taken as `&T`.
+    pub(crate) message_by_ref: bool,
     /// The context argument's type (`&mut Context` or `&Context`), if taken.
     pub(crate) ctx_ty: Option<Type>,
     /// What each argument is, in the fn's order.
@@ -35,7 +39,7 @@ pub(crate) struct HandlerFn {
 impl HandlerFn {
     /// Checks the fn's shape, collecting every error.
     pub(crate) fn validate(item: ItemFn) -> syn::Result<Self> {
-        let mut errors: Vec<syn::Error> = Vec::new();
+        let mut errors = Errors::default();
         let sig = &item.sig;
         if sig.asyncness.is_none() {
             errors.push(syn::Error::new(
@@ -65,10 +69,9 @@ impl HandlerFn {
                 FnArg::Typed(pat) => typed.push(pat),
             }
         }
-        // After the connection, the argument taken by reference is the context, the
-        // one taken by value the message: the compiler can tell them apart, so any
-        // order is accepted.
-        let (conn_ty, message_ty, ctx_ty, roles) = match typed.as_slice() {
+        // After the connection, the argument of type `&mut Context` (or `&Context`)
+        // is the context, the other the message: either order is accepted.
+        let (conn_ty, message, ctx_ty, roles) = match typed.as_slice() {
             [conn, message] => (
                 check_conn(conn, &mut errors),
                 check_message(message, &mut errors),
@@ -77,15 +80,15 @@ impl HandlerFn {
             ),
             [conn, a, b] => {
                 let conn_ty = check_conn(conn, &mut errors);
-                let (message, ctx, roles) = match (is_reference(&a.ty), is_reference(&b.ty)) {
+                let (message, ctx, roles) = match (is_context(&a.ty), is_context(&b.ty)) {
                     (false, true) => (a, b, vec![Role::Connection, Role::Message, Role::Context]),
                     (true, false) => (b, a, vec![Role::Connection, Role::Context, Role::Message]),
                     _ => {
                         errors.push(syn::Error::new(
                             sig.paren_token.span.join(),
-                            "of the two arguments after the connection, one is the message, taken by \
-                             value (`message: YourMessage`), and one the context, taken by reference \
-                             (`ctx: &mut idemq::Context`)",
+                            "of the two arguments after the connection, one is the message \
+                             (`message: YourMessage` or `&YourMessage`) and one the context \
+                             (`ctx: &mut idemq::Context`, or `&idemq::Context`)",
                         ));
                         (a, b, Vec::new())
                     }
@@ -111,23 +114,28 @@ impl HandlerFn {
                 None
             }
         };
-        let mut errors = errors.into_iter();
-        if let Some(mut first) = errors.next() {
-            errors.for_each(|err| first.combine(err));
-            return Err(first);
-        }
-        match (conn_ty, message_ty, output) {
-            (Some(conn_ty), Some(message_ty), Some(output)) => {
+        let validated = errors.finish(|| ());
+        validated?;
+        match (conn_ty, message, output) {
+            (Some(conn_ty), Some((message_ty, message_by_ref)), Some(output)) => {
                 let error_ty = error_type(&output);
-                Ok(Self { item, conn_ty, message_ty, ctx_ty, roles, output, error_ty })
+                Ok(Self { item, conn_ty, message_ty, message_by_ref, ctx_ty, roles, output, error_ty })
             }
             _ => unreachable!("every missing part records an error"),
         }
     }
 }
 
-fn is_reference(ty: &Type) -> bool {
-    matches!(peel(ty), Type::Reference(_))
+/// `&Context` or `&mut Context` (any path ending in `Context`), or any `&mut`
+/// (a message is never taken `&mut`): the context argument, told apart from the
+/// message by its type. The compiler then checks it is idemq's `Context`.
+fn is_context(ty: &Type) -> bool {
+    let Type::Reference(reference) = peel(ty) else { return false };
+    if reference.mutability.is_some() {
+        return true;
+    }
+    let Type::Path(path) = peel(&reference.elem) else { return false };
+    path.qself.is_none() && path.path.segments.last().is_some_and(|last| last.ident == "Context")
 }
 
 /// The type inside any invisible groups (from `macro_rules!` fragments) or parentheses.
@@ -139,7 +147,7 @@ fn peel(ty: &Type) -> &Type {
     }
 }
 
-fn check_conn(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
+fn check_conn(arg: &PatType, errors: &mut Errors) -> Option<Type> {
     let message = match peel(&arg.ty) {
         Type::Reference(reference) if matches!(peel(&reference.elem), Type::ImplTrait(_)) => {
             "a handler cannot be generic over its connection: write `conn: &mut AsyncPgConnection`"
@@ -159,19 +167,21 @@ fn check_conn(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
     None
 }
 
-fn check_message(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
-    match peel(&arg.ty) {
-        Type::Reference(reference) => {
-            let amp = if reference.mutability.is_some() { "&mut" } else { "&" };
+/// The message type, and whether it is taken by reference (`&T`).
+fn check_message(arg: &PatType, errors: &mut Errors) -> Option<(Type, bool)> {
+    let (ty, by_ref) = match peel(&arg.ty) {
+        Type::Reference(reference) if reference.mutability.is_some() => {
             errors.push(syn::Error::new_spanned(
                 &arg.ty,
-                format!(
-                    "take the message by value: remove the `{amp}`; \
-                     the runtime decodes each message and hands it over"
-                ),
+                "take the message by value or as `&T`, not `&mut`: the runtime decodes each \
+                 message and hands it over",
             ));
-            None
+            return None;
         }
+        Type::Reference(reference) => (peel(&reference.elem), true),
+        ty => (ty, false),
+    };
+    match ty {
         Type::ImplTrait(_) | Type::Infer(_) => {
             errors.push(syn::Error::new_spanned(
                 &arg.ty,
@@ -180,7 +190,7 @@ fn check_message(arg: &PatType, errors: &mut Vec<syn::Error>) -> Option<Type> {
             ));
             None
         }
-        _ => Some((*arg.ty).clone()),
+        ty => Some((ty.clone(), by_ref)),
     }
 }
 

@@ -13,10 +13,19 @@
 //! `TRYBUILD=overwrite cargo test -p idemq-macros --test ui` and review the diff.
 
 mod attr;
+mod errors;
 mod expand;
 mod handler;
+mod message;
 
 use proc_macro::TokenStream;
+
+/// Declares where a message type is published and which field is its key. See
+/// `idemq::Message`.
+#[proc_macro_derive(Message, attributes(message))]
+pub fn derive_message(input: TokenStream) -> TokenStream {
+    message::derive(input.into()).into()
+}
 
 /// Turns an async fn into an idempotent message handler. See `idemq::idempotent_handler`.
 #[proc_macro_attribute]

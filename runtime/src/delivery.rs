@@ -928,8 +928,7 @@ impl Consumer {
 
     /// Decodes the body; a panicking `Deserialize` impl or key is a decode failure.
     pub(crate) fn prepare(&self, delivery: &Delivery) -> Result<Prepared, Rejection> {
-        let content_type = delivery.properties.content_type().as_ref().map(|ct| ct.as_str());
-        let prepare = || self.handler.prepare(&delivery.data, content_type, self.shared.limits);
+        let prepare = || self.handler.prepare(&delivery.data, &delivery.properties, self.shared.limits);
         std::panic::catch_unwind(AssertUnwindSafe(prepare)).unwrap_or_else(|panic| {
             Err(Rejection {
                 kind: FailureKind::Decode,

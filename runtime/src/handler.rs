@@ -11,7 +11,7 @@ use std::pin::Pin;
 use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
 
-use crate::key::{Key, KeyError};
+use crate::key::{Key, KeyError, Metadata};
 use crate::outbox::{Context, HandlerOutput};
 
 /// A boxed, `Send` future borrowing for `'a`, as returned by [`Handler::handle`].
@@ -39,11 +39,12 @@ pub trait Handler: Send + Sync + 'static {
     /// The key path as written in the attribute (e.g. `"order.id"`), for error messages.
     fn key_path(&self) -> &'static str;
 
-    /// Extracts the dedup key from a decoded message.
+    /// Extracts the dedup key from a decoded message and its delivery's metadata
+    /// (`key = "@message_id"`, `"@header:…"`, `"@hash"`, a `key_fn` taking both).
     ///
     /// # Errors
     /// A missing (`None`), empty or otherwise unusable key; the message is dead-lettered.
-    fn key(&self, message: &Self::Message) -> Result<Key, KeyError>;
+    fn key(&self, message: &Self::Message, metadata: &Metadata<'_>) -> Result<Key, KeyError>;
 
     /// The lane path as written in the attribute (`lane = "account"`), if the handler
     /// has one.

@@ -56,6 +56,170 @@ impl Key {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The key of a template (`key = "{tenant}:{order.id}"`): the literal parts as
+    /// written, each value as `<its stored key's length in bytes>#<its stored key>`, then
+    /// stored like any key (hashed if long). The lengths keep values from running
+    /// together: tenant `a:b` with id `c` is `3#a:b:1#c`, tenant `a` with id `b:c` is
+    /// `1#a:3#b:c` — one template never maps two different value lists to one key.
+    ///
+    /// # Errors
+    /// The first value's error (a missing, empty or NUL value).
+    pub fn from_template(parts: &[TemplatePart<'_>]) -> Result<Self, KeyError> {
+        use fmt::Write;
+        let mut raw = String::new();
+        for part in parts {
+            match part {
+                TemplatePart::Literal(text) => raw.push_str(text),
+                TemplatePart::Value(value) => {
+                    let value = value.as_ref().map_err(Clone::clone)?;
+                    let _ = write!(raw, "{}#{}", value.0.len(), value.0);
+                }
+            }
+        }
+        Self::new(raw)
+    }
+}
+
+/// A part of a key template, for [`Key::from_template`].
+#[derive(Debug)]
+pub enum TemplatePart<'a> {
+    /// Text written in the template.
+    Literal(&'a str),
+    /// A value read from the message or the delivery.
+    Value(Result<Key, KeyError>),
+}
+
+/// What a key can be read from besides the message: the delivery's AMQP properties
+/// and the body's fingerprint. Handed to `key_fn`s that take two arguments.
+#[derive(Debug, Clone, Copy)]
+pub struct Metadata<'a> {
+    properties: &'a lapin::BasicProperties,
+    fingerprint: &'a [u8],
+}
+
+impl<'a> Metadata<'a> {
+    /// Metadata of a delivery with `properties` and payload `fingerprint` (for unit
+    /// tests of keys and `key_fn`s; the runtime makes its own).
+    pub fn new(properties: &'a lapin::BasicProperties, fingerprint: &'a [u8]) -> Self {
+        Self { properties, fingerprint }
+    }
+
+    /// The delivery's AMQP `message_id`.
+    pub fn message_id(&self) -> Option<&'a str> {
+        self.properties.message_id().as_ref().map(|id| id.as_str())
+    }
+
+    /// A header of the delivery: a string as it is, an integer in decimal.
+    pub fn header(&self, name: &str) -> Option<String> {
+        use lapin::types::AMQPValue;
+        let value = self.properties.headers().as_ref()?.inner().get(name)?;
+        match value {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+            AMQPValue::LongLongInt(v) => Some(v.to_string()),
+            AMQPValue::LongInt(v) => Some(v.to_string()),
+            AMQPValue::LongUInt(v) => Some(v.to_string()),
+            AMQPValue::ShortInt(v) => Some(v.to_string()),
+            AMQPValue::ShortUInt(v) => Some(v.to_string()),
+            AMQPValue::ShortShortInt(v) => Some(v.to_string()),
+            AMQPValue::ShortShortUInt(v) => Some(v.to_string()),
+            _ => None,
+        }
+    }
+
+    /// The SHA-256 of the body's canonical payload (see the crate docs, "the same
+    /// payload"): two copies of one payload have one fingerprint.
+    pub fn fingerprint(&self) -> &'a [u8] {
+        self.fingerprint
+    }
+
+    /// `key = "@message_id"`: a delivery without one has a missing key.
+    ///
+    /// # Errors
+    /// [`KeyError::Missing`], or the id's own (empty, NUL).
+    pub fn message_id_key(&self) -> Result<Key, KeyError> {
+        self.message_id().ok_or(KeyError::Missing)?.to_key()
+    }
+
+    /// `key = "@header:<name>"`: a delivery without it (or with a value that is
+    /// neither a string nor an integer) has a missing key.
+    ///
+    /// # Errors
+    /// [`KeyError::Missing`], or the value's own.
+    pub fn header_key(&self, name: &str) -> Result<Key, KeyError> {
+        self.header(name).ok_or(KeyError::Missing)?.to_key()
+    }
+
+    /// `key = "@hash"`: the payload's fingerprint in hex, for producers that send no
+    /// id. Only a copy of the same payload is a duplicate; two different messages
+    /// with one payload are one message.
+    pub fn hash_key(&self) -> Key {
+        Key(hex(self.fingerprint))
+    }
+}
+
+/// A message type that carries its own dedup key (`#[derive(Message)]` with
+/// `#[message(key)]` on a field): a handler of it needs no `key = "..."`.
+#[diagnostic::on_unimplemented(
+    message = "no dedup key for `{Self}`: the handler names none, and the type declares none",
+    label = "`{Self}` declares no key",
+    note = "give the handler one: #[idempotent_handler(key = \"payment_id\")] (or `key_fn = ...`), \
+            or derive `idemq::Message` on `{Self}` and mark its key field `#[message(key)]`"
+)]
+pub trait KeyedMessage {
+    /// The key field's name on the wire (its `#[serde(rename)]`, if any), for messages.
+    const KEY_PATH: &'static str;
+
+    /// The message's key.
+    ///
+    /// # Errors
+    /// As [`KeyField::to_key`].
+    fn message_key(&self) -> Result<Key, KeyError>;
+}
+
+/// A `key_fn`: `fn(&Message) -> K` or `fn(&Message, &Metadata) -> K`, `K` a
+/// [`KeyField`] (a string, an integer, an `Option` of one, a [`Key`]). `Args` tells
+/// the two forms apart; it is inferred.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be this handler's `key_fn`",
+    label = "expected `fn(&{M}) -> K` or `fn(&{M}, &idemq::Metadata<'_>) -> K`",
+    note = "`K` is a key type: a string, an integer, a uuid::Uuid, an Option of one, or idemq::Key; \
+            return it owned (e.g. `String`), not borrowed from the message"
+)]
+pub trait KeyFn<M, Args> {
+    /// The message's key.
+    ///
+    /// # Errors
+    /// The key's (missing, empty, NUL).
+    fn key(&self, message: &M, metadata: &Metadata<'_>) -> Result<Key, KeyError>;
+}
+
+/// [`KeyFn`]'s form `fn(&Message) -> K`.
+#[derive(Debug)]
+pub enum FromMessage {}
+/// [`KeyFn`]'s form `fn(&Message, &Metadata) -> K`.
+#[derive(Debug)]
+pub enum FromMessageAndMetadata {}
+
+impl<M, F, K> KeyFn<M, FromMessage> for F
+where
+    F: Fn(&M) -> K,
+    K: KeyField,
+{
+    fn key(&self, message: &M, _: &Metadata<'_>) -> Result<Key, KeyError> {
+        self(message).to_key()
+    }
+}
+
+impl<M, F, K> KeyFn<M, FromMessageAndMetadata> for F
+where
+    F: Fn(&M, &Metadata<'_>) -> K,
+    K: KeyField,
+{
+    fn key(&self, message: &M, metadata: &Metadata<'_>) -> Result<Key, KeyError> {
+        self(message, metadata).to_key()
+    }
 }
 
 impl fmt::Debug for Key {
@@ -106,6 +270,12 @@ pub trait KeyField {
     /// # Errors
     /// See [`KeyError`].
     fn to_key(&self) -> Result<Key, KeyError>;
+}
+
+impl KeyField for Key {
+    fn to_key(&self) -> Result<Key, KeyError> {
+        Ok(self.clone())
+    }
 }
 
 impl KeyField for str {
@@ -201,6 +371,23 @@ mod tests {
         // Keys that merely contain it, or another case, are stored as they are.
         assert_eq!("x-sha256:abc".to_key().unwrap().as_str(), "x-sha256:abc");
         assert_eq!("SHA256:abc".to_key().unwrap().as_str(), "SHA256:abc");
+    }
+
+    #[test]
+    fn template_values_cannot_run_together() {
+        let key = |tenant: &str, id: &str| {
+            Key::from_template(&[
+                TemplatePart::Value(tenant.to_key()),
+                TemplatePart::Literal(":"),
+                TemplatePart::Value(id.to_key()),
+            ])
+            .unwrap()
+        };
+        assert_eq!(key("a:b", "c").as_str(), "3#a:b:1#c");
+        assert_ne!(key("a:b", "c"), key("a", "b:c"));
+        assert_ne!(key("1#a", "b"), key("1", "a:1#b"));
+        let missing = Key::from_template(&[TemplatePart::Value(None::<String>.to_key())]);
+        assert_eq!(missing, Err(KeyError::Missing));
     }
 
     #[test]

@@ -179,8 +179,11 @@ pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
 pub use delivery::OnConflict;
 pub use error::Error;
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
-pub use idemq_macros::idempotent_handler;
-pub use key::{Key, KeyError, KeyField, MAX_STORED_KEY_BYTES};
+pub use idemq_macros::{idempotent_handler, Message};
+pub use key::{
+    FromMessage, FromMessageAndMetadata, Key, KeyError, KeyField, KeyFn, KeyedMessage, Metadata,
+    TemplatePart, MAX_STORED_KEY_BYTES,
+};
 pub use migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
 pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, PublishError};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};

@@ -37,12 +37,18 @@ const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
 pub const STATUS_HEADER: &str = "x-idemq-status";
 
 /// A message type that knows where it is published: the typed form of
-/// [`Context::publish`], [`Context::send`]. (`#[derive(Message)]` will write it.)
+/// [`Context::publish`], [`Context::send`]. Written by `#[derive(Message)]`
+/// (`#[message(exchange = "payments", routing_key = "payment.applied")]`).
 pub trait Message: Serialize {
     /// The exchange it is published to (`""`: the default exchange).
-    fn exchange(&self) -> &str;
+    const EXCHANGE: &'static str;
     /// Its routing key (on the default exchange: the queue's name).
-    fn routing_key(&self) -> &str;
+    const ROUTING_KEY: &'static str;
+
+    /// The routing key of this message (default: [`Message::ROUTING_KEY`]).
+    fn routing_key(&self) -> &str {
+        Self::ROUTING_KEY
+    }
 }
 
 /// A message on its way into the outbox.
@@ -328,8 +334,8 @@ impl Context {
     ///
     /// # Errors
     /// As [`Context::publish`].
-    pub fn send<M: Message + ?Sized>(&mut self, message: &M) -> Result<String, PublishError> {
-        self.publish(message.exchange(), message.routing_key(), message)
+    pub fn send<M: Message>(&mut self, message: &M) -> Result<String, PublishError> {
+        self.publish(M::EXCHANGE, message.routing_key(), message)
     }
 
     /// Publishes a message built by hand (headers, a body that is not JSON); its

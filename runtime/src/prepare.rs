@@ -6,7 +6,7 @@ use std::sync::Arc;
 use diesel_async::AsyncPgConnection;
 
 use crate::handler::{BoxFuture, Handler, HandlerError};
-use crate::key::{Key, KeyError};
+use crate::key::{Key, KeyError, Metadata};
 use crate::outbox::{Context, HandlerOutput};
 use crate::outcome::FailureKind;
 
@@ -56,7 +56,7 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn prepare(
         &self,
         body: &[u8],
-        content_type: Option<&str>,
+        properties: &lapin::BasicProperties,
         limits: InputLimits,
     ) -> Result<Prepared, Rejection>;
 }
@@ -77,9 +77,10 @@ impl<H: Handler> ErasedHandler for Arc<H> {
     fn prepare(
         &self,
         body: &[u8],
-        content_type: Option<&str>,
+        properties: &lapin::BasicProperties,
         limits: InputLimits,
     ) -> Result<Prepared, Rejection> {
+        let content_type = properties.content_type().as_ref().map(|ct| ct.as_str());
         if body.len() > limits.max_body_bytes {
             return Err(Rejection {
                 kind: FailureKind::TooLarge,
@@ -108,7 +109,8 @@ impl<H: Handler> ErasedHandler for Arc<H> {
         }
         let (message, fingerprint) =
             fingerprint::decode::<H::Message>(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
-        let key = self.key(&message).map_err(|err| key_rejection(self.key_path(), &err))?;
+        let metadata = Metadata::new(properties, fingerprint.as_slice());
+        let key = self.key(&message, &metadata).map_err(|err| key_rejection(self.key_path(), &err))?;
         let lane = match self.lane(&message) {
             None => None,
             Some(Ok(lane)) => Some(lane),
@@ -126,13 +128,24 @@ impl<H: Handler> ErasedHandler for Arc<H> {
 
 /// A decode error, unless the real problem is the key: a body that is a JSON object
 /// whose key path is absent or null is a missing key (kind `key`), not a decode error.
+///
+/// Only a plain field path is looked up, and an absent member counts only when
+/// serde's error names it ("missing field `id`"): the path holds Rust field names,
+/// and a field renamed with `#[serde(rename)]` is absent under its Rust name on the
+/// wire even when it is there — its message's real decode error must not be
+/// reported as a key error.
 fn decode_rejection<H: Handler>(handler: &H, body: &[u8], err: &serde_json::Error) -> Rejection {
     let key_path = handler.key_path();
-    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
+    let plain =
+        !key_path.is_empty() && key_path.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.');
+    if let (true, Ok(value)) = (plain, serde_json::from_slice::<serde_json::Value>(body)) {
         if value.is_object() {
-            let leaf = key_path.split('.').try_fold(&value, |v, seg| v.get(seg));
-            if leaf.is_none_or(serde_json::Value::is_null) {
-                return key_rejection(key_path, &KeyError::Missing);
+            let leaf_name = key_path.rsplit('.').next().unwrap_or(key_path);
+            let named = err.to_string().starts_with(&format!("missing field `{leaf_name}`"));
+            match key_path.split('.').try_fold(&value, |v, seg| v.get(seg)) {
+                Some(leaf) if leaf.is_null() => return key_rejection(key_path, &KeyError::Missing),
+                None if named => return key_rejection(key_path, &KeyError::Missing),
+                _ => {}
             }
         }
     }

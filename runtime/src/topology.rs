@@ -44,6 +44,17 @@ impl Topology {
         self
     }
 
+    /// Declares what message type `M` is published to (`#[derive(Message)]` with
+    /// `#[message(exchange = "...")]`): its exchange, as a topic exchange (nothing for
+    /// the default exchange `""`). Registration is explicit: a type is declared where
+    /// you name it here, never through a hidden global registry.
+    pub fn message<M: crate::Message>(self) -> Self {
+        if M::EXCHANGE.is_empty() || self.exchanges.iter().any(|e| e.name == M::EXCHANGE) {
+            return self;
+        }
+        self.exchange(Exchange::topic(M::EXCHANGE))
+    }
+
     /// Adds a queue (with its dead-letter queue and bindings).
     pub fn queue(mut self, queue: Queue) -> Self {
         self.queues.push(queue);

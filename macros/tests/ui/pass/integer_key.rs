@@ -29,8 +29,8 @@ fn assert_handler<H: idemq::Handler>(_: H) {}
 fn main() {
     assert_handler(on_unsigned);
     assert_handler(on_signed);
-    let key = idemq::Handler::key(&on_unsigned, &Unsigned { seq: 42 }).unwrap();
+    let key = idemq::Handler::key(&on_unsigned, &Unsigned { seq: 42 }, &idemq::Metadata::new(&Default::default(), &[])).unwrap();
     assert_eq!(key.as_str(), "42");
-    let key = idemq::Handler::key(&on_signed, &Signed { seq: -7 }).unwrap();
+    let key = idemq::Handler::key(&on_signed, &Signed { seq: -7 }, &idemq::Metadata::new(&Default::default(), &[])).unwrap();
     assert_eq!(key.as_str(), "-7");
 }

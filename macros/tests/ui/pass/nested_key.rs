@@ -26,5 +26,5 @@ fn main() {
     let msg = OrderPlaced {
         order: Order { id: "o-9".into() },
     };
-    assert_eq!(idemq::Handler::key(&place, &msg).unwrap().as_str(), "o-9");
+    assert_eq!(idemq::Handler::key(&place, &msg, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(), "o-9");
 }

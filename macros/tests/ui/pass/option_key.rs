@@ -20,10 +20,10 @@ fn main() {
     let some = Event {
         id: Some("e-1".into()),
     };
-    assert_eq!(idemq::Handler::key(&on_event, &some).unwrap().as_str(), "e-1");
+    assert_eq!(idemq::Handler::key(&on_event, &some, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(), "e-1");
     let none = Event { id: None };
     assert_eq!(
-        idemq::Handler::key(&on_event, &none).unwrap_err(),
+        idemq::Handler::key(&on_event, &none, &idemq::Metadata::new(&Default::default(), &[])).unwrap_err(),
         KeyError::Missing
     );
 }

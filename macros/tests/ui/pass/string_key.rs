@@ -34,5 +34,5 @@ fn main() {
         payment_id: "p-1".into(),
         amount_cents: 5,
     };
-    assert_eq!(idemq::Handler::key(&h, &msg).unwrap().as_str(), "p-1");
+    assert_eq!(idemq::Handler::key(&h, &msg, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(), "p-1");
 }

@@ -8,7 +8,7 @@ struct PaymentRequested {
 }
 
 #[idempotent_handler(key = "payment_id")]
-async fn apply_payment(conn: &mut AsyncPgConnection, msg: &PaymentRequested) -> Result<(), HandlerError> {
+async fn apply_payment(conn: &mut AsyncPgConnection, msg: &mut PaymentRequested) -> Result<(), HandlerError> {
     let _ = (conn, &msg.payment_id);
     Ok(())
 }
