@@ -1,6 +1,7 @@
 //! Parsing and validating the attribute's options: `key = "..."` (a field path, a
 //! template, `@message_id`, `@header:…`, `@hash`), `key_fn = path`, `name = "..."`,
-//! `lane = "..."`.
+//! `lane = "..."`, `queue = "..."`, `retry(...)`, `on_conflict = "..."`, `batch = N`,
+//! `dedup = false`.
 
 use proc_macro2::{Span, TokenStream};
 use syn::parse::{Parse, ParseStream, Parser};
@@ -9,10 +10,18 @@ use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
 
 use crate::errors::Errors;
 
-/// One `ident = value` pair as written; validated later so every error is reported.
+/// One option as written — `name = value` or `name(...)` — validated later so every
+/// error is reported.
 struct RawOption {
     name: Ident,
-    value: Expr,
+    value: RawValue,
+}
+
+enum RawValue {
+    /// `name = value`.
+    Expr(Expr),
+    /// `name(...)`, e.g. `retry(delays = ["1s", "5s"])`.
+    List(TokenStream),
 }
 
 impl Parse for RawOption {
@@ -29,12 +38,16 @@ impl Parse for RawOption {
             return Err(lookahead.error());
         }
         let name: Ident = input.parse()?;
+        if input.peek(syn::token::Paren) {
+            let content;
+            syn::parenthesized!(content in input);
+            return Ok(Self { name, value: RawValue::List(content.parse()?) });
+        }
         if !input.peek(Token![=]) {
             return Err(syn::Error::new(name.span(), format!("expected `{name} = \"...\"`")));
         }
         input.parse::<Token![=]>()?;
-        let value = input.parse()?;
-        Ok(Self { name, value })
+        Ok(Self { name, value: RawValue::Expr(input.parse()?) })
     }
 }
 
@@ -47,6 +60,16 @@ pub(crate) struct Options {
     pub(crate) name: Option<LitStr>,
     /// `lane = "..."`, if given: the field whose value picks the pipeline.
     pub(crate) lane: Option<KeyPath>,
+    /// `queue = "..."`: the queue the handler consumes.
+    pub(crate) queue: Option<LitStr>,
+    /// `retry(...)`: the handler's delays (empty: `retry(none)`).
+    pub(crate) retry: Option<Vec<u64>>,
+    /// `on_conflict = "ignore"` (true) or `"dead_letter"` (false).
+    pub(crate) on_conflict_ignore: Option<bool>,
+    /// `batch = N`.
+    pub(crate) batch: Option<usize>,
+    /// `dedup = false`.
+    pub(crate) dedup: bool,
 }
 
 /// A dotted field path into the message, e.g. `order.id`.
@@ -97,75 +120,54 @@ impl KeySpec {
 
 /// The options, for messages.
 const OPTIONS: &str = "`key = \"field.path\"` (or a template `\"{a}:{b.c}\"`, `\"@message_id\"`, \
-                       `\"@header:name\"`, `\"@hash\"`), `key_fn = path::to::fn`, `name = \"handler_name\"` \
-                       and `lane = \"field.path\"`";
+                       `\"@header:name\"`, `\"@hash\"`), `key_fn = path::to::fn`, `name = \"handler_name\"`, \
+                       `lane = \"field.path\"`, `queue = \"queue\"`, `retry(delays = [\"1s\", \"30s\"])` or \
+                       `retry(none)`, `on_conflict = \"ignore\"`, `batch = N` and `dedup = false`";
+
+/// Every option's name, for typo hints.
+const NAMES: [&str; 9] = ["key", "key_fn", "name", "lane", "queue", "retry", "on_conflict", "batch", "dedup"];
+
+/// The largest `batch = N` (the runtime's own limit).
+const MAX_BATCH: usize = 4096;
 
 impl Options {
     /// Parses the attribute's tokens, collecting every error.
     pub(crate) fn parse(tokens: TokenStream) -> syn::Result<Self> {
         let raw = Punctuated::<RawOption, Token![,]>::parse_terminated.parse2(tokens)?;
         let mut errors = Errors::default();
-        let (mut key, mut key_fn, mut name, mut lane): (
-            Option<LitStr>,
-            Option<Expr>,
-            Option<LitStr>,
-            Option<LitStr>,
-        ) = (None, None, None, None);
+        let mut given: Vec<RawOption> = Vec::new();
         for option in raw {
-            let duplicate = |errors: &mut Errors| {
+            let name = option.name.to_string();
+            if !NAMES.contains(&name.as_str()) {
+                let hint = match closest_option(&name) {
+                    Some(known) => format!("did you mean `{known}`? "),
+                    None => String::new(),
+                };
                 errors.push(syn::Error::new(
                     option.name.span(),
-                    format!("duplicate option `{}`; give it once", option.name),
+                    format!("unknown option `{name}`; {hint}the options are {OPTIONS}"),
                 ));
-            };
-            let slot = match option.name.to_string().as_str() {
-                "key" => &mut key,
-                "name" => &mut name,
-                "lane" => &mut lane,
-                "key_fn" => {
-                    if key_fn.is_some() {
-                        duplicate(&mut errors);
-                    } else {
-                        key_fn = Some(option.value);
-                    }
-                    continue;
-                }
-                other => {
-                    let hint = match closest_option(other) {
-                        Some(known) => format!("did you mean `{known}`? "),
-                        None => String::new(),
-                    };
-                    errors.push(syn::Error::new(
-                        option.name.span(),
-                        format!("unknown option `{other}`; {hint}the options are {OPTIONS}"),
-                    ));
-                    continue;
-                }
-            };
-            if slot.is_some() {
-                duplicate(&mut errors);
-                continue;
-            }
-            match option.value {
-                Expr::Lit(ExprLit { lit: Lit::Str(lit), .. }) => *slot = Some(lit),
-                other => {
-                    // `key = order.id` → suggest `key = "order.id"`.
-                    let example = match &other {
-                        Expr::Path(_) | Expr::Field(_) => {
-                            quote::quote!(#other).to_string().split_whitespace().collect::<String>()
-                        }
-                        _ => "...".to_owned(),
-                    };
-                    errors.push(syn::Error::new_spanned(
-                        other,
-                        format!(
-                            "`{name}` takes a string literal: write `{name} = \"{example}\"`",
-                            name = option.name
-                        ),
-                    ));
-                }
+            } else if given.iter().any(|other| other.name == option.name) {
+                errors.push(syn::Error::new(
+                    option.name.span(),
+                    format!("duplicate option `{name}`; give it once"),
+                ));
+            } else {
+                given.push(option);
             }
         }
+        let mut take = |name: &str| {
+            given.iter().position(|option| option.name == name).map(|index| given.swap_remove(index))
+        };
+        let (key, key_fn, name, lane, queue) =
+            (take("key"), take("key_fn"), take("name"), take("lane"), take("queue"));
+        let (retry, on_conflict, batch, dedup) =
+            (take("retry"), take("on_conflict"), take("batch"), take("dedup"));
+
+        let key = key.and_then(|option| errors.take(string(option)));
+        let name = name.and_then(|option| errors.take(string(option)));
+        let lane = lane.and_then(|option| errors.take(string(option)));
+        let queue = queue.and_then(|option| errors.take(string(option)));
         if let Some(name) = &name {
             if name.value().trim().is_empty() {
                 errors.push(syn::Error::new(
@@ -174,11 +176,53 @@ impl Options {
                 ));
             }
         }
+        if let Some(queue) = &queue {
+            if queue.value().is_empty() || queue.value().len() > 255 {
+                errors.push(syn::Error::new(queue.span(), "`queue` is a queue name: 1 to 255 bytes"));
+            }
+        }
         let lane = lane.and_then(|lit| errors.take(KeyPath::parse(lit, "lane")));
+        let retry = retry.and_then(|option| errors.take(parse_retry(option)));
+        let on_conflict_ignore = on_conflict.and_then(|option| {
+            let lit = errors.take(string(option))?;
+            match lit.value().as_str() {
+                "ignore" => Some(true),
+                "dead_letter" => Some(false),
+                other => {
+                    errors.push(syn::Error::new(
+                        lit.span(),
+                        format!(
+                            "`on_conflict` is \"dead_letter\" (the default: a key reused for another payload \
+                             is a client bug) or \"ignore\" (ack it as a duplicate and log), not \"{other}\""
+                        ),
+                    ));
+                    None
+                }
+            }
+        });
+        let batch = batch.and_then(|option| {
+            let int = errors.take(literal::<syn::LitInt>(option, "batch", "batch = 16"))?;
+            match int.base10_parse::<usize>() {
+                Ok(n) if (1..=MAX_BATCH).contains(&n) => Some(n),
+                _ => {
+                    errors.push(syn::Error::new(
+                        int.span(),
+                        format!("`batch` is 1..={MAX_BATCH} deliveries per transaction (1: one at a time)"),
+                    ));
+                    None
+                }
+            }
+        });
+        let dedup = match dedup {
+            Some(option) => {
+                errors.take(literal::<syn::LitBool>(option, "dedup", "dedup = false")).is_none_or(|b| b.value)
+            }
+            None => true,
+        };
         let key = match (key, key_fn) {
             (Some(lit), Some(function)) => {
-                errors.push(syn::Error::new_spanned(
-                    &function,
+                errors.push(syn::Error::new(
+                    function.name.span(),
                     format!(
                         "give `key = {}` or `key_fn`, not both: they are two ways to make one key",
                         lit.token()
@@ -187,18 +231,113 @@ impl Options {
                 None
             }
             (Some(lit), None) => errors.take(KeySpec::parse(lit)),
-            (None, Some(Expr::Path(path))) => Some(KeySpec::Function(path.path)),
+            (None, Some(RawOption { value: RawValue::Expr(Expr::Path(path)), .. })) => {
+                Some(KeySpec::Function(path.path))
+            }
             (None, Some(other)) => {
-                errors.push(syn::Error::new_spanned(
-                    other,
+                errors.push(syn::Error::new(
+                    other.name.span(),
                     "`key_fn` takes the path of a fn: write `key_fn = my_key` (a `fn(&Message) -> K`)",
                 ));
                 None
             }
+            // Without dedup rows the key only names the message in logs and start
+            // marks: the payload's fingerprint does.
+            (None, None) if !dedup => {
+                Some(KeySpec::Single { lit: LitStr::new("@hash", Span::call_site()), source: Source::Hash })
+            }
             (None, None) => None,
         };
-        errors.finish(|| Self { key, name, lane })
+        errors.finish(|| Self { key, name, lane, queue, retry, on_conflict_ignore, batch, dedup })
     }
+}
+
+/// A string option's literal; `key = order.id` → suggest `key = "order.id"`.
+fn string(option: RawOption) -> syn::Result<LitStr> {
+    let name = option.name;
+    match option.value {
+        RawValue::Expr(Expr::Lit(ExprLit { lit: Lit::Str(lit), .. })) => Ok(lit),
+        RawValue::Expr(other) => {
+            let example = match &other {
+                Expr::Path(_) | Expr::Field(_) => {
+                    quote::quote!(#other).to_string().split_whitespace().collect::<String>()
+                }
+                _ => "...".to_owned(),
+            };
+            Err(syn::Error::new_spanned(
+                other,
+                format!("`{name}` takes a string literal: write `{name} = \"{example}\"`"),
+            ))
+        }
+        RawValue::List(_) => Err(syn::Error::new(name.span(), format!("write `{name} = \"...\"`"))),
+    }
+}
+
+/// A literal option of type `L` (an integer, a bool).
+fn literal<L: syn::parse::Parse>(option: RawOption, name: &str, example: &str) -> syn::Result<L> {
+    let wrong = |span| syn::Error::new(span, format!("write `{example}`"));
+    match option.value {
+        RawValue::Expr(Expr::Lit(ExprLit { lit, .. })) => {
+            let span = lit.span();
+            syn::parse2::<L>(quote::quote!(#lit)).map_err(|_| wrong(span))
+        }
+        RawValue::Expr(other) => {
+            Err(syn::Error::new_spanned(other, format!("`{name}` takes a literal: write `{example}`")))
+        }
+        RawValue::List(_) => Err(wrong(option.name.span())),
+    }
+}
+
+/// `retry(delays = ["100ms", "1s", "30s"])` or `retry(none)`: the delays in ms.
+fn parse_retry(option: RawOption) -> syn::Result<Vec<u64>> {
+    let usage = "write `retry(delays = [\"1s\", \"30s\", \"5m\"])` (one attempt, then one per delay; \
+                 units ms, s, m, h) or `retry(none)` (the first transient failure dead-letters)";
+    let RawValue::List(tokens) = option.value else {
+        return Err(syn::Error::new(option.name.span(), usage));
+    };
+    let span = option.name.span();
+    if let Ok(ident) = syn::parse2::<Ident>(tokens.clone()) {
+        if ident == "none" {
+            return Ok(Vec::new());
+        }
+    }
+    let meta: syn::MetaNameValue = syn::parse2(tokens).map_err(|err| syn::Error::new(err.span(), usage))?;
+    if !meta.path.is_ident("delays") {
+        return Err(syn::Error::new_spanned(&meta.path, usage));
+    }
+    let Expr::Array(array) = meta.value else { return Err(syn::Error::new_spanned(&meta.value, usage)) };
+    let mut delays = Vec::new();
+    for element in &array.elems {
+        let Expr::Lit(ExprLit { lit: Lit::Str(lit), .. }) = element else {
+            return Err(syn::Error::new_spanned(element, usage));
+        };
+        let ms = parse_duration(&lit.value()).ok_or_else(|| {
+            syn::Error::new(
+                lit.span(),
+                format!("`{}` is not a delay: write e.g. \"250ms\", \"5s\", \"2m\", \"1h\"", lit.value()),
+            )
+        })?;
+        delays.push(ms);
+    }
+    if delays.is_empty() {
+        return Err(syn::Error::new(span, "an empty `delays`: write `retry(none)` for no retries"));
+    }
+    Ok(delays)
+}
+
+/// `250ms`, `5s`, `2m`, `1h` in milliseconds (at least 1).
+fn parse_duration(text: &str) -> Option<u64> {
+    let digits = text.trim().bytes().take_while(u8::is_ascii_digit).count();
+    let (number, unit) = text.trim().split_at(digits);
+    let number: u64 = number.parse().ok()?;
+    let factor = match unit.trim() {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        _ => return None,
+    };
+    number.checked_mul(factor).filter(|ms| *ms > 0)
 }
 
 impl KeySpec {
@@ -299,7 +438,7 @@ fn parse_template(lit: &LitStr, template: &str) -> syn::Result<Vec<Part>> {
 
 /// The known option an unknown one is most likely a typo of (edit distance ≤ 2).
 fn closest_option(unknown: &str) -> Option<&'static str> {
-    ["key", "key_fn", "name", "lane"]
+    NAMES
         .into_iter()
         .map(|known| (edit_distance(unknown, known), known))
         .filter(|(distance, _)| *distance <= 2)

@@ -88,6 +88,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
         }
     });
+    let settings = settings(options);
     // The checks only the compiler can make go through local traits whose
     // `on_unimplemented` says what to write, each spanned on the user's own tokens.
     let message_assoc = quote_spanned! {message_ty.span()=> type Message = #message_ty; };
@@ -185,6 +186,8 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
 
             #lane
+
+            #settings
 
             fn handle<'__idemq_a>(
                 &'__idemq_a self,
@@ -287,6 +290,49 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
         }
     }
+}
+
+/// The `Handler` methods of the options that tune the runtime per handler.
+fn settings(options: &Options) -> TokenStream {
+    let queue = options.queue.as_ref().map(|queue| {
+        quote! {
+            fn queue(&self) -> ::core::option::Option<&'static str> {
+                ::core::option::Option::Some(#queue)
+            }
+        }
+    });
+    let retry = options.retry.as_ref().map(|delays| {
+        quote! {
+            fn retry(&self) -> ::core::option::Option<::idemq::RetryPolicy> {
+                ::core::option::Option::Some(::idemq::RetryPolicy::new([
+                    #(::core::time::Duration::from_millis(#delays)),*
+                ]))
+            }
+        }
+    });
+    let on_conflict = options.on_conflict_ignore.map(|ignore| {
+        let variant = if ignore { quote!(Ignore) } else { quote!(DeadLetter) };
+        quote! {
+            fn on_conflict(&self) -> ::core::option::Option<::idemq::OnConflict> {
+                ::core::option::Option::Some(::idemq::OnConflict::#variant)
+            }
+        }
+    });
+    let batch = options.batch.map(|size| {
+        quote! {
+            fn batch_size(&self) -> ::core::option::Option<usize> {
+                ::core::option::Option::Some(#size)
+            }
+        }
+    });
+    let dedup = (!options.dedup).then(|| {
+        quote! {
+            fn dedup(&self) -> bool {
+                false
+            }
+        }
+    });
+    quote! { #queue #retry #on_conflict #batch #dedup }
 }
 
 /// The message, as key expressions name it (bound with mixed-site hygiene).

@@ -158,6 +158,21 @@ pub(crate) async fn begin_and_claim(
     }
 }
 
+/// BEGIN and the new transaction's id (pipelined, one round trip), for a handler
+/// without dedup rows (`dedup = false`): every delivery of `keys` is new.
+pub(crate) async fn begin_without_claim(conn: &mut AsyncPgConnection, keys: &[&str]) -> QueryResult<Claim> {
+    use diesel::connection::TransactionDepthChange;
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()?
+        .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
+    let (mut first, mut second) = (&*conn, &*conn);
+    let began = first.batch_execute("BEGIN");
+    let xid = diesel::select(txid_current()).get_result::<i64>(&mut second);
+    let (began, xid) = futures_util::join!(began, xid);
+    began?;
+    Ok(Claim { xid: Some(xid?), inserted: keys.iter().map(|key| (*key).to_owned()).collect() })
+}
+
 /// Makes the open transaction wait at most [`BATCH_LOCK_TIMEOUT`] for a lock: for a
 /// transaction that runs several handlers (one running alone keeps the session's
 /// limit, and only its failures are charged as attempts).

@@ -174,6 +174,10 @@ pub(crate) struct Consumer {
     /// How many of this consumer's batches may run at once (a handler without a
     /// lane); narrows while its batches collide (see [`Width`]).
     pub(crate) width: Width,
+    /// How its batches are formed (the handler's `batch = N` applied).
+    pub(crate) batch: BatchLimits,
+    /// The handler's `on_conflict`, else the runtime's.
+    pub(crate) on_conflict: OnConflict,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -183,8 +187,6 @@ pub(crate) struct Shared {
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
     pub(crate) database_retry_limit: Duration,
-    pub(crate) on_conflict: OnConflict,
-    pub(crate) batch: BatchLimits,
     pub(crate) stats: Arc<Stats>,
     pub(crate) observer: Option<crate::runtime::Observer>,
     /// Wakes the outbox relay(s) after a COMMIT that wrote outbox rows.
@@ -631,14 +633,23 @@ impl Consumer {
         let infra = |err| Fault::Infra(InfraFault::Database(err));
         let batch = runnable.len();
         let began_at = Instant::now();
-        // The same key twice: the first is run, the others wait for its fate.
+        // The same key twice: the first is run, the others wait for its fate. (A
+        // handler without dedup rows runs every delivery.)
+        let dedup = self.handler.dedup();
         let mut seen = HashSet::new();
-        let (firsts, repeats): (Vec<_>, Vec<_>) =
-            runnable.into_iter().partition(|(_, prepared)| seen.insert(prepared.key.as_str().to_owned()));
+        let (firsts, repeats): (Vec<_>, Vec<_>) = runnable
+            .into_iter()
+            .partition(|(_, prepared)| !dedup || seen.insert(prepared.key.as_str().to_owned()));
         let repeats: Vec<Repeat> = repeats.into_iter().map(Repeat::from).collect();
         let rows: Vec<(&str, &[u8])> =
             firsts.iter().map(|(_, p)| (p.key.as_str(), p.fingerprint.as_slice())).collect();
-        let claim = match db::begin_and_claim(conn, &self.scope, &rows).await {
+        let claimed = if dedup {
+            db::begin_and_claim(conn, &self.scope, &rows).await
+        } else {
+            let keys: Vec<&str> = rows.iter().map(|(key, _)| *key).collect();
+            db::begin_without_claim(conn, &keys).await
+        };
+        let claim = match claimed {
             Ok(claim) => claim,
             Err(err) => {
                 let rolled_back = AnsiTransactionManager::rollback_transaction(conn).await.is_ok()
@@ -708,6 +719,11 @@ impl Consumer {
                 delivered.counts.redelivered,
                 &delivered.delivery.properties,
             );
+            if !dedup {
+                // Two deliveries with one key are two messages here: their outbox
+                // rows must not share ids.
+                ctx.use_random_ids();
+            }
             let run = AssertUnwindSafe(effect(conn, &mut ctx)).catch_unwind();
             let failure = match tokio::time::timeout(self.shared.handler_timeout, run).await {
                 Ok(Ok(Ok(output))) => {
@@ -756,7 +772,7 @@ impl Consumer {
             };
             let class = error.class();
             let outcome = self.handler_failed(error, items[index].counts.attempt);
-            if class == ErrorClass::Permanent {
+            if class == ErrorClass::Permanent && dedup {
                 self.store_failure(conn, &items[index], &key, &fingerprint, &outcome).await?;
             }
             ran.decided.push((index, self.decision(outcome, key.as_str(), Some(began_at), batch)));
@@ -773,8 +789,9 @@ impl Consumer {
                 let body = HandlerOutput::reply_body(done.output.0.as_deref());
                 rows.push(Outgoing::reply(&request, self.reply_id(done.key.as_str()), body, true));
             }
-            if let Some(result) = &done.output.0 {
-                results.push((done.key.as_str(), result));
+            match &done.output.0 {
+                Some(result) if dedup => results.push((done.key.as_str(), result)),
+                _ => {}
             }
         }
         let written = async {
@@ -856,7 +873,7 @@ impl Consumer {
                         &repeat.key,
                         stored.fingerprint.as_deref(),
                         &repeat.fingerprint,
-                        self.shared.on_conflict,
+                        self.on_conflict,
                     );
                     let mut decision = self.decision(outcome, &repeat.key, Some(began_at), batch);
                     if decision.outcome == Outcome::Duplicate {

@@ -11,8 +11,10 @@ use std::pin::Pin;
 use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
 
+use crate::delivery::OnConflict;
 use crate::key::{Key, KeyError, Metadata};
 use crate::outbox::{Context, HandlerOutput};
+use crate::retry::RetryPolicy;
 
 /// A boxed, `Send` future borrowing for `'a`, as returned by [`Handler::handle`].
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -61,6 +63,37 @@ pub trait Handler: Send + Sync + 'static {
     fn lane(&self, message: &Self::Message) -> Option<Result<Key, KeyError>> {
         let _ = message;
         None
+    }
+
+    /// The queue the handler consumes (`queue = "..."`), for
+    /// [`RuntimeBuilder::handler`](crate::RuntimeBuilder::handler).
+    fn queue(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// The handler's own retry policy (`retry(...)`); the runtime's otherwise.
+    fn retry(&self) -> Option<RetryPolicy> {
+        None
+    }
+
+    /// What to do with a known key arriving with another payload (`on_conflict =
+    /// ...`); the runtime's setting otherwise.
+    fn on_conflict(&self) -> Option<OnConflict> {
+        None
+    }
+
+    /// The most deliveries of this handler in one transaction (`batch = N`; `1`:
+    /// per-message), at most the runtime's batch size.
+    fn batch_size(&self) -> Option<usize> {
+        None
+    }
+
+    /// Whether the runtime keeps dedup rows for this handler (`dedup = false`: no;
+    /// for handlers that are idempotent by themselves — still one transaction per
+    /// batch, still acked only after COMMIT, but every delivery runs, duplicates
+    /// included, and what it publishes gets random message ids).
+    fn dedup(&self) -> bool {
+        true
     }
 
     /// Applies the message's effect on `conn`, inside the runtime's transaction.

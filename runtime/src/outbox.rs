@@ -295,6 +295,8 @@ pub struct Context {
     redelivered: bool,
     properties: BasicProperties,
     published: Vec<Outgoing>,
+    /// `dedup = false`: message ids are random (stored with their rows).
+    random_ids: bool,
 }
 
 impl Context {
@@ -312,7 +314,13 @@ impl Context {
             redelivered,
             properties: properties.clone(),
             published: Vec::new(),
+            random_ids: false,
         }
+    }
+
+    /// Gives published messages random ids (a handler without dedup rows).
+    pub(crate) fn use_random_ids(&mut self) {
+        self.random_ids = true;
     }
 
     /// Publishes `message` as JSON to `exchange` with `routing_key` once this
@@ -344,7 +352,11 @@ impl Context {
     /// # Errors
     /// None today; kept fallible like [`Context::publish`].
     pub fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
-        let id = message_id(&self.scope, &self.key, &self.published.len().to_string());
+        let id = if self.random_ids {
+            uuid::Uuid::new_v4().simple().to_string()
+        } else {
+            message_id(&self.scope, &self.key, &self.published.len().to_string())
+        };
         self.published.push(Outgoing { message_id: Some(id.clone()), ..outgoing });
         Ok(id)
     }
@@ -461,6 +473,19 @@ mod tests {
         let published = ctx.take_published();
         assert_eq!(published.len(), 2);
         assert_eq!(published[1].body, b"2");
+    }
+
+    #[test]
+    fn without_dedup_two_deliveries_of_one_key_publish_under_different_ids() {
+        let ids: Vec<String> = (0..2)
+            .map(|_| {
+                let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+                ctx.use_random_ids();
+                ctx.publish("", "q", &1).unwrap()
+            })
+            .collect();
+        assert_ne!(ids[0], ids[1]);
+        assert_ne!(ids[0], message_id("h", "k", "0"));
     }
 
     #[test]

@@ -53,6 +53,11 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn type_path(&self) -> &'static str;
     /// The lane path (`lane = "..."`), if the handler has one.
     fn lane_path(&self) -> Option<&'static str>;
+    fn queue(&self) -> Option<&'static str>;
+    fn retry(&self) -> Option<crate::RetryPolicy>;
+    fn on_conflict(&self) -> Option<crate::OnConflict>;
+    fn batch_size(&self) -> Option<usize>;
+    fn dedup(&self) -> bool;
     fn prepare(
         &self,
         body: &[u8],
@@ -72,6 +77,26 @@ impl<H: Handler> ErasedHandler for Arc<H> {
 
     fn lane_path(&self) -> Option<&'static str> {
         H::lane_path(self)
+    }
+
+    fn queue(&self) -> Option<&'static str> {
+        H::queue(self)
+    }
+
+    fn retry(&self) -> Option<crate::RetryPolicy> {
+        H::retry(self)
+    }
+
+    fn on_conflict(&self) -> Option<crate::OnConflict> {
+        H::on_conflict(self)
+    }
+
+    fn batch_size(&self) -> Option<usize> {
+        H::batch_size(self)
+    }
+
+    fn dedup(&self) -> bool {
+        H::dedup(self)
     }
 
     fn prepare(

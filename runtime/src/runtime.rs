@@ -127,6 +127,14 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Consumes the queue the handler names (`#[idempotent_handler(queue = "...")]`).
+    /// A handler that names none is refused by [`build`](Self::build).
+    pub fn handler<H: Handler>(mut self, handler: H) -> Self {
+        let queue = handler.queue().map(str::to_owned).unwrap_or_default();
+        self.consumers.push((queue, Arc::new(Arc::new(handler)), None));
+        self
+    }
+
     /// Like [`consume`](Self::consume), with this handler's own retry policy.
     pub fn consume_with<H: Handler>(
         mut self,
@@ -296,6 +304,25 @@ impl RuntimeBuilder {
                 self.batch_size
             )));
         }
+        for (queue, handler, _) in &self.consumers {
+            match handler.queue() {
+                None if queue.is_empty() => {
+                    return Err(Error::Config(format!(
+                        "handler `{}` names no queue: give it one with #[idempotent_handler(queue = \"...\")], \
+                         or register it with `.consume(queue, handler)`",
+                        handler.type_path()
+                    )));
+                }
+                Some(own) if own != queue => {
+                    return Err(Error::Config(format!(
+                        "handler `{}` consumes queue '{own}' (its `queue = ...`), but is registered for '{queue}'; \
+                         register it with `.handler(h)`, or drop its `queue` option",
+                        handler.type_path()
+                    )));
+                }
+                _ => {}
+            }
+        }
         let mut seen = std::collections::HashSet::new();
         for (queue, _, _) in &self.consumers {
             if !seen.insert(queue.as_str()) {
@@ -418,8 +445,7 @@ impl Runtime {
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
             database_retry_limit: b.database_retry_limit,
-            on_conflict: b.on_conflict,
-            batch: BatchLimits { size: b.batch_size, linger: b.linger, pipelines: b.concurrency },
+
             stats: Arc::clone(&self.stats),
             observer: b.observer.clone(),
             outbox: crate::relay::OutboxSignal::new(relay_wake.clone()),
@@ -454,20 +480,30 @@ impl Runtime {
         let consumers = b
             .consumers
             .into_iter()
-            .map(|(queue, handler, retry)| ConsumerSpec {
-                declared: b.topology.find_queue(&queue).cloned().unwrap_or_else(|| Queue::new(queue.clone())),
-                retry: retry.unwrap_or_else(|| b.retry.clone()),
-                scope: dedup_scope(b.namespace.as_deref(), handler.name()),
-                queue,
-                handler,
+            .map(|(queue, handler, retry)| {
+                // The handler's own options (`batch = N`, `retry(..)`, `on_conflict`)
+                // override the runtime's; `consume_with`'s policy overrides both.
+                let size = handler.batch_size().map_or(b.batch_size, |size| size.clamp(1, b.batch_size));
+                ConsumerSpec {
+                    declared: b
+                        .topology
+                        .find_queue(&queue)
+                        .cloned()
+                        .unwrap_or_else(|| Queue::new(queue.clone())),
+                    retry: retry.or_else(|| handler.retry()).unwrap_or_else(|| b.retry.clone()),
+                    on_conflict: handler.on_conflict().unwrap_or(b.on_conflict),
+                    batch: BatchLimits { size, linger: b.linger, pipelines: b.concurrency },
+                    prefetch: u16::try_from(b.concurrency.saturating_mul(size)).unwrap_or(u16::MAX),
+                    scope: dedup_scope(b.namespace.as_deref(), handler.name()),
+                    queue,
+                    handler,
+                }
             })
             .collect();
         let ctx = SessionContext {
             amqp_url: with_heartbeat(&b.amqp_url, b.heartbeat),
             topology: b.topology,
             consumers,
-            // Enough for every transaction to fill a batch.
-            prefetch: u16::try_from(b.concurrency.saturating_mul(b.batch_size)).unwrap_or(u16::MAX),
             shared,
             permits: Arc::new(Semaphore::new(b.concurrency)),
             tracker: TaskTracker::new(),

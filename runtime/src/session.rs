@@ -78,6 +78,11 @@ pub(crate) struct ConsumerSpec {
     /// The handler's dedup scope (see `Consumer::scope`).
     pub(crate) scope: String,
     pub(crate) retry: RetryPolicy,
+    pub(crate) on_conflict: crate::OnConflict,
+    /// Its batches (the runtime's, capped by the handler's `batch = N`).
+    pub(crate) batch: crate::delivery::BatchLimits,
+    /// Enough for every transaction to fill a batch.
+    pub(crate) prefetch: u16,
 }
 
 /// What every session shares.
@@ -85,7 +90,6 @@ pub(crate) struct SessionContext {
     pub(crate) amqp_url: String,
     pub(crate) topology: Topology,
     pub(crate) consumers: Vec<ConsumerSpec>,
-    pub(crate) prefetch: u16,
     pub(crate) shared: Arc<Shared>,
     pub(crate) permits: Arc<Semaphore>,
     pub(crate) tracker: TaskTracker,
@@ -252,7 +256,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
             let channel = consuming.create_channel().await.map_err(amqp("open a consumer channel"))?;
             // Per-consumer QoS: global QoS on a quorum queue is a connection error.
             channel
-                .basic_qos(ctx.prefetch, BasicQosOptions { global: false })
+                .basic_qos(spec.prefetch, BasicQosOptions { global: false })
                 .await
                 .map_err(amqp("set the prefetch"))?;
             let tag = format!("idemq-{}-{}-{session}-{index}", spec.handler.name(), std::process::id());
@@ -280,7 +284,9 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
                 tracker: ctx.tracker.clone(),
                 frame_max: publishing.configuration().frame_max(),
                 session,
-                width: Width::new(ctx.shared.batch.pipelines),
+                width: Width::new(spec.batch.pipelines),
+                batch: spec.batch,
+                on_conflict: spec.on_conflict,
                 shared: Arc::clone(&ctx.shared),
             });
             loops.spawn(consume(consumer, stream, tag, ctx.clone_intake(), session_stop.clone()));
@@ -375,7 +381,7 @@ async fn consume(
     if consumer.handler.lane_path().is_some() {
         return consume_in_lanes(consumer, stream, tag, intake, stop).await;
     }
-    let limits = consumer.shared.batch;
+    let limits = consumer.batch;
     // Taken from the stream, not yet in a batch.
     let mut pending: VecDeque<Delivery> = VecDeque::new();
     let mut ended: Option<String> = None;
@@ -482,7 +488,7 @@ async fn consume_in_lanes(
     intake: Intake,
     stop: CancellationToken,
 ) -> String {
-    let pipelines: Vec<mpsc::UnboundedSender<Item>> = (0..consumer.shared.batch.pipelines.max(1))
+    let pipelines: Vec<mpsc::UnboundedSender<Item>> = (0..consumer.batch.pipelines.max(1))
         .map(|_| {
             let (sender, receiver) = mpsc::unbounded_channel();
             intake.tracker.spawn(pipeline(
@@ -563,7 +569,7 @@ async fn pipeline(
     permits: Arc<Semaphore>,
     hard_stop: CancellationToken,
 ) {
-    let limits = consumer.shared.batch;
+    let limits = consumer.batch;
     let mut held: Option<Item> = None;
     loop {
         let first = match held.take() {
