@@ -139,11 +139,11 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         None => "dedup key from the message type".to_owned(),
     };
     let doc = format!(
-        "Idempotent handler `{name}` ({described}); register it with the runtime. \
+        " Idempotent handler `{name}` ({described}); register it with the runtime. \
          The original fn is [`{ident}::call`]."
     );
     let call_doc = format!(
-        "The fn `{ident}` as written, for unit tests; the runtime calls it through `idemq::Handler`, \
+        " The fn `{ident}` as written, for unit tests; the runtime calls it through `idemq::Handler`, \
          inside its transaction."
     );
     let doc = if docs.is_empty() {
