@@ -104,7 +104,12 @@
 //! [`Handler`]; the original fn stays callable as `f::call(conn, msg)`. `R` is `()`
 //! or a `Serialize` result (stored, replied to requests). An optional third argument
 //! `ctx: &mut Context` (or `&Context`; before or after the message) publishes
-//! through the outbox and reads the delivery's metadata. The key is a
+//! through the outbox and reads the delivery's metadata. Besides a field path the key
+//! may be a template (`"{tenant}:{order.id}"`, see [`Key::from_template`]),
+//! `"@message_id"`, `"@header:<name>"`, `"@hash"` (see [`Metadata`]), a `key_fn`
+//! ([`KeyFn`]) or the message type's own (`#[derive(Message)]`, [`KeyedMessage`]);
+//! `queue`, `retry(..)`, `on_conflict`, `batch` and `dedup = false` tune the runtime
+//! per handler (the attribute's docs list them all). The key is a
 //! field path into the decoded message (`"order.id"` for nested fields) of a string,
 //! integer, `uuid::Uuid` (feature `uuid`) or `Option` of one (`None` is a missing key).
 //! `name = "..."` overrides the handler name, which scopes dedup keys; two different
