@@ -106,6 +106,17 @@ pub(crate) fn counts(run: &Run, workload: &Workload, report: &ChildReport) -> Ve
     issues
 }
 
+/// An outbox run: one event per distinct payment in the events queue (a relay
+/// re-send would add copies; none is expected in a clean run).
+pub(crate) fn events(left: &Leftovers, workload: &Workload) -> Vec<String> {
+    match left.events {
+        Some(events) if u64::from(events) != workload.distinct() => {
+            vec![format!("{events} events published for {} payments", workload.distinct())]
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// Nothing left in the run's queue, its dead-letter queue or its wait queues.
 pub(crate) fn leftovers(left: &Leftovers) -> Vec<String> {
     [

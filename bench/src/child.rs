@@ -56,6 +56,10 @@ pub(crate) struct ChildReport {
     pub(crate) peak_rss_kib: Option<u64>,
     /// Whether the consumer drained and closed within [`SHUTDOWN_TIMEOUT`].
     pub(crate) drained: bool,
+    /// The outbox contender: from the last settled delivery until the relay had
+    /// published every event (`None`: not an outbox run, or it never emptied).
+    #[serde(default)]
+    pub(crate) outbox_lag_s: Option<f64>,
 }
 
 impl ChildReport {
@@ -142,7 +146,27 @@ async fn backlog(spec: &ChildSpec, urls: &Urls) -> Result<ChildReport, BenchErro
         tokio::time::sleep(POLL).await;
     }
     let window = clock.stop();
-    finish(spec, &recorder, consumer, window, first, None).await
+    let outbox_lag = if spec.contender == crate::contenders::Contender::IdemqOutbox {
+        outbox_drained(urls, clock.started + window.elapsed).await?
+    } else {
+        None
+    };
+    let mut report = finish(spec, &recorder, consumer, window, first, None).await?;
+    report.outbox_lag_s = outbox_lag.map(|lag| lag.as_secs_f64());
+    Ok(report)
+}
+
+/// Waits (at most [`RUN_TIMEOUT`]) until the outbox is empty; the time since `since`.
+async fn outbox_drained(urls: &Urls, since: Instant) -> Result<Option<Duration>, BenchError> {
+    use diesel_async::AsyncConnection;
+    let mut conn = diesel_async::AsyncPgConnection::establish(&urls.database).await?;
+    while since.elapsed() < RUN_TIMEOUT {
+        if idemq::outbox::backlog(&mut conn).await? == 0 {
+            return Ok(Some(since.elapsed()));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    Ok(None)
 }
 
 /// A light-load run: publish one message, wait until it is settled, the next.
@@ -221,5 +245,6 @@ async fn finish(
         end_to_end,
         peak_rss_kib: metrics::peak_rss_kib(),
         drained,
+        outbox_lag_s: None,
     })
 }

@@ -32,6 +32,7 @@ fn round_runs(concurrency: usize, shape: Shape) -> Vec<Run> {
         run(Contender::IdemqPerMessage, Load::Backlog),
         run(Contender::IdemqGroup, Load::Backlog),
         run(Contender::IdemqLanes, Load::Backlog),
+        run(Contender::IdemqOutbox, Load::Backlog),
         run(Contender::IdemqLanes, Load::DuplicatesOnly),
         run(Contender::Baseline, Load::DuplicatesOnly),
     ]
@@ -166,10 +167,15 @@ impl Bench<'_> {
             result.issues.extend(self.prime(&run_id, &workload).await?);
         }
         if result.ok() {
-            let queues = RunQueues::new(format!("idemq-bench-{run_id}"), run.contender.is_idemq());
+            let mut queues = RunQueues::new(format!("idemq-bench-{run_id}"), run.contender.is_idemq());
+            if run.contender == Contender::IdemqOutbox {
+                queues = queues.with_events();
+            }
             queues.declare(&self.admin).await?;
             let report = self.consume(&run, &run_id, &workload, &queues).await;
-            result.issues.extend(check::leftovers(&self.delete(&queues).await?));
+            let left = self.delete(&queues).await?;
+            result.issues.extend(check::leftovers(&left));
+            result.issues.extend(check::events(&left, &workload));
             match report {
                 Ok(report) => {
                     result.issues.extend(check::counts(&run, &workload, &report));
@@ -296,7 +302,9 @@ impl Bench<'_> {
 
     /// Empties the tables, so no run inherits another's work, and flushes dirty pages.
     async fn reset(&mut self) -> Result<(), BenchError> {
-        self.db.batch_execute("TRUNCATE ledger, accounts, idemq_dedup, idemq_started, idemq_copies").await?;
+        self.db
+            .batch_execute("TRUNCATE ledger, accounts, idemq_dedup, idemq_started, idemq_copies, idemq_outbox")
+            .await?;
         self.checkpoint().await
     }
 

@@ -180,12 +180,13 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
 }
 
 /// The backlog contenders of the summary: number (as in BENCHMARKS.md), label.
-const BACKLOG: [(&str, &str); 7] = [
+const BACKLOG: [(&str, &str); 8] = [
     ("1", "raw"),
     ("2", "baseline"),
     ("3", "idemq-per-message"),
     ("4", "idemq-group"),
     ("5", "idemq-lanes"),
+    ("7", "idemq-outbox"),
     ("6", "idemq-lanes dups-only"),
     ("", "baseline dups-only"),
 ];
@@ -221,10 +222,17 @@ pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]
         ("4/1", "idemq group commit / raw broker", "idemq-group", "raw"),
         ("5/1", "idemq group commit + lanes / raw broker", "idemq-lanes", "raw"),
         ("6/5", "idemq-lanes: duplicates only / first deliveries", "idemq-lanes dups-only", "idemq-lanes"),
+        ("7/5", "an outbox event per payment / idemq-lanes", "idemq-outbox", "idemq-lanes"),
+        ("7/2", "idemq-lanes + outbox / baseline (no event)", "idemq-outbox", "baseline"),
         ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
     ] {
         println!("  {numbers:>3}  {what:<48} {:>6}", ratio(rate(a), rate(b)));
     }
+    let lag = median_of(&rounds(results, "idemq-outbox"), |r| r.outbox_lag_s);
+    println!(
+        "  outbox: the relay had published every event {} s after the last delivery settled (median)",
+        num(lag, 2)
+    );
     if config.light > 0 {
         light_summary(config, results);
     }

@@ -111,6 +111,8 @@ pub(crate) fn confirmed(confirmation: Confirmation) -> Result<(), BenchError> {
 pub(crate) struct RunQueues {
     queue: Queue,
     wait_queues: Vec<String>,
+    /// The outbox contender's events queue (classic, durable).
+    events: Option<String>,
 }
 
 /// What was left in a run's queues when they were deleted.
@@ -119,6 +121,8 @@ pub(crate) struct Leftovers {
     pub(crate) queue: u32,
     pub(crate) dead_letters: u32,
     pub(crate) waiting: u32,
+    /// Events in the run's events queue (outbox runs: one per payment expected).
+    pub(crate) events: Option<u32>,
 }
 
 impl RunQueues {
@@ -128,7 +132,13 @@ impl RunQueues {
         } else {
             Vec::new()
         };
-        Self { queue: Queue::new(name), wait_queues }
+        Self { queue: Queue::new(name), wait_queues, events: None }
+    }
+
+    /// With an events queue for the outbox contender.
+    pub(crate) fn with_events(mut self) -> Self {
+        self.events = Some(crate::contenders::events_queue(self.queue.name()));
+        self
     }
 
     pub(crate) fn name(&self) -> &str {
@@ -137,7 +147,11 @@ impl RunQueues {
 
     pub(crate) async fn declare(&self, admin: &Connection) -> Result<(), BenchError> {
         let channel = admin.create_channel().await?;
-        Topology::new().queue(self.queue.clone()).declare(&channel).await?;
+        let mut topology = Topology::new().queue(self.queue.clone());
+        if let Some(events) = &self.events {
+            topology = topology.queue(Queue::new(events.clone()).classic());
+        }
+        topology.declare(&channel).await?;
         let _ = channel.close(200, "declared".into()).await;
         Ok(())
     }
@@ -150,9 +164,15 @@ impl RunQueues {
             queue: delete(self.queue.name()).await?,
             dead_letters: delete(self.queue.dead_letter_name()).await?,
             waiting: 0,
+            events: None,
         };
         for wait_queue in &self.wait_queues {
             left.waiting += delete(wait_queue).await?;
+        }
+        if let Some(events) = &self.events {
+            left.events = Some(delete(events).await?);
+            let events = Queue::new(events.clone()).classic();
+            delete(events.dead_letter_name()).await?;
         }
         let _ = channel.close(200, "deleted".into()).await;
         Ok(left)

@@ -12,7 +12,7 @@
 use diesel::prelude::*;
 use diesel::upsert::excluded;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use idemq::{idempotent_handler, Context, HandlerError, Queue, Topology};
+use idemq::{idempotent_handler, Context, HandlerError, Message, Queue, Topology};
 use serde::{Deserialize, Serialize};
 
 pub mod demo;
@@ -20,7 +20,7 @@ pub mod demo;
 /// The queue the demo consumes.
 pub const QUEUE: &str = "payments";
 /// The queue every applied payment's [`PaymentApplied`] event lands in.
-pub const EVENTS_QUEUE: &str = "payments.applied";
+pub const EVENTS_QUEUE: &str = <PaymentApplied as Message>::ROUTING_KEY;
 /// The demo's default database (created if missing).
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/idemq_demo";
 
@@ -62,7 +62,8 @@ pub struct PaymentRequested {
 /// The event published (through idemq's outbox) for every applied payment, to the
 /// queue [`EVENTS_QUEUE`]. Every copy of one payment's event carries the same AMQP
 /// `message_id`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Message)]
+#[message(exchange = "", routing_key = "payments.applied")]
 pub struct PaymentApplied {
     /// The payment's idempotency key.
     pub payment_id: String,
@@ -85,7 +86,7 @@ pub async fn apply_payment(
     record_payment(conn, &msg).await?;
     let event =
         PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
-    ctx.publish("", EVENTS_QUEUE, &event)?;
+    ctx.send(&event)?;
     Ok(())
 }
 

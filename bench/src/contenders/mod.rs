@@ -5,6 +5,8 @@ mod baseline;
 mod raw;
 mod runtime;
 
+pub(crate) use runtime::events_queue;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,11 +36,14 @@ pub(crate) enum Contender {
     IdemqGroup,
     /// idemq with its defaults and the payment effect laned by account, as the demo's `apply_payment`.
     IdemqLanes,
+    /// idemq-lanes whose handler also publishes an event per payment through the
+    /// transactional outbox (the demo's `apply_payment`, to a queue of the run's).
+    IdemqOutbox,
 }
 
 impl Contender {
-    pub(crate) const ALL: [Self; 5] =
-        [Self::Raw, Self::Baseline, Self::IdemqPerMessage, Self::IdemqGroup, Self::IdemqLanes];
+    pub(crate) const ALL: [Self; 6] =
+        [Self::Raw, Self::Baseline, Self::IdemqPerMessage, Self::IdemqGroup, Self::IdemqLanes, Self::IdemqOutbox];
 
     /// The name on the command line (`bench --child <name>`) and in the tables.
     pub(crate) fn name(self) -> &'static str {
@@ -48,6 +53,7 @@ impl Contender {
             Self::IdemqPerMessage => "idemq-per-message",
             Self::IdemqGroup => "idemq-group",
             Self::IdemqLanes => "idemq-lanes",
+            Self::IdemqOutbox => "idemq-outbox",
         }
     }
 
@@ -74,6 +80,9 @@ impl Contender {
             Self::IdemqLanes => {
                 "idemq, Runtime::builder() defaults (group commit), the payment effect with lane = \"account\"".to_owned()
             }
+            Self::IdemqOutbox => "idemq-lanes, and the handler publishes a PaymentApplied event per payment through \
+                                  the outbox (relay in-process; the run waits until every event is published)"
+                .to_owned(),
         }
     }
 
@@ -84,7 +93,7 @@ impl Contender {
 
     /// Whether it is an idemq runtime, which declares the retry policy's wait queues.
     pub(crate) fn is_idemq(self) -> bool {
-        matches!(self, Self::IdemqPerMessage | Self::IdemqGroup | Self::IdemqLanes)
+        matches!(self, Self::IdemqPerMessage | Self::IdemqGroup | Self::IdemqLanes | Self::IdemqOutbox)
     }
 
     /// Whether it takes a concurrency (the others run with their defaults).
@@ -109,6 +118,7 @@ impl Contender {
             }
             Self::IdemqGroup => runtime::start(runtime::Flavor::Group, urls, queue, recorder),
             Self::IdemqLanes => runtime::start(runtime::Flavor::Lanes, urls, queue, recorder),
+            Self::IdemqOutbox => runtime::start(runtime::Flavor::Outbox, urls, queue, recorder),
         }
     }
 }

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, Outcome, Queue, Runtime, Settled, Topology};
-use idemq_example_payments::{record_payment, PaymentRequested};
+use idemq::{idempotent_handler, Context, HandlerError, Outcome, Queue, Runtime, Settled, Topology};
+use idemq_example_payments::{record_payment, PaymentApplied, PaymentRequested};
 use tokio_util::sync::CancellationToken;
 
 use super::Consumer;
@@ -33,6 +33,27 @@ async fn apply_payment_laned(
     record_payment(conn, &msg).await
 }
 
+/// Where the outbox contender's events go: the run's events queue.
+static EVENTS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The name of a run's events queue (declared and deleted by the parent).
+pub(crate) fn events_queue(queue: &str) -> String {
+    format!("{queue}.events")
+}
+
+/// The laned handler that also publishes the demo's event, through the outbox.
+#[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
+async fn apply_payment_with_event(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+    ctx: &mut Context,
+) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    let event = PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
+    ctx.publish("", EVENTS.get().map_or("", String::as_str), &event)?;
+    Ok(())
+}
+
 /// How the runtime is configured.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Flavor {
@@ -42,6 +63,8 @@ pub(super) enum Flavor {
     Group,
     /// Defaults, the laned handler (lane = "account", as the demo's).
     Lanes,
+    /// Defaults, the laned handler with an outbox event per payment.
+    Outbox,
 }
 
 pub(super) fn start(
@@ -61,6 +84,10 @@ pub(super) fn start(
         }
         Flavor::Group => builder.consume(queue, apply_payment_unlaned),
         Flavor::Lanes => builder.consume(queue, apply_payment_laned),
+        Flavor::Outbox => {
+            let _ = EVENTS.set(events_queue(queue));
+            builder.consume(queue, apply_payment_with_event)
+        }
     };
     let runtime = builder.build()?;
     let stats = runtime.stats();
