@@ -303,7 +303,9 @@ impl Bench<'_> {
     /// Empties the tables, so no run inherits another's work, and flushes dirty pages.
     async fn reset(&mut self) -> Result<(), BenchError> {
         self.db
-            .batch_execute("TRUNCATE ledger, accounts, idemq_dedup, idemq_started, idemq_copies, idemq_outbox")
+            .batch_execute(
+                "TRUNCATE ledger, accounts, idemq_dedup, idemq_started, idemq_copies, idemq_outbox",
+            )
             .await?;
         self.checkpoint().await
     }

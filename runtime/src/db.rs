@@ -379,6 +379,31 @@ pub(crate) async fn outbox_backlog(conn: &mut AsyncPgConnection) -> QueryResult<
     idemq_outbox::table.count().get_result(conn).await
 }
 
+/// Takes the sweep's transaction-scoped advisory lock if it is free.
+pub(crate) async fn try_gc_lock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
+    diesel::select(pg_try_advisory_xact_lock(key)).get_result(conn).await
+}
+
+diesel::define_sql_function! {
+    /// `pg_try_advisory_xact_lock(bigint)`: held until the transaction ends.
+    fn pg_try_advisory_xact_lock(key: BigInt) -> Bool;
+}
+
+/// Runs one of the retention's batched deletes (`$1`: age in ms, `$2`: limit).
+pub(crate) async fn delete_older(
+    conn: &mut AsyncPgConnection,
+    sql: &'static str,
+    older_than_ms: i64,
+    limit: i64,
+) -> QueryResult<u64> {
+    let deleted = diesel::sql_query(sql)
+        .bind::<BigInt, _>(older_than_ms)
+        .bind::<BigInt, _>(limit)
+        .execute(conn)
+        .await?;
+    Ok(u64::try_from(deleted).unwrap_or(0))
+}
+
 /// Wakes the relays listening on [`crate::relay::CHANNEL`] (outside any transaction).
 pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     conn.batch_execute(&format!("NOTIFY {}", crate::relay::CHANNEL)).await

@@ -102,8 +102,9 @@ use crate::dead_letter::{self, headers, Letter};
 use crate::error::Error;
 use crate::handler::{ErrorClass, HandlerError};
 use crate::key::hex;
+use crate::observe::{Batch, InfrastructureRetry, Observers};
 use crate::outbox::{self, Context, HandlerOutput, Outgoing, Request};
-use crate::outcome::{FailureKind, Outcome, Settled, Stats};
+use crate::outcome::{FailureKind, Outcome, Settled};
 use crate::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
 use crate::retry::{wait_queue_name, RetryPolicy};
 use crate::verdict;
@@ -187,8 +188,8 @@ pub(crate) struct Shared {
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
     pub(crate) database_retry_limit: Duration,
-    pub(crate) stats: Arc<Stats>,
-    pub(crate) observer: Option<crate::runtime::Observer>,
+    /// Every subscriber: the runtime's stats, the user's observers.
+    pub(crate) observers: Observers,
     /// Wakes the outbox relay(s) after a COMMIT that wrote outbox rows.
     pub(crate) outbox: crate::relay::OutboxSignal,
     /// Taken for writing by a redelivered message (it runs alone), for reading by
@@ -405,10 +406,7 @@ impl Consumer {
             began_at: decision.began_at,
             settled_at: Instant::now(),
         };
-        self.shared.stats.record(&settled);
-        if let Some(observer) = &self.shared.observer {
-            observer(&settled);
-        }
+        self.shared.observers.settled(&settled);
     }
 
     /// Decides every delivery of the batch: runs it in one transaction, and runs
@@ -426,12 +424,12 @@ impl Consumer {
         };
         let mut decisions: Vec<Option<Decision>> = items.iter().map(|_| None).collect();
         let mut parts: VecDeque<Vec<usize>> = VecDeque::from([(0..items.len()).collect()]);
-        let (mut split, mut contended) = (false, false);
+        let (mut splits, mut contended) = (0_u64, false);
+        let started = Instant::now();
         while let Some(part) = parts.pop_front() {
             let ran = self.run_part(items, &part, &mut prepared).await;
             if !ran.next.is_empty() {
-                self.shared.stats.batch_split();
-                split = true;
+                splits += 1;
             }
             contended |= ran.contended;
             for (index, decision) in ran.decided {
@@ -441,7 +439,13 @@ impl Consumer {
                 parts.push_front(next);
             }
         }
-        self.width.adapt(split, contended);
+        self.width.adapt(splits > 0, contended);
+        self.shared.observers.batch(&Batch {
+            queue: &self.queue,
+            deliveries: items.len(),
+            splits,
+            took: started.elapsed(),
+        });
         decisions
             .into_iter()
             .map(|decision| {
@@ -514,9 +518,12 @@ impl Consumer {
                 );
                 return all(Outcome::Requeued { error });
             }
-            self.shared.stats.infrastructure_retry();
             // Logged once per change of fault, not once per retry.
             let message = fault.to_string();
+            let redacted = crate::redact::redact(&message);
+            self.shared
+                .observers
+                .infrastructure_retry(&InfrastructureRetry { queue: &self.queue, fault: &redacted });
             if last_logged.as_deref() != Some(message.as_str()) {
                 tracing::error!(queue = %self.queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
                 last_logged = Some(message);

@@ -167,11 +167,13 @@ pub mod fault;
 mod handler;
 mod key;
 mod migrate;
+mod observe;
 pub mod outbox;
 mod outcome;
 mod prepare;
 mod redact;
 mod relay;
+mod retention;
 mod retry;
 mod runtime;
 pub mod schema;
@@ -190,10 +192,12 @@ pub use key::{
     TemplatePart, MAX_STORED_KEY_BYTES,
 };
 pub use migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
+pub use observe::{Batch, InfrastructureRetry, Observe, RelayPass};
 pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, PublishError};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use redact::redact;
 pub use relay::{Relay, RelayBuilder};
+pub use retention::{sweep, Retention, Sweep, GC_LOCK};
 pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_BATCH_SIZE,

@@ -203,11 +203,11 @@ impl Stats {
         }
     }
 
-    pub(crate) fn batch_split(&self) {
-        self.batch_splits.fetch_add(1, Ordering::Relaxed);
+    pub(crate) fn count_batch_splits(&self, splits: u64) {
+        self.batch_splits.fetch_add(splits, Ordering::Relaxed);
     }
 
-    pub(crate) fn infrastructure_retry(&self) {
+    pub(crate) fn count_infrastructure_retry(&self) {
         self.infrastructure_retries.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -43,6 +43,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::db::{self, OutboxRow, SessionLimits};
 use crate::error::{redact, Error};
+use crate::observe::{Observe, Observers, RelayPass};
 use crate::runtime::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 
 /// The `LISTEN`/`NOTIFY` channel relays wake on.
@@ -64,6 +65,7 @@ pub struct RelayBuilder {
     amqp_url: String,
     database_url: String,
     settings: Settings,
+    observers: Observers,
 }
 
 /// What a relay's loop needs besides its connections.
@@ -118,6 +120,13 @@ impl RelayBuilder {
         self
     }
 
+    /// Adds a subscriber told of every pass that claimed rows ([`Observe::relay`]).
+    #[must_use]
+    pub fn observe(mut self, observer: impl Observe) -> Self {
+        self.observers.push(std::sync::Arc::new(observer));
+        self
+    }
+
     /// The relay.
     pub fn build(self) -> Relay {
         Relay { builder: self }
@@ -144,6 +153,7 @@ impl Relay {
             amqp_url: std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned()),
             database_url: std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned()),
             settings: Settings::default(),
+            observers: Observers::default(),
         }
     }
 
@@ -154,7 +164,7 @@ impl Relay {
     /// # Errors
     /// Start-up failures: the database unreachable, idemq's migrations not applied.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let RelayBuilder { amqp_url, database_url, settings } = self.builder;
+        let RelayBuilder { amqp_url, database_url, settings, observers } = self.builder;
         let pool = relay_pool(&database_url)?;
         let connect_error = |message: String| Error::DatabaseConnect { url: redact(&database_url), message };
         let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
@@ -164,7 +174,8 @@ impl Relay {
             return Err(problem.into());
         }
         drop(conn);
-        let worker = Worker { pool, amqp_url, database_url, settings, wake: Arc::new(Notify::new()) };
+        let worker =
+            Worker { pool, amqp_url, database_url, settings, wake: Arc::new(Notify::new()), observers };
         worker.run(shutdown).await;
         Ok(())
     }
@@ -226,6 +237,7 @@ pub(crate) struct Worker {
     pub(crate) database_url: String,
     pub(crate) settings: Settings,
     pub(crate) wake: Arc<Notify>,
+    pub(crate) observers: Observers,
 }
 
 /// The relay's broker connection and what it learned on it.
@@ -272,6 +284,8 @@ impl Fault {
 /// What one pass did.
 struct Pass {
     claimed: usize,
+    published: usize,
+    postponed: usize,
     /// The broker connection failed during the pass: reconnect.
     lost: Option<String>,
 }
@@ -311,6 +325,15 @@ impl Worker {
                 },
             };
             let pass = self.pass(current).await;
+            if let Ok(Pass { claimed, published, postponed, .. }) = &pass {
+                if *claimed > 0 {
+                    self.observers.relay(&RelayPass {
+                        claimed: *claimed,
+                        published: *published,
+                        postponed: *postponed,
+                    });
+                }
+            }
             let claimed = match pass {
                 Ok(Pass { lost: Some(reason), .. }) => {
                     tracing::warn!(reason = %redact(&reason), "outbox relay: broker connection lost; reconnecting");
@@ -323,7 +346,7 @@ impl Worker {
                     }
                     continue;
                 }
-                Ok(Pass { claimed, lost: None }) => claimed,
+                Ok(Pass { claimed, lost: None, .. }) => claimed,
                 Err(error) => {
                     let fault = Fault { what: "database fault", error: redact(&error) };
                     if !fault.wait(&mut last_error, &mut backoff, &stop, final_until.is_some()).await {
@@ -380,10 +403,10 @@ impl Worker {
             .transaction::<Pass, diesel::result::Error, _>(async |conn| {
                 let rows = db::claim_outbox(conn, limit).await?;
                 if rows.is_empty() {
-                    return Ok(Pass { claimed: 0, lost: None });
+                    return Ok(Pass { claimed: 0, published: 0, postponed: 0, lost: None });
                 }
                 let (results, lost) = publish_all(link, &rows).await;
-                let mut sent = Vec::new();
+                let (mut sent, mut postponed) = (Vec::new(), 0);
                 for (row, result) in rows.iter().zip(&results) {
                     match result {
                         Some(Ok(())) => sent.push(row.id),
@@ -396,13 +419,14 @@ impl Worker {
                             let delay = retry_delay(row.attempts, max_backoff);
                             tracing::warn!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, ?delay, %error, "outbox relay: could not publish; it stays in the outbox and is retried");
                             db::postpone_outbox(conn, row.id, delay, error).await?;
+                            postponed += 1;
                         }
                         // Unknown (the connection went): left for the next pass.
                         None => {}
                     }
                 }
                 db::delete_outbox(conn, &sent).await?;
-                Ok(Pass { claimed: rows.len(), lost })
+                Ok(Pass { claimed: rows.len(), published: sent.len(), postponed, lost })
             })
             .await;
         result.map_err(|err| err.to_string())

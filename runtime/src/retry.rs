@@ -47,6 +47,17 @@ impl RetryPolicy {
         self
     }
 
+    /// The longest time from a message's first delivery to its last attempt: every
+    /// delay plus its largest jitter (handler run times not counted).
+    pub fn horizon(&self) -> Duration {
+        self.delays
+            .iter()
+            .map(|&delay| {
+                delay + if self.jitter { (delay / 10).min(Duration::from_secs(1)) } else { Duration::ZERO }
+            })
+            .sum()
+    }
+
     /// Attempts in all: one plus one per delay.
     pub fn max_attempts(&self) -> u32 {
         u32::try_from(self.delays.len()).unwrap_or(u32::MAX - 1) + 1

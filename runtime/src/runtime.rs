@@ -17,10 +17,11 @@ use crate::db::{self, SessionLimits};
 use crate::delivery::{BatchLimits, Fatal, OnConflict, Shared};
 use crate::error::{redact, Error};
 use crate::handler::Handler;
+use crate::observe::{Observe, Observers, OnConnection, OnSettled};
 use crate::outcome::{Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits};
 use crate::retry::RetryPolicy;
-use crate::session::{self, ConnectionEvent, ConnectionObserver, ConsumerSpec, SessionContext, SessionEnd};
+use crate::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
 use crate::topology::{Queue, Topology};
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
@@ -55,9 +56,9 @@ pub struct RuntimeBuilder {
     shutdown_deadline: Duration,
     heartbeat: Duration,
     reconnect_max: Duration,
-    observer: Option<Observer>,
-    on_connection_event: Option<ConnectionObserver>,
+    observers: Observers,
     relay: Option<crate::relay::Settings>,
+    retention: Option<crate::retention::Retention>,
     #[cfg(feature = "fault-injection")]
     fault_hook: Option<crate::fault::FaultHook>,
 }
@@ -93,9 +94,9 @@ impl RuntimeBuilder {
             shutdown_deadline: Duration::from_secs(10),
             heartbeat: Duration::from_secs(20),
             reconnect_max: Duration::from_secs(30),
-            observer: None,
-            on_connection_event: None,
+            observers: Observers::default(),
             relay: Some(crate::relay::Settings::default()),
+            retention: None,
             #[cfg(feature = "fault-injection")]
             fault_hook: None,
         }
@@ -248,17 +249,27 @@ impl RuntimeBuilder {
 
     /// Calls `on_event` when the runtime connects, loses its connection, or the
     /// broker blocks or unblocks publishing.
+    /// Each call adds one (see [`observe`](Self::observe)).
     pub fn on_connection_event(
         mut self,
         on_event: impl Fn(&ConnectionEvent) + Send + Sync + 'static,
     ) -> Self {
-        self.on_connection_event = Some(Arc::new(on_event));
+        self.observers.push(Arc::new(OnConnection(on_event)));
         self
     }
 
-    /// Calls `observer` for every settled delivery, on the delivery's task. Keep it quick.
+    /// Calls `observer` for every settled delivery, on the delivery's task. Keep it
+    /// quick. Each call adds one (see [`observe`](Self::observe)).
     pub fn observer(mut self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.observer = Some(Arc::new(observer));
+        self.observers.push(Arc::new(OnSettled(observer)));
+        self
+    }
+
+    /// Adds a subscriber to everything the runtime reports (settled deliveries,
+    /// database retries, connection events, batches, relay passes). Any number may
+    /// be added; each hears every event, in the order they were added.
+    pub fn observe(mut self, observer: impl Observe) -> Self {
+        self.observers.push(Arc::new(observer));
         self
     }
 
@@ -277,6 +288,16 @@ impl RuntimeBuilder {
         if let Some(settings) = &mut self.relay {
             settings.poll_interval = interval;
         }
+        self
+    }
+
+    /// Deletes dedup rows older than `retention` in the background (off by
+    /// default: the dedup table grows until something sweeps it). `build` refuses a
+    /// retention not longer than the longest retry horizon plus the replay window
+    /// ([`Retention::check`](crate::Retention::check)). Several processes may sweep:
+    /// one at a time runs (a transaction-scoped advisory lock per batch).
+    pub fn retention(mut self, retention: crate::retention::Retention) -> Self {
+        self.retention = Some(retention);
         self
     }
 
@@ -322,6 +343,16 @@ impl RuntimeBuilder {
                 }
                 _ => {}
             }
+        }
+        if let Some(retention) = &self.retention {
+            let policies: Vec<RetryPolicy> = self
+                .consumers
+                .iter()
+                .map(|(_, handler, retry)| {
+                    retry.clone().or_else(|| handler.retry()).unwrap_or_else(|| self.retry.clone())
+                })
+                .collect();
+            retention.check(&policies)?;
         }
         let mut seen = std::collections::HashSet::new();
         for (queue, _, _) in &self.consumers {
@@ -446,8 +477,15 @@ impl Runtime {
             handler_timeout: b.handler_timeout,
             database_retry_limit: b.database_retry_limit,
 
-            stats: Arc::clone(&self.stats),
-            observer: b.observer.clone(),
+            observers: {
+                // The built-in stats are a subscriber like any other, heard first.
+                let mut observers = Observers::default();
+                observers.push(Arc::clone(&self.stats) as Arc<dyn Observe>);
+                for observer in b.observers.0.iter() {
+                    observers.push(Arc::clone(observer));
+                }
+                observers
+            },
             outbox: crate::relay::OutboxSignal::new(relay_wake.clone()),
             turns: tokio::sync::RwLock::new(()),
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
@@ -468,6 +506,7 @@ impl Runtime {
                     database_url: b.database_url.clone(),
                     settings,
                     wake,
+                    observers: shared.observers.clone(),
                 };
                 tokio::spawn(worker.run(relay_stop.clone()))
             }
@@ -477,6 +516,10 @@ impl Runtime {
                 tokio::spawn(async move { shared.outbox.notify_elsewhere(shared.pool.clone(), stop).await })
             }
         };
+        let sweeper = b.retention.map(|retention| {
+            let (shared, stop) = (Arc::clone(&shared), stop.clone());
+            tokio::spawn(async move { sweep_every(&shared, retention, stop).await })
+        });
         let consumers = b
             .consumers
             .into_iter()
@@ -508,7 +551,6 @@ impl Runtime {
             permits: Arc::new(Semaphore::new(b.concurrency)),
             tracker: TaskTracker::new(),
             hard_stop: CancellationToken::new(),
-            on_event: b.on_connection_event.clone(),
         };
 
         // Numbered per session that connected: failed attempts keep the number.
@@ -545,6 +587,9 @@ impl Runtime {
         if let Some(connections) = connections {
             connections.close("shutdown").await;
         }
+        if let Some(sweeper) = sweeper {
+            sweeper.abort();
+        }
         relay_stop.cancel();
         if let Err(err) = relay.await {
             tracing::error!(error = %err, "the outbox relay task failed");
@@ -552,6 +597,31 @@ impl Runtime {
         match ctx.shared.fatal.take() {
             Some(fatal) => Err(fatal),
             None => result,
+        }
+    }
+}
+
+/// Sweeps the dedup table every interval until `stop` (a sweep cut off by `stop`
+/// loses nothing: each batch is its own transaction).
+async fn sweep_every(shared: &Shared, retention: crate::retention::Retention, stop: CancellationToken) {
+    loop {
+        let swept = async {
+            let mut conn = shared.pool.get().await.map_err(|err| err.to_string())?;
+            crate::retention::sweep(&mut conn, &retention).await.map_err(|err| err.to_string())
+        };
+        tokio::select! {
+            result = swept => match result {
+                Ok(sweep) => {
+                    tracing::info!(?sweep, "retention sweep");
+                    shared.observers.swept(&sweep);
+                }
+                Err(error) => tracing::warn!(error = %redact(&error), "the retention sweep failed; trying again later"),
+            },
+            () = stop.cancelled() => return,
+        }
+        tokio::select! {
+            () = tokio::time::sleep(retention.interval()) => {}
+            () = stop.cancelled() => return,
         }
     }
 }

@@ -95,14 +95,11 @@ pub(crate) struct SessionContext {
     pub(crate) tracker: TaskTracker,
     /// Cancelled when in-flight deliveries must be cut off (after the shutdown deadline).
     pub(crate) hard_stop: CancellationToken,
-    pub(crate) on_event: Option<ConnectionObserver>,
 }
 
 impl SessionContext {
     pub(crate) fn notify(&self, event: &ConnectionEvent) {
-        if let Some(on_event) = &self.on_event {
-            on_event(event);
-        }
+        self.shared.observers.connection(event);
     }
 }
 

@@ -42,8 +42,14 @@ pub(crate) enum Contender {
 }
 
 impl Contender {
-    pub(crate) const ALL: [Self; 6] =
-        [Self::Raw, Self::Baseline, Self::IdemqPerMessage, Self::IdemqGroup, Self::IdemqLanes, Self::IdemqOutbox];
+    pub(crate) const ALL: [Self; 6] = [
+        Self::Raw,
+        Self::Baseline,
+        Self::IdemqPerMessage,
+        Self::IdemqGroup,
+        Self::IdemqLanes,
+        Self::IdemqOutbox,
+    ];
 
     /// The name on the command line (`bench --child <name>`) and in the tables.
     pub(crate) fn name(self) -> &'static str {

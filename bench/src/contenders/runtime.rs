@@ -49,7 +49,8 @@ async fn apply_payment_with_event(
     ctx: &mut Context,
 ) -> Result<(), HandlerError> {
     record_payment(conn, &msg).await?;
-    let event = PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
+    let event =
+        PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
     ctx.publish("", EVENTS.get().map_or("", String::as_str), &event)?;
     Ok(())
 }

@@ -1,0 +1,208 @@
+//! The one observation seam: everything the runtime reports goes to a list of
+//! subscribers implementing [`Observe`] — the built-in [`Stats`], the callbacks of
+//! [`RuntimeBuilder::observer`](crate::RuntimeBuilder::observer) and
+//! [`on_connection_event`](crate::RuntimeBuilder::on_connection_event), and any
+//! number added with [`RuntimeBuilder::observe`](crate::RuntimeBuilder::observe)
+//! (a metrics exporter, tracing, a test). The hot path knows only this trait.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::outcome::{Settled, Stats};
+use crate::session::ConnectionEvent;
+
+/// A subscriber to what the runtime does. Every method has a no-op default:
+/// implement the ones you need. Methods run on the runtime's tasks, in line: keep
+/// them quick (count, record, send to a channel), never block.
+pub trait Observe: Send + Sync + 'static {
+    /// A delivery was settled (acked, dead-lettered, retried, requeued, …).
+    fn settled(&self, settled: &Settled) {
+        let _ = settled;
+    }
+
+    /// A transaction is retried in-process after a database fault (not an attempt).
+    fn infrastructure_retry(&self, retry: &InfrastructureRetry<'_>) {
+        let _ = retry;
+    }
+
+    /// The connection to the broker changed.
+    fn connection(&self, event: &ConnectionEvent) {
+        let _ = event;
+    }
+
+    /// A batch (group commit) was decided.
+    fn batch(&self, batch: &Batch<'_>) {
+        let _ = batch;
+    }
+
+    /// The outbox relay finished a pass that claimed rows.
+    fn relay(&self, pass: &RelayPass) {
+        let _ = pass;
+    }
+
+    /// The retention sweep finished (see [`Retention`](crate::Retention)).
+    fn swept(&self, sweep: &crate::Sweep) {
+        let _ = sweep;
+    }
+}
+
+/// A database fault a transaction is retried after.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct InfrastructureRetry<'a> {
+    /// The consumer's queue.
+    pub queue: &'a str,
+    /// The fault, redacted.
+    pub fault: &'a str,
+}
+
+/// A decided batch.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct Batch<'a> {
+    /// The consumer's queue.
+    pub queue: &'a str,
+    /// Deliveries in it.
+    pub deliveries: usize,
+    /// Times it (or a part of it) was run again smaller.
+    pub splits: u64,
+    /// From the first transaction's start to the last decision.
+    pub took: Duration,
+}
+
+/// One pass of the outbox relay that claimed rows.
+#[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct RelayPass {
+    /// Rows claimed.
+    pub claimed: usize,
+    /// Published and confirmed (deleted).
+    pub published: usize,
+    /// Refused (unroutable, missing exchange, nacked): postponed with backoff.
+    pub postponed: usize,
+}
+
+/// The subscribers, in registration order.
+#[derive(Clone, Default)]
+pub(crate) struct Observers(pub(crate) Vec<Arc<dyn Observe>>);
+
+impl std::fmt::Debug for Observers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Observers({})", self.0.len())
+    }
+}
+
+impl Observers {
+    pub(crate) fn push(&mut self, observer: Arc<dyn Observe>) {
+        self.0.push(observer);
+    }
+
+    pub(crate) fn settled(&self, settled: &Settled) {
+        self.0.iter().for_each(|o| o.settled(settled));
+    }
+
+    pub(crate) fn infrastructure_retry(&self, retry: &InfrastructureRetry<'_>) {
+        self.0.iter().for_each(|o| o.infrastructure_retry(retry));
+    }
+
+    pub(crate) fn connection(&self, event: &ConnectionEvent) {
+        self.0.iter().for_each(|o| o.connection(event));
+    }
+
+    pub(crate) fn batch(&self, batch: &Batch<'_>) {
+        self.0.iter().for_each(|o| o.batch(batch));
+    }
+
+    pub(crate) fn relay(&self, pass: &RelayPass) {
+        self.0.iter().for_each(|o| o.relay(pass));
+    }
+
+    pub(crate) fn swept(&self, sweep: &crate::Sweep) {
+        self.0.iter().for_each(|o| o.swept(sweep));
+    }
+}
+
+/// A shared subscriber (keep a clone to read what it gathered).
+impl<T: Observe> Observe for Arc<T> {
+    fn settled(&self, settled: &Settled) {
+        (**self).settled(settled);
+    }
+
+    fn infrastructure_retry(&self, retry: &InfrastructureRetry<'_>) {
+        (**self).infrastructure_retry(retry);
+    }
+
+    fn connection(&self, event: &ConnectionEvent) {
+        (**self).connection(event);
+    }
+
+    fn batch(&self, batch: &Batch<'_>) {
+        (**self).batch(batch);
+    }
+
+    fn relay(&self, pass: &RelayPass) {
+        (**self).relay(pass);
+    }
+
+    fn swept(&self, sweep: &crate::Sweep) {
+        (**self).swept(sweep);
+    }
+}
+
+impl Observe for Stats {
+    fn settled(&self, settled: &Settled) {
+        self.record(settled);
+    }
+
+    fn infrastructure_retry(&self, _: &InfrastructureRetry<'_>) {
+        self.count_infrastructure_retry();
+    }
+
+    fn batch(&self, batch: &Batch<'_>) {
+        self.count_batch_splits(batch.splits);
+    }
+}
+
+/// [`RuntimeBuilder::observer`](crate::RuntimeBuilder::observer)'s callback.
+pub(crate) struct OnSettled<F>(pub(crate) F);
+
+impl<F: Fn(&Settled) + Send + Sync + 'static> Observe for OnSettled<F> {
+    fn settled(&self, settled: &Settled) {
+        (self.0)(settled);
+    }
+}
+
+/// [`RuntimeBuilder::on_connection_event`](crate::RuntimeBuilder::on_connection_event)'s callback.
+pub(crate) struct OnConnection<F>(pub(crate) F);
+
+impl<F: Fn(&ConnectionEvent) + Send + Sync + 'static> Observe for OnConnection<F> {
+    fn connection(&self, event: &ConnectionEvent) {
+        (self.0)(event);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+
+    impl Observe for Count {
+        fn connection(&self, _: &ConnectionEvent) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn every_subscriber_hears_every_event() {
+        let (a, b) = (Arc::new(Count::default()), Arc::new(Count::default()));
+        let mut observers = Observers::default();
+        observers.push(a.clone());
+        observers.push(b.clone());
+        observers.connection(&ConnectionEvent::Unblocked);
+        observers.connection(&ConnectionEvent::Connected { session: 1 });
+        assert_eq!((a.0.load(Ordering::Relaxed), b.0.load(Ordering::Relaxed)), (2, 2));
+    }
+}

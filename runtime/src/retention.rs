@@ -1,0 +1,179 @@
+//! Dedup retention: deleting dedup rows (and copy records, stale start marks) older
+//! than the retention, in small batches, one sweeper at a time across processes.
+//!
+//! A dedup row is what makes a redelivery a duplicate: deleted too early, a late
+//! copy of an applied message would be applied again. So the retention must exceed
+//! the longest time a copy can still arrive: the longest retry horizon (a message's
+//! retry copies come back up to the sum of its delays later) *plus* the window in
+//! which a dead letter may be replayed (a `conflict` dead letter replayed after its
+//! key's row is gone would apply a second payment). [`Retention::check`] refuses a
+//! shorter one.
+//!
+//! One sweeper at a time: each batch runs in a transaction that first takes
+//! `pg_try_advisory_xact_lock(`[`GC_LOCK`]`)` — transaction-scoped, so it can never
+//! stay behind on a pooled connection (a session lock would). A sweeper that does
+//! not get it stops: another is sweeping.
+
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+
+use crate::error::Error;
+use crate::retry::RetryPolicy;
+
+/// The advisory lock key a sweep holds per batch (the bytes spell `idemq_gc`).
+pub const GC_LOCK: i64 = 0x6964_656d_715f_6763;
+
+/// How long dedup rows are kept, and how the sweep runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub struct Retention {
+    keep: Duration,
+    replay_window: Duration,
+    batch: i64,
+    every: Duration,
+}
+
+impl Retention {
+    /// Keep dedup rows for `keep` (at least the retry horizon plus the replay window:
+    /// see [`Retention::check`]). The replay window defaults to 7 days; the sweep runs
+    /// every hour (in a runtime), deleting 5,000 rows per transaction.
+    pub fn keep(keep: Duration) -> Self {
+        Self {
+            keep,
+            replay_window: Duration::from_secs(7 * 86_400),
+            batch: 5_000,
+            every: Duration::from_secs(3600),
+        }
+    }
+
+    /// How long after a message was dead-lettered it may still be replayed from the
+    /// DLQ (default 7 days). Replaying one older than that can apply it twice.
+    pub fn replay_window(mut self, window: Duration) -> Self {
+        self.replay_window = window;
+        self
+    }
+
+    /// Rows deleted per transaction (default 5,000; at least 1).
+    pub fn batch(mut self, rows: usize) -> Self {
+        self.batch = i64::try_from(rows.max(1)).unwrap_or(i64::MAX);
+        self
+    }
+
+    /// How often a runtime sweeps (default 1 h).
+    pub fn every(mut self, interval: Duration) -> Self {
+        self.every = interval.max(Duration::from_secs(1));
+        self
+    }
+
+    /// The retention.
+    pub fn kept(&self) -> Duration {
+        self.keep
+    }
+
+    pub(crate) fn interval(&self) -> Duration {
+        self.every
+    }
+
+    /// Refuses a retention no longer than the longest retry horizon of `policies`
+    /// plus the replay window.
+    ///
+    /// # Errors
+    /// [`Error::Config`] saying which lower bound and why.
+    pub fn check<'a>(&self, policies: impl IntoIterator<Item = &'a RetryPolicy>) -> Result<(), Error> {
+        let horizon = policies.into_iter().map(RetryPolicy::horizon).max().unwrap_or_default();
+        let floor = horizon + self.replay_window;
+        if self.keep <= floor {
+            return Err(Error::Config(format!(
+                "a retention of {:?} is too short: a copy of a message can still arrive {horizon:?} after its first \
+                 delivery (the longest retry horizon) and a dead letter may be replayed for {:?} (the replay window), \
+                 so rows deleted sooner would let a late copy apply twice; keep rows longer than {floor:?}, or \
+                 shorten the replay window",
+                self.keep, self.replay_window
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What a sweep deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Sweep {
+    /// Dedup rows older than the retention.
+    pub dedup_rows: u64,
+    /// Copy records older than the retention.
+    pub copy_records: u64,
+    /// Start marks older than the retention (messages that never came back).
+    pub start_marks: u64,
+    /// Another sweeper held the lock: this one stopped.
+    pub yielded: bool,
+}
+
+/// Deletes what is older than `retention` on `conn`, batch by batch, until nothing
+/// is left or another sweeper takes over. Does not [`check`](Retention::check) the
+/// retention: callers do (the runtime at build, the CLI at start).
+///
+/// # Errors
+/// The database's.
+pub async fn sweep(conn: &mut AsyncPgConnection, retention: &Retention) -> diesel::QueryResult<Sweep> {
+    let mut total = Sweep::default();
+    let keep_ms = i64::try_from(retention.keep.as_millis()).unwrap_or(i64::MAX);
+    for table in [Table::Dedup, Table::Copies, Table::Starts] {
+        loop {
+            let batch = retention.batch;
+            let deleted = conn
+                .transaction::<Option<u64>, diesel::result::Error, _>(async |conn| {
+                    if !crate::db::try_gc_lock(conn, GC_LOCK).await? {
+                        return Ok(None);
+                    }
+                    crate::db::delete_older(conn, table.sql(), keep_ms, batch).await.map(Some)
+                })
+                .await?;
+            let Some(deleted) = deleted else {
+                total.yielded = true;
+                return Ok(total);
+            };
+            *table.counter(&mut total) += deleted;
+            if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
+                break;
+            }
+        }
+    }
+    Ok(total)
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Table {
+    Dedup,
+    Copies,
+    Starts,
+}
+
+impl Table {
+    /// `DELETE` of the oldest rows past the retention, `$1` ms old, at most `$2`.
+    fn sql(self) -> &'static str {
+        match self {
+            Self::Dedup => {
+                "DELETE FROM idemq_dedup WHERE ctid = ANY(ARRAY(SELECT ctid FROM idemq_dedup \
+                 WHERE processed_at < now() - $1 * interval '1 millisecond' LIMIT $2))"
+            }
+            Self::Copies => {
+                "DELETE FROM idemq_copies WHERE ctid = ANY(ARRAY(SELECT ctid FROM idemq_copies \
+                 WHERE copied_at < now() - $1 * interval '1 millisecond' LIMIT $2))"
+            }
+            Self::Starts => {
+                "DELETE FROM idemq_started WHERE ctid = ANY(ARRAY(SELECT ctid FROM idemq_started \
+                 WHERE last_started_at < now() - $1 * interval '1 millisecond' LIMIT $2))"
+            }
+        }
+    }
+
+    fn counter(self, sweep: &mut Sweep) -> &mut u64 {
+        match self {
+            Self::Dedup => &mut sweep.dedup_rows,
+            Self::Copies => &mut sweep.copy_records,
+            Self::Starts => &mut sweep.start_marks,
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Running it: several observers at once, and the dedup retention sweep.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
+use idemq::{Observe, Retention, RetryPolicy, Settled};
+use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
+
+#[derive(Default)]
+struct Counter {
+    settled: AtomicUsize,
+    batches: AtomicUsize,
+}
+
+impl Observe for Counter {
+    fn settled(&self, _: &Settled) {
+        self.settled.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn batch(&self, _: &idemq::Batch<'_>) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A second `.observer(..)` no longer replaces the first: every subscriber hears
+/// every delivery, beside the built-in stats.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_observer_hears_every_delivery() {
+    let bed = Bed::new().await;
+    for i in 0..5 {
+        bed.publish(&payment(100 + i)).await;
+    }
+    let (a, b) = (Arc::new(Counter::default()), Arc::new(Counter::default()));
+    let callback = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&callback);
+    let runtime = bed
+        .runtime()
+        .observe(Arc::clone(&a))
+        .observe(Arc::clone(&b))
+        .observer(move |_| {
+            seen.fetch_add(1, Ordering::Relaxed);
+        })
+        .consume(&bed.queue, ledger_payment);
+    let running = Running::start(runtime);
+    running.wait_settled(5).await;
+    let stats = running.stats.snapshot();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(a.settled.load(Ordering::Relaxed), 5);
+    assert_eq!(b.settled.load(Ordering::Relaxed), 5);
+    assert_eq!(callback.load(Ordering::Relaxed), 5, "the recording observer Running adds hears them too");
+    assert!(a.batches.load(Ordering::Relaxed) >= 1);
+    assert_eq!(stats.applied, 5, "the built-in stats are a subscriber too");
+}
+
+/// A retention no longer than the retry horizon plus the replay window is refused
+/// when the runtime is built, saying which bounds.
+#[test]
+fn a_retention_shorter_than_the_retry_horizon_and_replay_window_is_refused() {
+    let retry = RetryPolicy::new([Duration::from_secs(3600)]);
+    let short =
+        Retention::keep(Duration::from_secs(86_400 + 1800)).replay_window(Duration::from_secs(86_400));
+    let err = idemq::Runtime::builder()
+        .retry(retry.clone())
+        .retention(short)
+        .consume("q", ledger_payment)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("too short") && err.contains("replay window"), "{err}");
+    let long = Retention::keep(Duration::from_secs(3 * 86_400)).replay_window(Duration::from_secs(86_400));
+    assert!(idemq::Runtime::builder()
+        .retry(retry)
+        .retention(long)
+        .consume("q", ledger_payment)
+        .build()
+        .is_ok());
+}
+
+async fn count(bed: &Bed, sql: &str) -> i64 {
+    use diesel_async::RunQueryDsl;
+    let mut conn = bed.db.connect().await;
+    diesel::dsl::sql::<diesel::sql_types::BigInt>(sql).get_result(&mut conn).await.expect(sql)
+}
+
+/// The sweep deletes rows past the retention, in batches, and keeps the rest.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sweep_deletes_what_is_past_the_retention_and_keeps_the_rest() {
+    let bed = Bed::new().await;
+    let mut conn = bed.db.connect().await;
+    conn.batch_execute(
+        "INSERT INTO idemq_dedup (handler, key, processed_at)
+             SELECT 'h', 'old-' || i, now() - interval '40 days' FROM generate_series(1, 25) AS i;
+         INSERT INTO idemq_dedup (handler, key) SELECT 'h', 'new-' || i FROM generate_series(1, 5) AS i;
+         INSERT INTO idemq_copies (copy_id, copied_at) VALUES ('old-copy', now() - interval '40 days'), ('new-copy', now());",
+    )
+    .await
+    .expect("seed the rows");
+    let retention = Retention::keep(Duration::from_secs(30 * 86_400)).batch(10);
+    let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
+    assert_eq!((sweep.dedup_rows, sweep.copy_records, sweep.yielded), (25, 1, false), "{sweep:?}");
+    assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 5);
+    assert_eq!(count(&bed, "SELECT count(*) FROM idemq_copies").await, 1);
+}
+
+/// One sweeper at a time: while another holds the lock, a sweep deletes nothing and
+/// says it yielded. The lock is transaction-scoped, so it never stays behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sweep_yields_to_one_already_running() {
+    let bed = Bed::new().await;
+    let mut holder = bed.db.connect().await;
+    let mut conn = bed.db.connect().await;
+    conn.batch_execute("INSERT INTO idemq_dedup (handler, key, processed_at) VALUES ('h', 'old', now() - interval '40 days')")
+        .await
+        .expect("seed");
+    AnsiTransactionManager::begin_transaction(&mut holder).await.expect("begin");
+    holder.batch_execute(&format!("SELECT pg_advisory_xact_lock({})", idemq::GC_LOCK)).await.expect("lock");
+    let retention = Retention::keep(Duration::from_secs(30 * 86_400));
+    let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
+    assert!(sweep.yielded && sweep.dedup_rows == 0, "{sweep:?}");
+    AnsiTransactionManager::commit_transaction(&mut holder).await.expect("end the holder's transaction");
+    let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
+    assert_eq!((sweep.dedup_rows, sweep.yielded), (1, false), "{sweep:?}");
+}
+
+#[derive(Default)]
+struct Swept(AtomicUsize);
+
+impl Observe for Swept {
+    fn swept(&self, sweep: &idemq::Sweep) {
+        self.0.fetch_add(usize::try_from(sweep.dedup_rows).unwrap_or(0), Ordering::Relaxed);
+    }
+}
+
+/// A runtime with a retention sweeps in the background from its start.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runtime_with_a_retention_sweeps_in_the_background() {
+    let bed = Bed::new().await;
+    let mut conn = bed.db.connect().await;
+    conn.batch_execute("INSERT INTO idemq_dedup (handler, key, processed_at) VALUES ('h', 'old', now() - interval '400 days')")
+        .await
+        .expect("seed");
+    let swept = Arc::new(Swept::default());
+    let retention = Retention::keep(Duration::from_secs(60 * 86_400));
+    let running = Running::start(
+        bed.runtime().retention(retention).observe(Arc::clone(&swept)).consume(&bed.queue, ledger_payment),
+    );
+    idemq_tests::eventually("the old row swept", Duration::from_secs(20), || async {
+        swept.0.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 0);
+}
