@@ -12,7 +12,8 @@ use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    accounts, apply_payment, ledger, topology, PaymentApplied, PaymentRequested, EVENTS_QUEUE, QUEUE,
+    accounts, apply_payment, ledger, topology, PaymentApplied, PaymentRequested, EVENTS_EXCHANGE,
+    EVENTS_QUEUE, QUEUE,
 };
 
 /// How big a burst to send.
@@ -47,12 +48,12 @@ pub struct DemoReport {
     pub ledger_ok: bool,
     /// Lines explaining any mismatch.
     pub mismatches: Vec<String>,
-    /// What this run's events in `payments.applied` looked like.
+    /// What this run's events looked like.
     pub events: EventsReport,
 }
 
-/// This run's `PaymentApplied` events, as found in `payments.applied` (browsed, left
-/// there).
+/// This run's `PaymentApplied` events, as the demo's own queue on the events exchange
+/// saw them (they land in `payments.applied` too, and stay there).
 #[derive(Debug, Default)]
 pub struct EventsReport {
     /// Copies seen (a relay re-send after a crash would be a second copy).
@@ -121,7 +122,24 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
             other => return Err(format!("publish not confirmed: {other:?}").into()),
         }
     }
-    let _ = connection.close(200, "published".into()).await;
+    // This run's events, watched on a queue of the demo's own bound to the events
+    // exchange (`payments.applied` keeps every event, of every run, for you).
+    let watcher = channel
+        .queue_declare(
+            "".into(),
+            lapin::options::QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() },
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
+    channel
+        .queue_bind(
+            watcher.name().clone(),
+            EVENTS_EXCHANGE.into(),
+            "".into(),
+            lapin::options::QueueBindOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
     let published = bodies.len();
 
     let runtime = Runtime::builder()
@@ -145,6 +163,12 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let consume_time = started.elapsed();
+    // The relay publishes what was committed; wait for it before stopping.
+    let mut conn = AsyncPgConnection::establish(database_url).await?;
+    while idemq::outbox::backlog(&mut conn).await? > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(conn);
     shutdown.cancel();
     consumer.await??;
     let stats = stats.snapshot();
@@ -157,24 +181,26 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
     }
 
     let mut mismatches = check_ledger(database_url, &run_id, &expected, config.payments).await?;
-    let events = check_events(amqp_url, &run_id, config.payments).await?;
+    let events = check_events(&channel, watcher.name().as_str(), &run_id, config.payments).await?;
+    let _ = connection.close(200, "checked".into()).await;
     mismatches.extend(events.mismatches.iter().cloned());
     Ok(DemoReport { published, stats, consume_time, ledger_ok: mismatches.is_empty(), mismatches, events })
 }
 
-/// Browses `payments.applied` (every message is returned to the queue when the
-/// channel closes) until it has seen an event for each of this run's payments:
-/// each must have one, and every copy of one payment's event the same message id.
-async fn check_events(amqp_url: &str, run_id: &str, payments: usize) -> Result<EventsReport, DemoError> {
+/// Takes this run's events off the demo's watcher queue: each payment must have one,
+/// and every copy of one payment's event the same message id.
+async fn check_events(
+    channel: &lapin::Channel,
+    watcher: &str,
+    run_id: &str,
+    payments: usize,
+) -> Result<EventsReport, DemoError> {
     use futures_util::StreamExt;
-    let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
-    let channel = connection.create_channel().await?;
-    channel.basic_qos(2_000, lapin::options::BasicQosOptions::default()).await?;
     let mut consumer = channel
         .basic_consume(
-            EVENTS_QUEUE.into(),
-            "idemq-demo-browse".into(),
-            lapin::options::BasicConsumeOptions::default(),
+            watcher.into(),
+            "idemq-demo-events".into(),
+            lapin::options::BasicConsumeOptions { no_ack: true, ..Default::default() },
             lapin::types::FieldTable::default(),
         )
         .await?;
@@ -196,13 +222,9 @@ async fn check_events(amqp_url: &str, run_id: &str, payments: usize) -> Result<E
             delivery.properties.message_id().as_ref().map(|id| id.to_string()).unwrap_or_default();
         ids.entry(event.payment_id).or_default().insert(message_id);
     }
-    // Unacked: closing the channel puts every browsed event back.
-    let _ = channel.close(200, "browsed".into()).await;
-    let _ = connection.close(200, "browsed".into()).await;
     let mut mismatches = Vec::new();
     if ids.len() != payments {
-        mismatches
-            .push(format!("{EVENTS_QUEUE} holds events for {} of this run's {payments} payments", ids.len()));
+        mismatches.push(format!("{} of this run's {payments} payments published their event", ids.len()));
     }
     let split = ids.values().filter(|ids| ids.len() != 1 || ids.iter().any(String::is_empty)).count();
     if split > 0 {
@@ -284,7 +306,7 @@ impl std::fmt::Display for DemoReport {
         writeln!(f, "consumed in:         {secs:.2} s ({:.0} msg/s)", total as f64 / secs.max(1e-9))?;
         writeln!(
             f,
-            "events (outbox):     {} payments, {} copies in {EVENTS_QUEUE}, one message_id each",
+            "events (outbox):     {} payments, {} events (one message_id each), also kept in {EVENTS_QUEUE}",
             self.events.payments, self.events.copies
         )?;
         if self.ledger_ok {

@@ -12,7 +12,7 @@
 use diesel::prelude::*;
 use diesel::upsert::excluded;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use idemq::{idempotent_handler, Context, HandlerError, Message, Queue, Topology};
+use idemq::{idempotent_handler, Context, Exchange, HandlerError, Message, Queue, Topology};
 use serde::{Deserialize, Serialize};
 
 pub mod demo;
@@ -20,7 +20,10 @@ pub mod demo;
 /// The queue the demo consumes.
 pub const QUEUE: &str = "payments";
 /// The queue every applied payment's [`PaymentApplied`] event lands in.
-pub const EVENTS_QUEUE: &str = <PaymentApplied as Message>::ROUTING_KEY;
+pub const EVENTS_QUEUE: &str = "payments.applied";
+/// The fanout exchange the events are published to; [`EVENTS_QUEUE`] is bound to it
+/// (so are the demo's own watchers).
+pub const EVENTS_EXCHANGE: &str = <PaymentApplied as Message>::EXCHANGE;
 /// The demo's default database (created if missing).
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/idemq_demo";
 
@@ -63,7 +66,7 @@ pub struct PaymentRequested {
 /// queue [`EVENTS_QUEUE`]. Every copy of one payment's event carries the same AMQP
 /// `message_id`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Message)]
-#[message(exchange = "", routing_key = "payments.applied")]
+#[message(exchange = "payments.events", routing_key = "payment.applied")]
 pub struct PaymentApplied {
     /// The payment's idempotency key.
     pub payment_id: String,
@@ -117,11 +120,14 @@ pub async fn record_payment(
     Ok(())
 }
 
-/// The demo's topology: the `payments` quorum queue and its `payments.dlq`, and the
-/// durable `payments.applied` queue the events go to (classic: browsing it, as the
-/// demo does, does not count deliveries against a delivery limit).
+/// The demo's topology: the `payments` quorum queue and its `payments.dlq`, the
+/// `payments.events` fanout exchange the events are published to, and the durable
+/// `payments.applied` queue bound to it, where they land.
 pub fn topology() -> Topology {
-    Topology::new().queue(Queue::new(QUEUE)).queue(Queue::new(EVENTS_QUEUE).classic())
+    Topology::new()
+        .exchange(Exchange::fanout(EVENTS_EXCHANGE))
+        .queue(Queue::new(QUEUE))
+        .queue(Queue::new(EVENTS_QUEUE).classic().bind(EVENTS_EXCHANGE, ""))
 }
 
 /// The demo's own tables.

@@ -1,62 +1,91 @@
-//! The `payments` binary.
+//! The `payments` binary: idemq's CLI for the payments handler, plus the demo.
 //!
 //! Run with: `cargo run --release -p idemq-example-payments -- demo`
 //!
 //! ```text
-//! payments migrate   apply idemq's migrations and the demo's tables, then exit
 //! payments run       declare the topology and consume until SIGINT/SIGTERM
+//! payments migrate   apply idemq's migrations and the demo's tables (--status: list them)
+//! payments declare   show the topology and what exists (--apply: declare it)
+//! payments status    queue depths, consumers, dead letters, dedup rows, outbox backlog
+//! payments gc        delete dedup rows older than --keep
 //! payments demo      migrate, publish a burst with duplicates and bad messages,
-//!                    consume it, print a summary and check the ledger
+//!                    consume it, print a summary and check the ledger and the events
 //! ```
-//! Environment: `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
-//! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/idemq_demo`),
-//! `RUST_LOG` (default `warn`; `error` for `demo`).
+//! `payments --help` and `payments <command> --help` say more. Environment: `AMQP_URL`
+//! (default `amqp://guest:guest@127.0.0.1:5672/%2f`), `DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/idemq_demo`), `RUST_LOG` (default `warn`;
+//! `error` for `demo`), and the settings of `idemq::cli`.
 
 use std::process::ExitCode;
 
+use idemq::cli::clap::builder::RangedU64ValueParser;
+use idemq::cli::clap::{Arg, ArgMatches, Command};
+use idemq::cli::Cli;
 use idemq::Runtime;
 use idemq_example_payments::demo::{self, DemoConfig};
 use idemq_example_payments::{apply_payment, migrate, topology, DEFAULT_DATABASE_URL, QUEUE};
 
-const USAGE: &str = "usage: payments <migrate|run|demo> [--concurrency N] [--payments N]";
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let database_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+    let builder =
+        Runtime::builder().database_url(database_url).topology(topology()).consume(QUEUE, apply_payment);
+    let cli = Cli::new("payments", builder)
+        .about("exactly-once payments from RabbitMQ into PostgreSQL, with idemq")
+        .setup(|url| async move { migrate(&url).await.map_err(Into::into) });
+    let command = cli.command().subcommand(
+        Command::new("demo")
+            .about("publish a burst with duplicates and bad messages, consume it, check the ledger and the events")
+            .arg(number("payments", "distinct payments to publish (default 2000)"))
+            .arg(number("concurrency", "transactions at once (default 16)")),
+    );
+    let matches = match command.try_get_matches() {
+        Ok(matches) => matches,
+        Err(err) => {
+            let _ = err.print();
+            return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2));
+        }
+    };
     // The demo reports its dead letters in its summary; `run` logs each one.
-    let default_filter = if args.first().map(String::as_str) == Some("demo") { "error" } else { "warn" };
+    let demo = matches.subcommand_matches("demo");
+    let default_filter = if demo.is_some() { "error" } else { "warn" };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
         )
         .init();
-    let amqp_url = std::env::var("AMQP_URL").unwrap_or_else(|_| idemq::DEFAULT_AMQP_URL.into());
-    let database_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
-    let mut config = DemoConfig::default();
-    if let Err(err) = parse_flags(&args[args.len().min(1)..], &mut config) {
-        eprintln!("{err}\n{USAGE}");
-        return ExitCode::from(2);
+    match demo {
+        Some(demo) => run_demo(&matches, demo).await,
+        None => cli.run_matches(&matches).await,
     }
-    let result = match args.first().map(String::as_str) {
-        Some("migrate") => migrate(&database_url).await.map_err(Into::into).map(|()| {
-            println!("migrations applied to {}", idemq::redact(&database_url));
-        }),
-        Some("run") => run(&amqp_url, &database_url, config.concurrency).await,
-        Some("demo") => match demo::run(&amqp_url, &database_url, config).await {
-            Ok(report) => {
-                println!("{report}");
-                if report.ledger_ok {
-                    Ok(())
-                } else {
-                    Err("the ledger does not match the payments".into())
-                }
+}
+
+fn number(name: &'static str, help: &'static str) -> Arg {
+    Arg::new(name).long(name).value_parser(RangedU64ValueParser::<usize>::new().range(1..)).help(help)
+}
+
+async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
+    let url = |id: &str, default: &str| {
+        matches.get_one::<String>(id).cloned().unwrap_or_else(|| default.to_owned())
+    };
+    let amqp_url = url("amqp-url", idemq::DEFAULT_AMQP_URL);
+    let database_url = url("database-url", DEFAULT_DATABASE_URL);
+    let defaults = DemoConfig::default();
+    let config = DemoConfig {
+        payments: demo.get_one::<usize>("payments").copied().unwrap_or(defaults.payments),
+        concurrency: demo.get_one::<usize>("concurrency").copied().unwrap_or(defaults.concurrency),
+        ..defaults
+    };
+    let result = match demo::run(&amqp_url, &database_url, config).await {
+        Ok(report) => {
+            println!("{report}");
+            if report.ledger_ok {
+                Ok(())
+            } else {
+                Err("the ledger does not match the payments".into())
             }
-            Err(err) => Err(err),
-        },
-        _ => {
-            eprintln!("{USAGE}");
-            return ExitCode::from(2);
         }
+        Err(err) => Err(err),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -66,36 +95,4 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-async fn run(
-    amqp_url: &str,
-    database_url: &str,
-    concurrency: usize,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    migrate(database_url).await?;
-    Runtime::builder()
-        .amqp_url(amqp_url)
-        .database_url(database_url)
-        .topology(topology())
-        .consume(QUEUE, apply_payment)
-        .concurrency(concurrency)
-        .build()?
-        .run(idemq::shutdown_signal())
-        .await?;
-    Ok(())
-}
-
-fn parse_flags(flags: &[String], config: &mut DemoConfig) -> Result<(), String> {
-    let mut flags = flags.iter();
-    while let Some(flag) = flags.next() {
-        let value = flags.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let number: usize = value.parse().map_err(|_| format!("{flag} takes a number, not '{value}'"))?;
-        match flag.as_str() {
-            "--concurrency" if number > 0 => config.concurrency = number,
-            "--payments" if number > 0 => config.payments = number,
-            _ => return Err(format!("unknown flag or bad value: {flag} {value}")),
-        }
-    }
-    Ok(())
 }

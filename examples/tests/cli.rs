@@ -149,3 +149,105 @@ fn a_failed_migrate_never_prints_the_database_password() {
         }
     }
 }
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A run that must fail: exit 1 and its stderr.
+fn run_fails(command: &mut Command) -> String {
+    let output = command.output().expect("spawn");
+    assert_eq!(output.status.code(), Some(1), "{command:?}: {}", stdout(&output));
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// `payments --help` lists every subcommand and exits 0; a subcommand's `--help`
+/// lists its flags.
+#[test]
+fn help_lists_every_subcommand_and_exits_zero() {
+    let env = Isolated::new();
+    let help = stdout(&run_ok(&mut env.payments(&["--help"])));
+    for subcommand in ["run", "migrate", "declare", "status", "gc", "demo"] {
+        assert!(help.lines().any(|l| l.trim_start().starts_with(subcommand)), "{subcommand} missing: {help}");
+    }
+    let run = stdout(&run_ok(&mut env.payments(&["run", "--help"])));
+    assert!(
+        run.contains("--concurrency") && run.contains("--queue") && run.contains("--batch-size"),
+        "{run}"
+    );
+}
+
+/// `declare` is a dry run that says what is missing; `declare --apply` declares it,
+/// and `status` then shows the queues and the outbox backlog.
+#[test]
+fn declare_shows_what_is_missing_and_apply_declares_it() {
+    let env = Isolated::new();
+    let dry = stdout(&run_ok(&mut env.payments(&["declare"])));
+    assert!(dry.lines().any(|l| l.contains("queue payments.applied") && l.contains("missing")), "{dry}");
+    assert!(dry.contains("payments.retry.1000ms"), "the wait queues are listed: {dry}");
+    let listed =
+        stdout(&run_ok(Command::new("rabbitmqctl").args(["list_queues", "-p", &env.vhost, "name", "-q"])));
+    assert!(!listed.lines().any(|l| l.trim() == "payments"), "a dry run declared: {listed}");
+    run_ok(&mut env.payments(&["declare", "--apply"]));
+    let again = stdout(&run_ok(&mut env.payments(&["declare"])));
+    assert!(!again.contains("missing"), "{again}");
+    run_ok(&mut env.payments(&["migrate"]));
+    let status = stdout(&run_ok(&mut env.payments(&["status"])));
+    assert!(status.lines().any(|l| l.starts_with("payments.dlq")), "{status}");
+    assert!(status.contains("outbox backlog:        0"), "{status}");
+}
+
+/// `migrate --status` lists idemq's migrations, pending then applied.
+#[test]
+fn migrate_status_lists_pending_then_applied_migrations() {
+    let env = Isolated::new();
+    // The database exists (created by the demo's set-up), idemq's migrations not yet.
+    run_ok(Command::new("psql").args([
+        "-h",
+        "127.0.0.1",
+        "-U",
+        "postgres",
+        "-d",
+        "postgres",
+        "-c",
+        &format!("CREATE DATABASE \"{}\"", env.database),
+    ]));
+    let before = stdout(&run_ok(&mut env.payments(&["migrate", "--status"])));
+    assert!(before.contains("pending  2026-12-02-000001_idemq_outbox_and_results"), "{before}");
+    run_ok(&mut env.payments(&["migrate"]));
+    let after = stdout(&run_ok(&mut env.payments(&["migrate", "--status"])));
+    assert!(after.contains("0 pending") && !after.contains("pending  "), "{after}");
+}
+
+/// `gc` refuses a retention shorter than the retry horizon plus the replay window,
+/// saying why, and sweeps with a long one; settings come from a config file too,
+/// and an unknown setting in it is refused, naming the valid ones.
+#[test]
+fn gc_refuses_a_short_retention_and_reads_its_settings_from_a_config_file() {
+    let env = Isolated::new();
+    run_ok(&mut env.payments(&["migrate"]));
+    let refused = run_fails(&mut env.payments(&["gc", "--keep", "1d"]));
+    assert!(refused.contains("too short") && refused.contains("replay window"), "{refused}");
+    let swept = stdout(&run_ok(&mut env.payments(&["gc", "--keep", "30d"])));
+    assert!(swept.contains("deleted 0 dedup rows"), "{swept}");
+    let dir = std::env::temp_dir().join(format!("idemq-cli-{}", env.database));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let good = dir.join("good.toml");
+    std::fs::write(&good, "retention = \"40d\"\n").expect("write");
+    let swept = stdout(&run_ok(&mut env.payments(&["--config", good.to_str().expect("utf-8"), "gc"])));
+    assert!(swept.contains("older than 40.0 days"), "{swept}");
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "retension = \"40d\"\n").expect("write");
+    let refused = run_fails(&mut env.payments(&["--config", bad.to_str().expect("utf-8"), "gc"]));
+    assert!(refused.contains("retension") && refused.contains("retention"), "{refused}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `run --queue` with a queue no handler consumes is refused before anything
+/// connects, naming the consumed queues.
+#[test]
+fn run_with_an_unknown_queue_is_refused() {
+    let env = Isolated::new();
+    let refused = run_fails(&mut env.payments(&["run", "--queue", "refunds"]));
+    assert!(refused.contains("--queue refunds") && refused.contains("payments"), "{refused}");
+}

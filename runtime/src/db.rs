@@ -404,6 +404,30 @@ pub(crate) async fn delete_older(
     Ok(u64::try_from(deleted).unwrap_or(0))
 }
 
+/// The versions of the applied migrations (none before the first).
+pub(crate) async fn applied_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
+    let tracked: bool =
+        diesel::select(diesel::dsl::sql::<Bool>("to_regclass('__diesel_schema_migrations') IS NOT NULL"))
+            .get_result(conn)
+            .await?;
+    if !tracked {
+        return Ok(Vec::new());
+    }
+    diesel::dsl::sql::<Text>("SELECT version FROM __diesel_schema_migrations").load(conn).await
+}
+
+/// The dedup table's row estimate (the planner's: counting a large table takes
+/// long) and the outbox's backlog (counted).
+#[cfg(feature = "cli")]
+pub(crate) async fn table_sizes(conn: &mut AsyncPgConnection) -> QueryResult<(i64, i64)> {
+    let dedup: i64 = diesel::select(diesel::dsl::sql::<BigInt>(
+        "COALESCE((SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass('idemq_dedup')), 0)",
+    ))
+    .get_result(conn)
+    .await?;
+    Ok((dedup, outbox_backlog(conn).await?))
+}
+
 /// Wakes the relays listening on [`crate::relay::CHANNEL`] (outside any transaction).
 pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     conn.batch_execute(&format!("NOTIFY {}", crate::relay::CHANNEL)).await
@@ -599,15 +623,7 @@ pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Op
             ),
         }));
     }
-    let tracked: bool =
-        diesel::select(diesel::dsl::sql::<Bool>("to_regclass('__diesel_schema_migrations') IS NOT NULL"))
-            .get_result(conn)
-            .await?;
-    let applied: Vec<String> = if tracked {
-        diesel::dsl::sql::<Text>("SELECT version FROM __diesel_schema_migrations").load(conn).await?
-    } else {
-        Vec::new()
-    };
+    let applied = applied_migrations(conn).await?;
     let embedded =
         diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::migrate::MIGRATIONS)
             .map_err(DieselError::QueryBuilderError)?;

@@ -794,7 +794,13 @@ impl Consumer {
             rows.extend(done.published.iter().cloned());
             if let Some(request) = Request::of(&items[done.index].delivery.properties) {
                 let body = HandlerOutput::reply_body(done.output.0.as_deref());
-                rows.push(Outgoing::reply(&request, self.reply_id(done.key.as_str()), body, true));
+                // Without dedup rows two requests may share a key: random reply ids.
+                let id = if dedup {
+                    self.reply_id(done.key.as_str())
+                } else {
+                    uuid::Uuid::new_v4().simple().to_string()
+                };
+                rows.push(Outgoing::reply(&request, id, body, true));
             }
             match &done.output.0 {
                 Some(result) if dedup => results.push((done.key.as_str(), result)),

@@ -158,6 +158,8 @@
 
 mod acks;
 mod backoff;
+#[cfg(feature = "cli")]
+pub mod cli;
 mod db;
 mod dead_letter;
 mod delivery;

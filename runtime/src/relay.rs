@@ -307,9 +307,15 @@ impl Worker {
             if final_until.is_some_and(|until| Instant::now() >= until) {
                 break;
             }
+            // Once stopping, nothing may take longer than what is left of the final pass.
+            let left =
+                final_until.map_or(Duration::MAX, |until| until.saturating_duration_since(Instant::now()));
             let current = match &mut link {
                 Some(current) => current,
-                None => match self.connect().await {
+                None => match tokio::time::timeout(left, self.connect())
+                    .await
+                    .unwrap_or_else(|_| Err("stopping".into()))
+                {
                     Ok(connected) => {
                         backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
                         last_error = None;
@@ -324,7 +330,11 @@ impl Worker {
                     }
                 },
             };
-            let pass = self.pass(current).await;
+            let Ok(pass) = tokio::time::timeout(left, self.pass(current)).await else {
+                // Cut off while stopping: the pass's transaction rolls back when the
+                // relay's pool closes; its rows stay for the next relay.
+                break;
+            };
             if let Ok(Pass { claimed, published, postponed, .. }) = &pass {
                 if *claimed > 0 {
                     self.observers.relay(&RelayPass {

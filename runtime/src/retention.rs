@@ -84,12 +84,16 @@ impl Retention {
         let horizon = policies.into_iter().map(RetryPolicy::horizon).max().unwrap_or_default();
         let floor = horizon + self.replay_window;
         if self.keep <= floor {
+            let show = |d: Duration| humantime::format_duration(Duration::from_secs(d.as_secs())).to_string();
             return Err(Error::Config(format!(
-                "a retention of {:?} is too short: a copy of a message can still arrive {horizon:?} after its first \
-                 delivery (the longest retry horizon) and a dead letter may be replayed for {:?} (the replay window), \
-                 so rows deleted sooner would let a late copy apply twice; keep rows longer than {floor:?}, or \
+                "a retention of {} is too short: a copy of a message can still arrive {} after its first \
+                 delivery (the longest retry horizon) and a dead letter may be replayed for {} (the replay \
+                 window), so rows deleted sooner would let a late copy apply twice; keep rows longer than {}, or \
                  shorten the replay window",
-                self.keep, self.replay_window
+                show(self.keep),
+                show(horizon),
+                show(self.replay_window),
+                show(floor + Duration::from_secs(1)),
             )));
         }
         Ok(())

@@ -308,6 +308,107 @@ impl RuntimeBuilder {
         self
     }
 
+    /// The broker URL this builder holds.
+    #[cfg(feature = "cli")]
+    pub(crate) fn configured_amqp_url(&self) -> &str {
+        &self.amqp_url
+    }
+
+    /// The database URL this builder holds.
+    #[cfg(feature = "cli")]
+    pub(crate) fn configured_database_url(&self) -> &str {
+        &self.database_url
+    }
+
+    /// Keeps only the consumers of `queues`; a queue nobody consumes is an error.
+    #[cfg(feature = "cli")]
+    pub(crate) fn only_queues(mut self, queues: &[String]) -> Result<Self, Error> {
+        for queue in queues {
+            if !self
+                .consumers
+                .iter()
+                .any(|(q, handler, _)| q == queue || handler.queue() == Some(queue.as_str()))
+            {
+                let known: Vec<&str> = self.consumers.iter().map(|(q, _, _)| q.as_str()).collect();
+                return Err(Error::Config(format!(
+                    "--queue {queue}: no handler consumes it; the consumed queues are {}",
+                    known.join(", ")
+                )));
+            }
+        }
+        self.consumers.retain(|(queue, _, _)| queues.contains(queue));
+        Ok(self)
+    }
+
+    /// Every consumer's retry policy, as `run` would use it.
+    #[cfg(feature = "cli")]
+    pub(crate) fn retry_policies(&self) -> Vec<RetryPolicy> {
+        self.consumers
+            .iter()
+            .map(|(_, handler, retry)| {
+                retry.clone().or_else(|| handler.retry()).unwrap_or_else(|| self.retry.clone())
+            })
+            .collect()
+    }
+
+    /// Every queue the runtime would declare (the topology's, their dead-letter
+    /// queues, the consumers' wait queues), with what it is.
+    #[cfg(feature = "cli")]
+    pub(crate) fn declarations(&self) -> Vec<(String, String)> {
+        let mut plan = Vec::new();
+        for queue in self.topology.queues() {
+            plan.push((queue.name().to_owned(), queue.describe()));
+            plan.push((
+                queue.dead_letter_name().to_owned(),
+                "its dead-letter queue (no delivery limit)".to_owned(),
+            ));
+        }
+        for ((queue, _, _), retry) in self.consumers.iter().zip(self.retry_policies()) {
+            for (name, delay) in retry.wait_queues(queue) {
+                plan.push((name, format!("retries of {queue} after {delay:?}")));
+            }
+        }
+        plan
+    }
+
+    /// The exchanges the topology declares.
+    #[cfg(feature = "cli")]
+    pub(crate) fn exchange_names(&self) -> Vec<String> {
+        self.topology.exchange_names().map(str::to_owned).collect()
+    }
+
+    /// Declares what `run` declares: the topology and the consumers' wait queues.
+    #[cfg(feature = "cli")]
+    pub(crate) async fn declare_all(&self, channel: &lapin::Channel) -> Result<(), Error> {
+        self.topology.declare(channel).await?;
+        for ((queue, _, _), retry) in self.consumers.iter().zip(self.retry_policies()) {
+            let declared =
+                self.topology.find_queue(queue).cloned().unwrap_or_else(|| Queue::new(queue.clone()));
+            for (name, delay) in retry.wait_queues(queue) {
+                declared.declare_wait_queue(channel, &name, delay).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every consumed or declared queue with its dead-letter queue.
+    #[cfg(feature = "cli")]
+    pub(crate) fn consumed_queues(&self) -> Vec<(String, String)> {
+        let mut queues: Vec<(String, String)> = self
+            .topology
+            .queues()
+            .iter()
+            .map(|queue| (queue.name().to_owned(), queue.dead_letter_name().to_owned()))
+            .collect();
+        for (queue, _, _) in &self.consumers {
+            if !queues.iter().any(|(name, _)| name == queue) {
+                let declared = Queue::new(queue.clone());
+                queues.push((queue.clone(), declared.dead_letter_name().to_owned()));
+            }
+        }
+        queues
+    }
+
     /// Checks the configuration.
     ///
     /// # Errors

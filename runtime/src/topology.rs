@@ -66,6 +66,18 @@ impl Topology {
         self.queues.iter().find(|q| q.name == name)
     }
 
+    /// The queues declared here.
+    #[cfg(feature = "cli")]
+    pub(crate) fn queues(&self) -> &[Queue] {
+        &self.queues
+    }
+
+    /// The exchanges declared here, by name.
+    #[cfg(feature = "cli")]
+    pub(crate) fn exchange_names(&self) -> impl Iterator<Item = &str> {
+        self.exchanges.iter().map(|exchange| exchange.name.as_str())
+    }
+
     pub(crate) fn merge(&mut self, other: Topology) {
         self.exchanges.extend(other.exchanges);
         self.queues.extend(other.queues);
@@ -199,6 +211,20 @@ impl Queue {
     /// The dead-letter queue's name.
     pub fn dead_letter_name(&self) -> &str {
         &self.dead_letter
+    }
+
+    /// What the queue is declared as, in words.
+    #[cfg(feature = "cli")]
+    pub(crate) fn describe(&self) -> String {
+        match self.queue_type {
+            QueueType::Quorum => {
+                format!(
+                    "quorum, dead letters to {}, delivery limit {}",
+                    self.dead_letter, self.delivery_limit
+                )
+            }
+            _ => format!("classic, dead letters to {}", self.dead_letter),
+        }
     }
 
     fn type_arguments(&self, args: &mut FieldTable) {

@@ -1,0 +1,463 @@
+//! The application's command line (feature `cli`): the binary's `main` hands its
+//! handlers and topology to idemq — a [`RuntimeBuilder`] — and gets subcommands:
+//!
+//! ```text
+//! <app> run      [--concurrency N] [--batch-size N] [--queue Q]...   consume until SIGINT/SIGTERM
+//! <app> migrate  [--status]                                           idemq's (and the app's) migrations
+//! <app> declare  [--apply]                                            the topology: what exists, what would be declared
+//! <app> status                                                        queue depths, consumers, DLQs, dedup rows, outbox backlog
+//! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
+//! ```
+//!
+//! Every subcommand but `run` works without consumers. Settings come from flags, then
+//! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
+//! `IDEMQ_BATCH_SIZE`, `IDEMQ_RETENTION`, `IDEMQ_REPLAY_WINDOW`), then a TOML file
+//! (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`,
+//! `database_url`, `concurrency`, `batch_size`, `retention`, `replay_window`), then the
+//! code's builder. They are checked before anything connects; errors name the setting
+//! and say what to write. Passwords in URLs are redacted in every message.
+//!
+//! ```no_run
+//! # use idemq::{Queue, Runtime, Topology};
+//! # async fn example(handler: impl idemq::Handler) -> std::process::ExitCode {
+//! let builder = Runtime::builder().topology(Topology::new().queue(Queue::new("payments"))).consume("payments", handler);
+//! idemq::cli::Cli::new("payments", builder).run().await
+//! # }
+//! ```
+
+use std::ffi::OsString;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{value_parser, Arg, ArgAction, ArgMatches, Command};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+
+pub use clap;
+
+use crate::error::{redact, Error};
+use crate::retention::Retention;
+use crate::runtime::RuntimeBuilder;
+
+/// An application step `migrate` and `run` take after idemq's own migrations (the
+/// app's tables), given the database URL.
+pub type Setup = Box<
+    dyn Fn(
+            String,
+        )
+            -> Pin<Box<dyn Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// The CLI of an idemq application. See the module docs.
+#[must_use = "a CLI does nothing until `.run()`"]
+pub struct Cli {
+    name: &'static str,
+    about: Option<&'static str>,
+    builder: RuntimeBuilder,
+    setup: Option<Setup>,
+}
+
+impl std::fmt::Debug for Cli {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cli")
+            .field("name", &self.name)
+            .field("builder", &self.builder)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Cli {
+    /// The CLI of the binary `name`, running `builder`'s handlers and topology.
+    pub fn new(name: &'static str, builder: RuntimeBuilder) -> Self {
+        Self { name, about: None, builder, setup: None }
+    }
+
+    /// The line `--help` starts with.
+    pub fn about(mut self, about: &'static str) -> Self {
+        self.about = Some(about);
+        self
+    }
+
+    /// The application's own set-up (creating its database, its tables), run by
+    /// `migrate` and before `run`, before idemq's migrations.
+    pub fn setup<F, Fut>(mut self, setup: F) -> Self
+    where
+        F: Fn(String) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>> + Send + 'static,
+    {
+        self.setup = Some(Box::new(move |url| Box::pin(setup(url))));
+        self
+    }
+
+    /// The subcommands, for an application that adds its own
+    /// (`cli.command().subcommand(..)`, then [`Cli::run_matches`]).
+    pub fn command(&self) -> Command {
+        let duration = |name: &'static str, env: &'static str, help: &'static str| {
+            Arg::new(name)
+                .long(name)
+                .env(env)
+                .hide_env_values(true)
+                .value_name("DURATION")
+                .value_parser(parse_duration)
+                .help(help)
+        };
+        let mut command = Command::new(self.name)
+            .subcommand_required(true)
+            .arg_required_else_help(true)
+            .arg(
+                Arg::new("config")
+                    .long("config")
+                    .env("IDEMQ_CONFIG")
+                    .global(true)
+                    .value_name("FILE")
+                    .value_parser(value_parser!(PathBuf))
+                    .hide_env_values(true)
+                    .help("a TOML file of settings (flags and the environment win over it)"),
+            )
+            .arg(
+                Arg::new("amqp-url")
+                    .long("amqp-url")
+                    .env("AMQP_URL")
+                    .global(true)
+                    .value_name("URL")
+                    .hide_env_values(true)
+                    .help("the broker"),
+            )
+            .arg(
+                Arg::new("database-url")
+                    .long("database-url")
+                    .env("DATABASE_URL")
+                    .global(true)
+                    .value_name("URL")
+                    .hide_env_values(true)
+                    .help("PostgreSQL"),
+            )
+            .subcommand(
+                Command::new("run")
+                    .about("declare the topology and consume until SIGINT/SIGTERM")
+                    .arg(
+                        Arg::new("concurrency")
+                            .long("concurrency")
+                            .env("IDEMQ_CONCURRENCY")
+                            .hide_env_values(true)
+                            .value_name("N")
+                            .value_parser(value_parser!(usize))
+                            .help("transactions at once"),
+                    )
+                    .arg(
+                        Arg::new("batch-size")
+                            .long("batch-size")
+                            .env("IDEMQ_BATCH_SIZE")
+                            .hide_env_values(true)
+                            .value_name("N")
+                            .value_parser(value_parser!(usize))
+                            .help("deliveries per transaction (1: per-message); prefetch is concurrency × this"),
+                    )
+                    .arg(
+                        Arg::new("queue")
+                            .long("queue")
+                            .action(ArgAction::Append)
+                            .value_name("QUEUE")
+                            .help("consume only these queues (repeat the flag)"),
+                    ),
+            )
+            .subcommand(
+                Command::new("migrate").about("apply idemq's migrations and the application's, then exit").arg(
+                    Arg::new("status")
+                        .long("status")
+                        .action(ArgAction::SetTrue)
+                        .help("list idemq's migrations, applied or pending; change nothing"),
+                ),
+            )
+            .subcommand(
+                Command::new("declare")
+                    .about("show the topology the code declares and what exists (a dry run); --apply declares it")
+                    .arg(Arg::new("apply").long("apply").action(ArgAction::SetTrue).help("declare what is missing")),
+            )
+            .subcommand(
+                Command::new("status")
+                    .about("queue depths, consumers, dead letters, dedup rows and the outbox backlog"),
+            )
+            .subcommand(
+                Command::new("gc")
+                    .about("delete dedup rows, copy records and start marks older than the retention, once")
+                    .arg(duration("keep", "IDEMQ_RETENTION", "the retention (e.g. 30d)"))
+                    .arg(duration(
+                        "replay-window",
+                        "IDEMQ_REPLAY_WINDOW",
+                        "how long a dead letter may still be replayed (default 7d)",
+                    )),
+            );
+        if let Some(about) = self.about {
+            command = command.about(about);
+        }
+        command
+    }
+
+    /// Parses the process's arguments and runs the subcommand. `--help` and
+    /// `--version` exit 0, a usage error 2, a failure 1 (its message on stderr).
+    pub async fn run(self) -> ExitCode {
+        self.run_from(std::env::args_os()).await
+    }
+
+    /// [`Cli::run`] with these arguments (the first is the binary's name).
+    pub async fn run_from<I, T>(self, args: I) -> ExitCode
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        match self.command().try_get_matches_from(args) {
+            Ok(matches) => self.run_matches(&matches).await,
+            Err(err) => {
+                let _ = err.print();
+                ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2))
+            }
+        }
+    }
+
+    /// Runs the subcommand `matches` holds (from [`Cli::command`], maybe extended).
+    pub async fn run_matches(self, matches: &ArgMatches) -> ExitCode {
+        let name = self.name;
+        match self.dispatch(matches).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("{name}: {}", redact(&err.to_string()));
+                ExitCode::FAILURE
+            }
+        }
+    }
+
+    async fn dispatch(self, matches: &ArgMatches) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let (subcommand, sub) = matches.subcommand().ok_or("no subcommand")?;
+        let file = Settings::load(matches)?;
+        let mut builder = self.builder;
+        if let Some(url) = setting::<String>(matches, "amqp-url").or(file.amqp_url.clone()) {
+            builder = builder.amqp_url(url);
+        }
+        if let Some(url) = setting::<String>(matches, "database-url").or(file.database_url.clone()) {
+            builder = builder.database_url(url);
+        }
+        match subcommand {
+            "run" => {
+                if let Some(n) = setting::<usize>(sub, "concurrency").or(file.concurrency) {
+                    builder = builder.concurrency(n);
+                }
+                if let Some(n) = setting::<usize>(sub, "batch-size").or(file.batch_size) {
+                    builder = builder.batch_size(n);
+                }
+                if let Some(queues) = sub.get_many::<String>("queue") {
+                    builder = builder.only_queues(&queues.cloned().collect::<Vec<_>>())?;
+                }
+                if let Some(keep) = file.retention {
+                    let mut retention = Retention::keep(keep);
+                    if let Some(window) = file.replay_window {
+                        retention = retention.replay_window(window);
+                    }
+                    builder = builder.retention(retention);
+                }
+                // Checked before anything connects.
+                let url = builder.configured_database_url().to_owned();
+                let runtime = builder.build()?;
+                migrate(&url, self.setup.as_ref()).await?;
+                runtime.run(crate::shutdown_signal()).await?;
+                Ok(())
+            }
+            "migrate" if sub.get_flag("status") => migrate_status(builder.configured_database_url()).await,
+            "migrate" => {
+                migrate(builder.configured_database_url(), self.setup.as_ref()).await?;
+                println!("migrations applied to {}", redact(builder.configured_database_url()));
+                Ok(())
+            }
+            "declare" => declare(&builder, sub.get_flag("apply")).await,
+            "status" => status(&builder).await,
+            "gc" => {
+                let keep = setting::<Duration>(sub, "keep")
+                    .or(file.retention)
+                    .ok_or("gc needs a retention: give --keep 30d (or IDEMQ_RETENTION, or `retention` in the config)")?;
+                let mut retention = Retention::keep(keep);
+                if let Some(window) = setting::<Duration>(sub, "replay-window").or(file.replay_window) {
+                    retention = retention.replay_window(window);
+                }
+                retention.check(&builder.retry_policies())?;
+                let mut conn = connect_db(builder.configured_database_url()).await?;
+                let sweep = crate::retention::sweep(&mut conn, &retention).await?;
+                if sweep.yielded {
+                    println!("another sweep is running (it holds idemq::GC_LOCK); deleted so far:");
+                }
+                println!(
+                    "deleted {} dedup rows, {} copy records, {} start marks older than {:.1} days",
+                    sweep.dedup_rows,
+                    sweep.copy_records,
+                    sweep.start_marks,
+                    keep.as_secs_f64() / 86_400.0
+                );
+                Ok(())
+            }
+            other => Err(format!("unknown subcommand `{other}`").into()),
+        }
+    }
+}
+
+/// A setting given as a flag or in the environment (not a default).
+fn setting<T: Clone + Send + Sync + 'static>(matches: &ArgMatches, id: &str) -> Option<T> {
+    matches.try_get_one::<T>(id).ok().flatten().cloned()
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text)
+        .map_err(|err| format!("`{text}` is not a duration ({err}); write e.g. 30d, 12h, 90m"))
+}
+
+/// The TOML file's settings.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settings {
+    amqp_url: Option<String>,
+    database_url: Option<String>,
+    concurrency: Option<usize>,
+    batch_size: Option<usize>,
+    #[serde(default, deserialize_with = "duration")]
+    retention: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    replay_window: Option<Duration>,
+}
+
+fn duration<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
+    text.map(|text| parse_duration(&text).map_err(serde::de::Error::custom)).transpose()
+}
+
+impl Settings {
+    fn load(matches: &ArgMatches) -> Result<Self, Error> {
+        let Some(path) = matches.get_one::<PathBuf>("config") else { return Ok(Self::default()) };
+        let text = std::fs::read_to_string(path)
+            .map_err(|err| Error::Config(format!("cannot read the config file {}: {err}", path.display())))?;
+        toml::from_str(&text).map_err(|err| {
+            Error::Config(format!(
+                "the config file {} is not valid: {}; its settings are amqp_url, database_url, concurrency, \
+                 batch_size, retention and replay_window (durations as \"30d\")",
+                path.display(),
+                redact(&err.to_string())
+            ))
+        })
+    }
+}
+
+async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
+    AsyncPgConnection::establish(url)
+        .await
+        .map_err(|err| Error::DatabaseConnect { url: redact(url), message: err.to_string() })
+}
+
+async fn connect_broker(url: &str) -> Result<Connection, Error> {
+    Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|cause| Error::AmqpConnect { url: redact(url), cause })
+}
+
+/// The application's setup first (it may create the database), then idemq's
+/// migrations (a no-op if the setup ran them).
+async fn migrate(url: &str, setup: Option<&Setup>) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    if let Some(setup) = setup {
+        setup(url.to_owned()).await?;
+    }
+    crate::migrate(url).await?;
+    Ok(())
+}
+
+async fn migrate_status(url: &str) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let mut conn = connect_db(url).await?;
+    let applied = crate::db::applied_migrations(&mut conn).await?;
+    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::MIGRATIONS)
+        .map_err(|err| err.to_string())?;
+    let mut pending = 0;
+    for migration in &embedded {
+        let done = applied.contains(&migration.name().version().to_string());
+        pending += usize::from(!done);
+        println!("{}  {}", if done { "applied" } else { "pending" }, migration.name());
+    }
+    println!("{pending} pending; `migrate` applies them");
+    Ok(())
+}
+
+/// Lists what the topology declares and whether it exists; with `apply`, declares it.
+async fn declare(
+    builder: &RuntimeBuilder,
+    apply: bool,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let connection = connect_broker(builder.configured_amqp_url()).await?;
+    let plan = builder.declarations();
+    let mut missing = 0;
+    for (name, what) in &plan {
+        let exists = queue_exists(&connection, name).await?;
+        missing += usize::from(!exists);
+        let state = match (exists, apply) {
+            (true, _) => "exists",
+            (false, false) => "missing: would be declared",
+            (false, true) => "missing: declaring",
+        };
+        println!("queue {name:<40} {what:<48} {state}");
+    }
+    for exchange in builder.exchange_names() {
+        println!("exchange {exchange:<37} (declared with the topology)");
+    }
+    if apply {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
+        builder.declare_all(&channel).await?;
+        println!("declared ({missing} were missing)");
+    } else if missing > 0 {
+        println!("{missing} missing; `declare --apply` declares them (`run` does too)");
+    }
+    let _ = connection.close(200, "declared".into()).await;
+    Ok(())
+}
+
+/// Whether `queue` exists (a passive declare on a throwaway channel: a 404 closes it).
+async fn queue_exists(connection: &Connection, queue: &str) -> Result<bool, Error> {
+    Ok(passive(connection, queue).await?.is_some())
+}
+
+async fn passive(connection: &Connection, queue: &str) -> Result<Option<lapin::Queue>, Error> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
+    let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    match channel.queue_declare(queue.into(), options, FieldTable::default()).await {
+        Ok(declared) => {
+            let _ = channel.close(200, "inspected".into()).await;
+            Ok(Some(declared))
+        }
+        Err(_) if connection.status().connected() => Ok(None),
+        Err(source) => Err(Error::Amqp { action: format!("inspect queue '{queue}'"), source }),
+    }
+}
+
+async fn status(builder: &RuntimeBuilder) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let connection = connect_broker(builder.configured_amqp_url()).await?;
+    println!("{:<40} {:>10} {:>10}", "queue", "ready", "consumers");
+    for (queue, dead_letters) in builder.consumed_queues() {
+        for name in [queue, dead_letters] {
+            match passive(&connection, &name).await? {
+                Some(q) => println!("{name:<40} {:>10} {:>10}", q.message_count(), q.consumer_count()),
+                None => println!("{name:<40} {:>10} {:>10}", "missing", "-"),
+            }
+        }
+    }
+    let _ = connection.close(200, "inspected".into()).await;
+    let mut conn = connect_db(builder.configured_database_url()).await?;
+    let (dedup_rows, outbox) = crate::db::table_sizes(&mut conn).await?;
+    println!("dedup rows (estimate): {dedup_rows}");
+    println!("outbox backlog:        {outbox}");
+    Ok(())
+}
