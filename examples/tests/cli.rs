@@ -251,3 +251,55 @@ fn run_with_an_unknown_queue_is_refused() {
     let refused = run_fails(&mut env.payments(&["run", "--queue", "refunds"]));
     assert!(refused.contains("--queue refunds") && refused.contains("payments"), "{refused}");
 }
+
+/// Dead letters after a demo: `dlq list` shows each with its reason and body,
+/// `dlq show` one whole, `dlq replay --kind key --limit 1` sends one back to its
+/// queue, `dlq purge --kind decode` removes those; browsing removes nothing.
+#[test]
+fn dlq_lists_shows_replays_and_purges_dead_letters() {
+    let env = Isolated::new();
+    run_ok(&mut env.payments(&["demo", "--payments", "20"]));
+    let listed = stdout(&run_ok(&mut env.payments(&["dlq", "list"])));
+    let count = |text: &str| text.lines().filter(|l| l.starts_with('#')).count();
+    assert_eq!(count(&listed), 6, "{listed}");
+    assert!(
+        listed.contains("conflict")
+            && listed.contains("decode")
+            && listed.contains("body:  this is not json"),
+        "{listed}"
+    );
+    let again = stdout(&run_ok(&mut env.payments(&["dlq", "list"])));
+    assert_eq!(count(&again), 6, "browsing must not remove: {again}");
+    let shown = stdout(&run_ok(&mut env.payments(&["dlq", "show", "1"])));
+    assert!(shown.contains("x-idemq-error-kind:") && shown.contains("body:"), "{shown}");
+    let replayed = stdout(&run_ok(&mut env.payments(&["dlq", "replay", "--kind", "key", "--limit", "1"])));
+    assert!(replayed.contains("replayed 1 dead letters to 'payments'"), "{replayed}");
+    let purged = stdout(&run_ok(&mut env.payments(&["dlq", "purge", "--kind", "decode"])));
+    assert!(purged.contains("purged 2 dead letters"), "{purged}");
+    let left = stdout(&run_ok(&mut env.payments(&["dlq", "list"])));
+    assert_eq!(count(&left), 3, "{left}");
+    assert!(!left.contains("decode"), "{left}");
+    // The replayed one waits in `payments`, without its old delivery count.
+    let queues = stdout(&run_ok(Command::new("rabbitmqctl").args([
+        "list_queues",
+        "-p",
+        &env.vhost,
+        "name",
+        "messages",
+        "-q",
+    ])));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut queues = queues;
+    while !queues.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["payments", "1"]) {
+        assert!(Instant::now() < deadline, "the replayed message is not in payments: {queues}");
+        std::thread::sleep(Duration::from_millis(500));
+        queues = stdout(&run_ok(Command::new("rabbitmqctl").args([
+            "list_queues",
+            "-p",
+            &env.vhost,
+            "name",
+            "messages",
+            "-q",
+        ])));
+    }
+}

@@ -7,9 +7,11 @@
 //! <app> declare  [--apply]                                            the topology: what exists, what would be declared
 //! <app> status                                                        queue depths, consumers, DLQs, dedup rows, outbox backlog
 //! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
+//! <app> dlq      list | show N | replay | purge  [--queue Q]          inspect and replay dead letters
 //! ```
 //!
-//! Every subcommand but `run` works without consumers. Settings come from flags, then
+//! Every subcommand but `run` works without consumers (`dlq` is described in
+//! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_RETENTION`, `IDEMQ_REPLAY_WINDOW`), then a TOML file
 //! (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`,
@@ -185,6 +187,7 @@ impl Cli {
                 Command::new("status")
                     .about("queue depths, consumers, dead letters, dedup rows and the outbox backlog"),
             )
+            .subcommand(dlq_command())
             .subcommand(
                 Command::new("gc")
                     .about("delete dedup rows, copy records and start marks older than the retention, once")
@@ -277,6 +280,7 @@ impl Cli {
             }
             "declare" => declare(&builder, sub.get_flag("apply")).await,
             "status" => status(&builder).await,
+            "dlq" => crate::cli_dlq::run(&builder, sub).await,
             "gc" => {
                 let keep = setting::<Duration>(sub, "keep")
                     .or(file.retention)
@@ -303,6 +307,57 @@ impl Cli {
             other => Err(format!("unknown subcommand `{other}`").into()),
         }
     }
+}
+
+/// `dlq list | show | replay | purge`.
+fn dlq_command() -> Command {
+    let filters = |command: Command| {
+        command
+            .arg(
+                Arg::new("kind")
+                    .long("kind")
+                    .value_name("KIND")
+                    .help("only dead letters of this kind (decode, key, handler, conflict, poison, …)"),
+            )
+            .arg(
+                Arg::new("handler")
+                    .long("handler")
+                    .value_name("NAME")
+                    .help("only dead letters of this handler"),
+            )
+            .arg(
+                Arg::new("limit")
+                    .long("limit")
+                    .value_name("N")
+                    .value_parser(value_parser!(usize))
+                    .help("at most N"),
+            )
+    };
+    Command::new("dlq")
+        .about("inspect dead letters, replay them to their queue, or purge them")
+        .subcommand_required(true)
+        .arg(
+            Arg::new("queue")
+                .long("queue")
+                .global(true)
+                .value_name("QUEUE")
+                .help("the consumed queue whose dead-letter queue to use (default: each)"),
+        )
+        .subcommand(filters(
+            Command::new("list").about("headers, reason and a body preview of each dead letter"),
+        ))
+        .subcommand(
+            Command::new("show").about("one dead letter, every header and the whole body").arg(
+                Arg::new("index")
+                    .required(true)
+                    .value_parser(value_parser!(usize))
+                    .help("its number in `dlq list`"),
+            ),
+        )
+        .subcommand(filters(Command::new("replay").about(
+            "publish dead letters to their queue again (fresh attempts), then remove them from the DLQ",
+        )))
+        .subcommand(filters(Command::new("purge").about("remove dead letters for good")))
 }
 
 /// A setting given as a flag or in the environment (not a default).

@@ -160,6 +160,8 @@ mod acks;
 mod backoff;
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "cli")]
+mod cli_dlq;
 mod db;
 mod dead_letter;
 mod delivery;
