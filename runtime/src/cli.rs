@@ -2,7 +2,8 @@
 //! handlers and topology to idemq — a [`RuntimeBuilder`] — and gets subcommands:
 //!
 //! ```text
-//! <app> run      [--concurrency N] [--batch-size N] [--queue Q]...   consume until SIGINT/SIGTERM
+//! <app> run      [--concurrency N] [--batch-size N] [--queue Q]... [--http-addr ADDR]
+//!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply]                                            the topology: what exists, what would be declared
 //! <app> status                                                        queue depths, consumers, DLQs, dedup rows, outbox backlog
@@ -13,9 +14,10 @@
 //! Every subcommand but `run` works without consumers (`dlq` is described in
 //! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
-//! `IDEMQ_BATCH_SIZE`, `IDEMQ_RETENTION`, `IDEMQ_REPLAY_WINDOW`), then a TOML file
-//! (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`,
-//! `database_url`, `concurrency`, `batch_size`, `retention`, `replay_window`), then the
+//! `IDEMQ_BATCH_SIZE`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`, `IDEMQ_REPLAY_WINDOW`),
+//! then a TOML file (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case
+//! (`amqp_url`, `database_url`, `concurrency`, `batch_size`, `http_addr`, `retention`,
+//! `replay_window`), then the
 //! code's builder. They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
 //!
@@ -163,6 +165,15 @@ impl Cli {
                             .help("deliveries per transaction (1: per-message); prefetch is concurrency × this"),
                     )
                     .arg(
+                        Arg::new("http-addr")
+                            .long("http-addr")
+                            .env("IDEMQ_HTTP_ADDR")
+                            .hide_env_values(true)
+                            .value_name("ADDR")
+                            .value_parser(value_parser!(std::net::SocketAddr))
+                            .help("serve /metrics, /healthz and /readyz here, e.g. 127.0.0.1:9464 (default: off)"),
+                    )
+                    .arg(
                         Arg::new("queue")
                             .long("queue")
                             .action(ArgAction::Append)
@@ -254,6 +265,9 @@ impl Cli {
                 }
                 if let Some(n) = setting::<usize>(sub, "batch-size").or(file.batch_size) {
                     builder = builder.batch_size(n);
+                }
+                if let Some(addr) = setting::<std::net::SocketAddr>(sub, "http-addr").or(file.http_addr) {
+                    builder = builder.http_addr(addr);
                 }
                 if let Some(queues) = sub.get_many::<String>("queue") {
                     builder = builder.only_queues(&queues.cloned().collect::<Vec<_>>())?;
@@ -378,6 +392,7 @@ struct Settings {
     database_url: Option<String>,
     concurrency: Option<usize>,
     batch_size: Option<usize>,
+    http_addr: Option<std::net::SocketAddr>,
     #[serde(default, deserialize_with = "duration")]
     retention: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
@@ -397,7 +412,7 @@ impl Settings {
         toml::from_str(&text).map_err(|err| {
             Error::Config(format!(
                 "the config file {} is not valid: {}; its settings are amqp_url, database_url, concurrency, \
-                 batch_size, retention and replay_window (durations as \"30d\")",
+                 batch_size, http_addr, retention and replay_window (durations as \"30d\")",
                 path.display(),
                 redact(&err.to_string())
             ))

@@ -170,6 +170,8 @@ mod error;
 pub mod fault;
 mod handler;
 mod key;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod migrate;
 mod observe;
 pub mod outbox;

@@ -27,6 +27,18 @@ pub enum FailureKind {
 }
 
 impl FailureKind {
+    /// Every kind.
+    pub const ALL: [Self; 8] = [
+        Self::Decode,
+        Self::Key,
+        Self::Handler,
+        Self::AttemptsExhausted,
+        Self::Conflict,
+        Self::TooLarge,
+        Self::ContentType,
+        Self::Poison,
+    ];
+
     /// The header value: `decode`, `key`, `handler`, `attempts-exhausted`, `conflict`,
     /// `too-large`, `content-type` or `poison`.
     pub fn as_str(self) -> &'static str {

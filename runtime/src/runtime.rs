@@ -59,6 +59,8 @@ pub struct RuntimeBuilder {
     observers: Observers,
     relay: Option<crate::relay::Settings>,
     retention: Option<crate::retention::Retention>,
+    #[cfg(feature = "metrics")]
+    http_addr: Option<std::net::SocketAddr>,
     #[cfg(feature = "fault-injection")]
     fault_hook: Option<crate::fault::FaultHook>,
 }
@@ -97,6 +99,8 @@ impl RuntimeBuilder {
             observers: Observers::default(),
             relay: Some(crate::relay::Settings::default()),
             retention: None,
+            #[cfg(feature = "metrics")]
+            http_addr: None,
             #[cfg(feature = "fault-injection")]
             fault_hook: None,
         }
@@ -298,6 +302,15 @@ impl RuntimeBuilder {
     /// one at a time runs (a transaction-scoped advisory lock per batch).
     pub fn retention(mut self, retention: crate::retention::Retention) -> Self {
         self.retention = Some(retention);
+        self
+    }
+
+    /// Serves Prometheus metrics (`/metrics`) and health (`/healthz`, `/readyz`) on
+    /// `addr` while the runtime runs (feature `metrics`; off by default, so several
+    /// consumers can share a host). See the series in the crate's `metrics` docs.
+    #[cfg(feature = "metrics")]
+    pub fn http_addr(mut self, addr: std::net::SocketAddr) -> Self {
+        self.http_addr = Some(addr);
         self
     }
 
@@ -572,6 +585,11 @@ impl Runtime {
         }
 
         let relay_wake = b.relay.map(|_| Arc::new(tokio::sync::Notify::new()));
+        #[cfg(feature = "metrics")]
+        let metrics = b.http_addr.map(|addr| {
+            let queues: Vec<String> = b.consumers.iter().map(|(queue, _, _)| queue.clone()).collect();
+            (addr, crate::metrics::Metrics::new(&queues))
+        });
         let shared = Arc::new(Shared {
             pool,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
@@ -584,6 +602,10 @@ impl Runtime {
                 observers.push(Arc::clone(&self.stats) as Arc<dyn Observe>);
                 for observer in b.observers.0.iter() {
                     observers.push(Arc::clone(observer));
+                }
+                #[cfg(feature = "metrics")]
+                if let Some((_, metrics)) = &metrics {
+                    observers.push(Arc::clone(metrics) as Arc<dyn Observe>);
                 }
                 observers
             },
@@ -617,6 +639,28 @@ impl Runtime {
                 tokio::spawn(async move { shared.outbox.notify_elsewhere(shared.pool.clone(), stop).await })
             }
         };
+        #[cfg(feature = "metrics")]
+        let http_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        #[cfg(feature = "metrics")]
+        if let Some((addr, metrics)) = &metrics {
+            crate::metrics::serve(*addr, Arc::clone(metrics), Arc::clone(&http_stop))?;
+            let (metrics, pool, stop) = (Arc::clone(metrics), shared.pool.clone(), stop.clone());
+            tokio::spawn(async move {
+                // The outbox backlog, and a sign of life from the database for /readyz.
+                loop {
+                    let backlog = async {
+                        let mut conn = pool.get().await.ok()?;
+                        db::outbox_backlog(&mut conn).await.ok()
+                    };
+                    let backlog = tokio::time::timeout(Duration::from_secs(5), backlog).await.ok().flatten();
+                    metrics.set_backlog(backlog);
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(5)) => {}
+                        () = stop.cancelled() => return,
+                    }
+                }
+            });
+        }
         let sweeper = b.retention.map(|retention| {
             let (shared, stop) = (Arc::clone(&shared), stop.clone());
             tokio::spawn(async move { sweep_every(&shared, retention, stop).await })
@@ -691,6 +735,8 @@ impl Runtime {
         if let Some(sweeper) = sweeper {
             sweeper.abort();
         }
+        #[cfg(feature = "metrics")]
+        http_stop.store(true, std::sync::atomic::Ordering::Relaxed);
         relay_stop.cancel();
         if let Err(err) = relay.await {
             tracing::error!(error = %err, "the outbox relay task failed");

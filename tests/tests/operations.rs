@@ -153,3 +153,74 @@ async fn a_runtime_with_a_retention_sweeps_in_the_background() {
     running.stop().await.expect("clean shutdown");
     assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 0);
 }
+
+/// `GET path` on `addr` (HTTP/1.0, the whole answer; empty if nothing listens).
+fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    // Not listening yet (the runtime is starting): nothing.
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else { return String::new() };
+    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("send");
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+/// A free local port (bound, then let go).
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr")
+}
+
+/// With an HTTP address, the runtime serves Prometheus metrics — every series at zero
+/// from the start — and health: `/healthz` always, `/readyz` once connected.
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_and_health_are_served_on_the_http_address() {
+    let bed = Bed::new().await;
+    let addr = free_addr();
+    let running = Running::start(bed.runtime().http_addr(addr).consume(&bed.queue, ledger_payment));
+    let queue = bed.queue.clone();
+    let zero = format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"applied\",kind=\"\"}} 0");
+    idemq_tests::eventually("the idle metrics", Duration::from_secs(20), || {
+        let zero = zero.clone();
+        async move {
+            tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
+                .await
+                .expect("get")
+                .contains(&zero)
+        }
+    })
+    .await;
+    let idle = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.expect("get");
+    for series in ["idemq_reconnects_total 0", "idemq_outbox_backlog", "idemq_dedup_rows_deleted_total 0"] {
+        assert!(idle.contains(series), "{series} missing:\n{idle}");
+    }
+    assert!(idle.contains("kind=\"poison\""), "every kind at zero:\n{idle}");
+    idemq_tests::eventually("ready", Duration::from_secs(20), || async move {
+        tokio::task::spawn_blocking(move || http_get(addr, "/readyz"))
+            .await
+            .expect("get")
+            .lines()
+            .next()
+            .is_some_and(|status| status.contains(" 200"))
+    })
+    .await;
+    assert!(tokio::task::spawn_blocking(move || http_get(addr, "/healthz"))
+        .await
+        .expect("get")
+        .lines()
+        .next()
+        .is_some_and(|status| status.contains(" 200")));
+    let payment = payment(100);
+    bed.publish(&payment).await;
+    bed.publish(&payment).await;
+    running.wait_settled(2).await;
+    let busy = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.expect("get");
+    running.stop().await.expect("clean shutdown");
+    for series in [
+        format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"applied\",kind=\"\"}} 1"),
+        format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"duplicate\",kind=\"\"}} 1"),
+        format!("idemq_delivery_duration_seconds_count{{queue=\"{queue}\"}} 2"),
+    ] {
+        assert!(busy.contains(&series), "{series} missing:\n{busy}");
+    }
+}

@@ -1,0 +1,271 @@
+//! Prometheus metrics and health endpoints (feature `metrics`), served on
+//! [`RuntimeBuilder::http_addr`](crate::RuntimeBuilder::http_addr) — off unless set,
+//! so several consumers can share a host.
+//!
+//! - `GET /metrics`: every series below, registered at zero from start-up (an idle
+//!   process already exposes them);
+//! - `GET /healthz`: 200 while the process is up;
+//! - `GET /readyz`: 200 while connected to the broker (consuming) and the database
+//!   answered within the last refresh, else 503 with the reason.
+//!
+//! | series | |
+//! |---|---|
+//! | `idemq_deliveries_total{queue, outcome, kind}` | settled deliveries: `applied`, `duplicate`, `already_copied`, `retried`, `requeued`, `dead_lettered` (with the failure `kind`), `abandoned` |
+//! | `idemq_delivery_duration_seconds{queue}` | received → settled |
+//! | `idemq_transaction_duration_seconds{queue}` | a batch, from its first transaction's start to its last decision (handlers and COMMIT) |
+//! | `idemq_batch_splits_total{queue}` | batches run again smaller |
+//! | `idemq_infrastructure_retries_total{queue}` | transactions retried after a database fault |
+//! | `idemq_reconnects_total` | broker connections lost (and re-made) |
+//! | `idemq_connected` | 1 while a session is consuming |
+//! | `idemq_outbox_published_total`, `idemq_outbox_postponed_total` | relay results |
+//! | `idemq_outbox_backlog` | rows waiting in the outbox (refreshed every 5 s) |
+//! | `idemq_dedup_rows_deleted_total` | rows the retention sweep deleted |
+//!
+//! The hot path knows nothing of this: it is one more [`Observe`] subscriber.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::observe::{Batch, InfrastructureRetry, Observe, RelayPass};
+use crate::outcome::{FailureKind, Outcome, Settled};
+use crate::session::ConnectionEvent;
+
+type Labels = Vec<(&'static str, String)>;
+
+fn histogram() -> Histogram {
+    // 0.5 ms … ~16 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// The exporter's series, shared by the observer and the HTTP thread.
+pub(crate) struct Metrics {
+    registry: Registry,
+    deliveries: Family<Labels, Counter>,
+    delivery_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    transaction_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    batch_splits: Family<Labels, Counter>,
+    infrastructure_retries: Family<Labels, Counter>,
+    reconnects: Counter,
+    connected: Gauge,
+    outbox_published: Counter,
+    outbox_postponed: Counter,
+    outbox_backlog: Gauge,
+    dedup_deleted: Counter,
+    database_ok: AtomicBool,
+}
+
+const OUTCOMES: [&str; 6] = ["applied", "duplicate", "already_copied", "retried", "requeued", "abandoned"];
+
+impl Metrics {
+    /// Every series, at zero for each of `queues`.
+    pub(crate) fn new(queues: &[String]) -> Arc<Self> {
+        let mut registry = Registry::default();
+        let deliveries = Family::<Labels, Counter>::default();
+        let delivery_seconds =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(histogram);
+        let transaction_seconds =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(histogram);
+        let batch_splits = Family::<Labels, Counter>::default();
+        let infrastructure_retries = Family::<Labels, Counter>::default();
+        let (reconnects, connected) = (Counter::default(), Gauge::default());
+        let (outbox_published, outbox_postponed, outbox_backlog) =
+            (Counter::default(), Counter::default(), Gauge::default());
+        let dedup_deleted = Counter::default();
+        registry.register(
+            "idemq_deliveries",
+            "Settled deliveries by queue, outcome and failure kind",
+            deliveries.clone(),
+        );
+        registry.register("idemq_delivery_duration_seconds", "Received to settled", delivery_seconds.clone());
+        registry.register(
+            "idemq_transaction_duration_seconds",
+            "A batch: first transaction start to last decision",
+            transaction_seconds.clone(),
+        );
+        registry.register("idemq_batch_splits", "Batches run again smaller", batch_splits.clone());
+        registry.register(
+            "idemq_infrastructure_retries",
+            "Transactions retried after a database fault",
+            infrastructure_retries.clone(),
+        );
+        registry.register("idemq_reconnects", "Broker connections lost", reconnects.clone());
+        registry.register("idemq_connected", "1 while a session is consuming", connected.clone());
+        registry.register(
+            "idemq_outbox_published",
+            "Outbox rows published and confirmed",
+            outbox_published.clone(),
+        );
+        registry.register(
+            "idemq_outbox_postponed",
+            "Outbox rows refused and postponed",
+            outbox_postponed.clone(),
+        );
+        registry.register("idemq_outbox_backlog", "Rows waiting in the outbox", outbox_backlog.clone());
+        registry.register(
+            "idemq_dedup_rows_deleted",
+            "Dedup rows deleted by the retention sweep",
+            dedup_deleted.clone(),
+        );
+        for queue in queues {
+            for outcome in OUTCOMES {
+                let _ = deliveries.get_or_create(&labels(queue, outcome, ""));
+            }
+            for kind in FailureKind::ALL {
+                let _ = deliveries.get_or_create(&labels(queue, "dead_lettered", kind.as_str()));
+            }
+            let queue_only = vec![("queue", queue.clone())];
+            let _ = delivery_seconds.get_or_create(&queue_only);
+            let _ = transaction_seconds.get_or_create(&queue_only);
+            let _ = batch_splits.get_or_create(&queue_only);
+            let _ = infrastructure_retries.get_or_create(&queue_only);
+        }
+        Arc::new(Self {
+            registry,
+            deliveries,
+            delivery_seconds,
+            transaction_seconds,
+            batch_splits,
+            infrastructure_retries,
+            reconnects,
+            connected,
+            outbox_published,
+            outbox_postponed,
+            outbox_backlog,
+            dedup_deleted,
+            database_ok: AtomicBool::new(false),
+        })
+    }
+
+    /// The text exposition of every series.
+    pub(crate) fn render(&self) -> String {
+        let mut text = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
+    /// `None` when ready, else why not.
+    pub(crate) fn not_ready(&self) -> Option<&'static str> {
+        if self.connected.get() == 0 {
+            Some("not connected to the broker")
+        } else if !self.database_ok.load(Ordering::Relaxed) {
+            Some("the database did not answer")
+        } else {
+            None
+        }
+    }
+
+    pub(crate) fn set_backlog(&self, backlog: Option<i64>) {
+        self.database_ok.store(backlog.is_some(), Ordering::Relaxed);
+        if let Some(backlog) = backlog {
+            self.outbox_backlog.set(backlog);
+        }
+    }
+}
+
+fn labels(queue: &str, outcome: &'static str, kind: &str) -> Labels {
+    vec![("queue", queue.to_owned()), ("outcome", outcome.to_owned()), ("kind", kind.to_owned())]
+}
+
+impl Observe for Metrics {
+    fn settled(&self, settled: &Settled) {
+        let (outcome, kind) = match &settled.outcome {
+            Outcome::Applied => ("applied", ""),
+            Outcome::Duplicate => ("duplicate", ""),
+            Outcome::AlreadyCopied { .. } => ("already_copied", ""),
+            Outcome::Retry { .. } => ("retried", ""),
+            Outcome::Requeued { .. } => ("requeued", ""),
+            Outcome::DeadLettered { kind, .. } => ("dead_lettered", kind.as_str()),
+            Outcome::Abandoned => ("abandoned", ""),
+        };
+        self.deliveries.get_or_create(&labels(&settled.queue, outcome, kind)).inc();
+        let took = settled.settled_at.saturating_duration_since(settled.received_at);
+        self.delivery_seconds
+            .get_or_create(&vec![("queue", settled.queue.clone())])
+            .observe(took.as_secs_f64());
+    }
+
+    fn infrastructure_retry(&self, retry: &InfrastructureRetry<'_>) {
+        self.infrastructure_retries.get_or_create(&vec![("queue", retry.queue.to_owned())]).inc();
+    }
+
+    fn connection(&self, event: &ConnectionEvent) {
+        match event {
+            ConnectionEvent::Connected { .. } => {
+                self.connected.set(1);
+            }
+            ConnectionEvent::Lost { .. } => {
+                self.connected.set(0);
+                self.reconnects.inc();
+            }
+            _ => {}
+        }
+    }
+
+    fn batch(&self, batch: &Batch<'_>) {
+        let queue = vec![("queue", batch.queue.to_owned())];
+        self.transaction_seconds.get_or_create(&queue).observe(batch.took.as_secs_f64());
+        if batch.splits > 0 {
+            self.batch_splits.get_or_create(&queue).inc_by(batch.splits);
+        }
+    }
+
+    fn relay(&self, pass: &RelayPass) {
+        self.outbox_published.inc_by(pass.published as u64);
+        self.outbox_postponed.inc_by(pass.postponed as u64);
+    }
+
+    fn swept(&self, sweep: &crate::Sweep) {
+        self.dedup_deleted.inc_by(sweep.dedup_rows);
+    }
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` from a thread of its own
+/// until `stop` is set.
+///
+/// # Errors
+/// The address cannot be bound (in use, not local).
+pub(crate) fn serve(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    stop: Arc<AtomicBool>,
+) -> Result<(), crate::Error> {
+    let server = tiny_http::Server::http(addr).map_err(|err| {
+        crate::Error::Config(format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR): {err}"))
+    })?;
+    std::thread::Builder::new()
+        .name("idemq-http".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let Ok(Some(request)) = server.recv_timeout(Duration::from_millis(200)) else { continue };
+                let (status, body) = match request.url() {
+                    "/metrics" => (200, metrics.render()),
+                    "/healthz" => (200, "ok\n".to_owned()),
+                    "/readyz" => match metrics.not_ready() {
+                        None => (200, "ready\n".to_owned()),
+                        Some(why) => (503, format!("not ready: {why}\n")),
+                    },
+                    _ => (404, "not found: /metrics, /healthz, /readyz\n".to_owned()),
+                };
+                let content_type = if request.url() == "/metrics" {
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8"
+                } else {
+                    "text/plain; charset=utf-8"
+                };
+                let header =
+                    tiny_http::Header::from_bytes("Content-Type", content_type).expect("a valid header");
+                let response =
+                    tiny_http::Response::from_string(body).with_status_code(status).with_header(header);
+                let _ = request.respond(response);
+            }
+        })
+        .map_err(|err| crate::Error::Config(format!("cannot start the metrics thread: {err}")))?;
+    Ok(())
+}
