@@ -49,11 +49,7 @@ async fn main() -> ExitCode {
     // The demo reports its dead letters in its summary; `run` logs each one.
     let demo = matches.subcommand_matches("demo");
     let default_filter = if demo.is_some() { "error" } else { "warn" };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
-        )
-        .init();
+    idemq::cli::init_tracing(&matches, default_filter);
     match demo {
         Some(demo) => run_demo(&matches, demo).await,
         None => cli.run_matches(&matches).await,

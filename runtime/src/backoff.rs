@@ -1,7 +1,7 @@
 //! Exponential backoff with jitter, shared by the in-process retry of database
 //! faults and the reconnect loop.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Waits that start at `first`, double after each wait and never exceed `max`; each
 /// wait is jittered to between half and one and a half times its nominal length.
@@ -31,12 +31,9 @@ impl Backoff {
     }
 }
 
-/// A number in [0, 1) that differs between calls and processes; enough for jitter.
+/// A random number in [0, 1), for jitter.
 pub(crate) fn jitter_fraction() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(Instant::now().elapsed().as_nanos());
-    (hasher.finish() >> 11) as f64 / (1_u64 << 53) as f64
+    fastrand::f64()
 }
 
 #[cfg(test)]

@@ -126,6 +126,15 @@ impl Cli {
                     .help("a TOML file of settings (flags and the environment win over it)"),
             )
             .arg(
+                Arg::new("log-format")
+                    .long("log-format")
+                    .env("IDEMQ_LOG_FORMAT")
+                    .global(true)
+                    .value_parser(["human", "json"])
+                    .hide_env_values(true)
+                    .help("log lines for people (the default) or JSON, one object per line"),
+            )
+            .arg(
                 Arg::new("amqp-url")
                     .long("amqp-url")
                     .env("AMQP_URL")
@@ -241,6 +250,8 @@ impl Cli {
         let name = self.name;
         match self.dispatch(matches).await {
             Ok(()) => ExitCode::SUCCESS,
+            // The second signal: out now, as a shell's interrupted job.
+            Err(err) if err.is::<Interrupted>() => ExitCode::from(130),
             Err(err) => {
                 eprintln!("{name}: {}", redact(&err.to_string()));
                 ExitCode::FAILURE
@@ -283,8 +294,11 @@ impl Cli {
                 let url = builder.configured_database_url().to_owned();
                 let runtime = builder.build()?;
                 migrate(&url, self.setup.as_ref()).await?;
-                runtime.run(crate::shutdown_signal()).await?;
-                Ok(())
+                let signals = crate::shutdown_signals();
+                tokio::select! {
+                    result = runtime.run(signals.graceful.clone()) => Ok(result?),
+                    () = signals.immediate.cancelled() => Err(Box::new(Interrupted)),
+                }
             }
             "migrate" if sub.get_flag("status") => migrate_status(builder.configured_database_url()).await,
             "migrate" => {
@@ -373,6 +387,25 @@ fn dlq_command() -> Command {
         )))
         .subcommand(filters(Command::new("purge").about("remove dead letters for good")))
 }
+
+/// Installs the `tracing` subscriber the parsed `--log-format` asks for (human by
+/// default, JSON lines with `json`), filtered by `RUST_LOG` or else `default_filter`.
+/// Call it once, after parsing ([`Cli::command`]) and before [`Cli::run_matches`].
+pub fn init_tracing(matches: &ArgMatches, default_filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if matches.get_one::<String>("log-format").map(String::as_str) == Some("json") {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// `run` was interrupted by a second signal.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted by a second signal; unacked deliveries will be redelivered")]
+struct Interrupted;
 
 /// A setting given as a flag or in the environment (not a default).
 fn setting<T: Clone + Send + Sync + 'static>(matches: &ArgMatches, id: &str) -> Option<T> {

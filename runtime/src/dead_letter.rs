@@ -3,7 +3,7 @@
 //! Published persistent, `mandatory`, with a publisher confirm; only a confirmed,
 //! routed copy lets the original be acked.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use lapin::message::Delivery;
 use lapin::options::BasicPublishOptions;
@@ -244,27 +244,9 @@ pub(crate) fn truncate_utf8(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// `YYYY-MM-DDTHH:MM:SS.mmmZ` for a UTC instant (Howard Hinnant's civil-from-days).
+/// `2026-11-30T11:04:05.123Z`: UTC, milliseconds.
 fn rfc3339(time: SystemTime) -> String {
-    let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = since.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3_600,
-        rem % 3_600 / 60,
-        rem % 60,
-        since.subsec_millis()
-    )
+    humantime::format_rfc3339_millis(time).to_string()
 }
 
 #[cfg(test)]

@@ -344,8 +344,9 @@ impl Consumer {
         // A batch whose channel closed while it waited cannot be settled: the broker
         // has already requeued it. Running it would only apply what is redelivered.
         let decided = if self.channel.status().connected() {
+            let span = tracing::debug_span!("batch", queue = %self.queue, deliveries = items.len());
             tokio::select! {
-                decisions = self.decide(&items, prepared) => Some(decisions),
+                decisions = tracing::Instrument::instrument(self.decide(&items, prepared), span) => Some(decisions),
                 () = cut_off.cancelled() => None,
             }
         } else {
@@ -406,6 +407,19 @@ impl Consumer {
             began_at: decision.began_at,
             settled_at: Instant::now(),
         };
+        // One event per delivery, with what an operator greps for (cheap when the
+        // level is off; `RUST_LOG=idemq::delivery=debug` shows them).
+        tracing::debug!(
+            queue = %settled.queue,
+            handler = settled.handler,
+            key = settled.key.as_deref().unwrap_or("-"),
+            message_id = item.delivery.properties.message_id().as_ref().map_or("-", |id| id.as_str()),
+            attempt = settled.attempt,
+            outcome = settled.outcome.name(),
+            batch = settled.batch,
+            duration_ms = settled.settled_at.saturating_duration_since(settled.received_at).as_secs_f64() * 1e3,
+            "settled"
+        );
         self.shared.observers.settled(&settled);
     }
 

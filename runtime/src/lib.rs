@@ -206,8 +206,8 @@ pub use relay::{Relay, RelayBuilder};
 pub use retention::{sweep, Retention, Sweep, GC_LOCK};
 pub use retry::RetryPolicy;
 pub use runtime::{
-    shutdown_signal, Observer, Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_BATCH_SIZE,
-    DEFAULT_CONCURRENCY, DEFAULT_DATABASE_URL,
+    shutdown_signal, shutdown_signals, Observer, Runtime, RuntimeBuilder, ShutdownSignals, DEFAULT_AMQP_URL,
+    DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_DATABASE_URL,
 };
 pub use session::{ConnectionEvent, ConnectionObserver};
 pub use topology::{Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT};

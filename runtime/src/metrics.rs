@@ -176,15 +176,11 @@ fn labels(queue: &str, outcome: &'static str, kind: &str) -> Labels {
 
 impl Observe for Metrics {
     fn settled(&self, settled: &Settled) {
-        let (outcome, kind) = match &settled.outcome {
-            Outcome::Applied => ("applied", ""),
-            Outcome::Duplicate => ("duplicate", ""),
-            Outcome::AlreadyCopied { .. } => ("already_copied", ""),
-            Outcome::Retry { .. } => ("retried", ""),
-            Outcome::Requeued { .. } => ("requeued", ""),
-            Outcome::DeadLettered { kind, .. } => ("dead_lettered", kind.as_str()),
-            Outcome::Abandoned => ("abandoned", ""),
+        let kind = match &settled.outcome {
+            Outcome::DeadLettered { kind, .. } => kind.as_str(),
+            _ => "",
         };
+        let outcome = settled.outcome.name();
         self.deliveries.get_or_create(&labels(&settled.queue, outcome, kind)).inc();
         let took = settled.settled_at.saturating_duration_since(settled.received_at);
         self.delivery_seconds

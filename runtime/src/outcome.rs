@@ -103,6 +103,22 @@ pub enum Outcome {
     Abandoned,
 }
 
+impl Outcome {
+    /// `applied`, `duplicate`, `already_copied`, `retried`, `requeued`,
+    /// `dead_lettered` or `abandoned` (the `outcome` label of the metrics).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Applied => "applied",
+            Self::Duplicate => "duplicate",
+            Self::AlreadyCopied { .. } => "already_copied",
+            Self::Retry { .. } => "retried",
+            Self::Requeued { .. } => "requeued",
+            Self::DeadLettered { .. } => "dead_lettered",
+            Self::Abandoned => "abandoned",
+        }
+    }
+}
+
 /// One settled delivery, as handed to an [observer](crate::RuntimeBuilder::observer).
 #[derive(Debug, Clone)]
 #[non_exhaustive]

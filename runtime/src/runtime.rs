@@ -794,8 +794,39 @@ fn with_heartbeat(url: &str, heartbeat: Duration) -> String {
     format!("{url}{separator}heartbeat={}", heartbeat.as_secs().max(1))
 }
 
+/// The process's shutdown signals, as tokens: the first SIGINT or SIGTERM cancels
+/// `graceful` (drain, then exit), a second one `immediate` (exit now: safe, the
+/// broker redelivers whatever was unacked). Nothing here exits the process — that is
+/// the binary's decision (`idemq::cli` returns exit status 130 on `immediate`).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ShutdownSignals {
+    /// Cancelled by the first signal: give it to [`Runtime::run`].
+    pub graceful: CancellationToken,
+    /// Cancelled by the second signal.
+    pub immediate: CancellationToken,
+}
+
+/// Listens for SIGINT and SIGTERM; see [`ShutdownSignals`]. Must be called inside a
+/// Tokio runtime.
+pub fn shutdown_signals() -> ShutdownSignals {
+    let signals = ShutdownSignals { graceful: CancellationToken::new(), immediate: CancellationToken::new() };
+    let (graceful, immediate) = (signals.graceful.clone(), signals.immediate.clone());
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down: finishing in-flight deliveries (signal again to exit now)");
+        graceful.cancel();
+        wait_for_signal().await;
+        tracing::warn!("second signal: exiting now; unacked deliveries will be redelivered");
+        immediate.cancel();
+    });
+    signals
+}
+
 /// A token cancelled by the first SIGINT or SIGTERM; a second signal exits the
-/// process at once (safe: the broker redelivers whatever was unacked).
+/// process at once with status 130 (safe: the broker redelivers whatever was
+/// unacked). A convenience for small binaries; [`shutdown_signals`] leaves the exit
+/// to the caller.
 ///
 /// Must be called inside a Tokio runtime.
 pub fn shutdown_signal() -> CancellationToken {
