@@ -156,12 +156,19 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
 
     let deadline = started + Duration::from_secs(120);
     let settled = |s: StatsSnapshot| s.applied + s.duplicates + s.dead_lettered;
+    // Progress on stderr while it consumes (drawn only on a terminal).
+    let progress = indicatif::ProgressBar::new(published as u64).with_style(
+        indicatif::ProgressStyle::with_template("consuming {bar:40} {pos}/{len} deliveries, {per_sec}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     while settled(stats.snapshot()) < published as u64 {
+        progress.set_position(settled(stats.snapshot()));
         if Instant::now() > deadline || consumer.is_finished() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    progress.finish_and_clear();
     let consume_time = started.elapsed();
     // The relay publishes what was committed; wait for it before stopping.
     let mut conn = AsyncPgConnection::establish(database_url).await?;
