@@ -76,6 +76,13 @@ pub struct PaymentApplied {
     pub amount_cents: i64,
 }
 
+impl From<PaymentRequested> for PaymentApplied {
+    /// The event of an applied payment.
+    fn from(msg: PaymentRequested) -> Self {
+        Self { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents }
+    }
+}
+
 /// Applies a payment — one ledger row, one balance update — and publishes a
 /// [`PaymentApplied`] event. Runs inside idemq's dedup transaction, so a redelivered
 /// payment is never applied twice, and its event goes out once the transaction
@@ -87,8 +94,7 @@ pub async fn apply_payment(
     ctx: &mut Context,
 ) -> Result<(), HandlerError> {
     record_payment(conn, &msg).await?;
-    let event =
-        PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
+    let event = PaymentApplied::from(msg);
     ctx.send(&event)?;
     Ok(())
 }

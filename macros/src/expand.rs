@@ -1,7 +1,8 @@
 //! Code generation: the unit struct that replaces the fn and its `idemq::Handler` impl.
 //!
-//! The type checks the macro cannot make itself go through traits local to
-//! `Handler::handle` (`__IdemqConnection`, `__IdemqResult`, `__IdemqError`): each has an
+//! The type checks the macro cannot make itself go through traits of
+//! `idemq::__private` (`__IdemqConnection`, `__IdemqContext`, `__IdemqResult`,
+//! `__IdemqOutput`, `__IdemqError`), defined once there: each has an
 //! `on_unimplemented` message saying what to write, is used on the user's own tokens
 //! (so the error underlines them), and its impl is `do_not_recommend` (so rustc
 //! reports that message, not the impl's unmet bound or a pointer into the expansion).
@@ -93,11 +94,11 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     // `on_unimplemented` says what to write, each spanned on the user's own tokens.
     let message_assoc = quote_spanned! {message_ty.span()=> type Message = #message_ty; };
     let conn_expr = quote_spanned! {conn_ty.span()=>
-        <#conn_ty as __IdemqConnection<'_>>::__idemq_connection(__idemq_conn)
+        <#conn_ty as ::idemq::__private::__IdemqConnection<'_>>::__idemq_connection(__idemq_conn)
     };
     let ctx_expr = ctx_ty.as_ref().map(|ctx_ty| {
         quote_spanned! {ctx_ty.span()=>
-            let __idemq_ctx = <#ctx_ty as __IdemqContext<'_>>::__idemq_context(__idemq_ctx);
+            let __idemq_ctx = <#ctx_ty as ::idemq::__private::__IdemqContext<'_>>::__idemq_context(__idemq_ctx);
         }
     });
     // The arguments in the fn's own order.
@@ -111,14 +112,15 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     // Naming the return type underlines all of it; `impl Trait` (legal in an async
     // fn's return type) cannot be named in an expression, so it is inferred instead.
     let result_expr = if mentions_impl_trait(output.to_token_stream()) {
-        quote_spanned! {output.span()=> __IdemqResult::__idemq_result(result) }
+        quote_spanned! {output.span()=> ::idemq::__private::__IdemqResult::__idemq_result(result) }
     } else {
-        quote_spanned! {output.span()=> <#output as __IdemqResult<_, _>>::__idemq_result(result) }
+        quote_spanned! {output.span()=> <#output as ::idemq::__private::__IdemqResult<_, _>>::__idemq_result(result) }
     };
-    let output_expr = quote_spanned! {output.span()=> __IdemqOutput::__idemq_output(&value) };
+    let output_expr =
+        quote_spanned! {output.span()=> ::idemq::__private::__IdemqOutput::__idemq_output(&value) };
     let error_span = error_ty.as_ref().map_or_else(|| output.span(), Spanned::span);
     let error_expr = quote_spanned! {error_span=>
-        __IdemqError::__idemq_error(error)
+        ::idemq::__private::__IdemqError::__idemq_error(error)
     };
     // Spanned on the fn's name: a future that is not `Send` is reported there (with
     // rustc's note on the value held across an `.await`), not on the attribute.
@@ -195,94 +197,6 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 __idemq_ctx: &'__idemq_a mut ::idemq::Context,
                 __idemq_message: <Self as ::idemq::Handler>::Message,
             ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
-                #[diagnostic::on_unimplemented(
-                    message = "a handler's first argument is the transaction's connection, not `{Self}`",
-                    label = "write `&mut AsyncPgConnection` here",
-                    note = "the handler runs inside idemq's dedup transaction: \
-                            take `conn: &mut diesel_async::AsyncPgConnection`"
-                )]
-                trait __IdemqConnection<'c> {
-                    fn __idemq_connection(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self;
-                }
-                #[diagnostic::do_not_recommend]
-                impl<'c> __IdemqConnection<'c> for &'c mut ::idemq::__private::AsyncPgConnection {
-                    fn __idemq_connection(conn: &'c mut ::idemq::__private::AsyncPgConnection) -> Self {
-                        conn
-                    }
-                }
-
-                #[diagnostic::on_unimplemented(
-                    message = "a handler's context argument is `&mut idemq::Context` (or `&idemq::Context`), not `{Self}`",
-                    label = "write `&mut idemq::Context` here",
-                    note = "after the connection, the message is one argument (by value or `&T`) and the \
-                            context the other"
-                )]
-                trait __IdemqContext<'c> {
-                    fn __idemq_context(ctx: &'c mut ::idemq::Context) -> Self;
-                }
-                #[diagnostic::do_not_recommend]
-                impl<'c> __IdemqContext<'c> for &'c mut ::idemq::Context {
-                    fn __idemq_context(ctx: &'c mut ::idemq::Context) -> Self {
-                        ctx
-                    }
-                }
-                #[diagnostic::do_not_recommend]
-                impl<'c> __IdemqContext<'c> for &'c ::idemq::Context {
-                    fn __idemq_context(ctx: &'c mut ::idemq::Context) -> Self {
-                        ctx
-                    }
-                }
-
-                #[diagnostic::on_unimplemented(
-                    message = "a handler returns `Result<R, E>`, not `{Self}`",
-                    label = "write `Result<(), E>` here",
-                    note = "`E` is your error type (any `std::error::Error + Send + Sync + 'static`, \
-                            retried) or `idemq::HandlerError`; `R` is `()` or a result to store and reply with"
-                )]
-                trait __IdemqResult<R, E> {
-                    fn __idemq_result(self) -> ::core::result::Result<R, E>;
-                }
-                #[diagnostic::do_not_recommend]
-                impl<R, E> __IdemqResult<R, E> for ::core::result::Result<R, E> {
-                    fn __idemq_result(self) -> ::core::result::Result<R, E> {
-                        self
-                    }
-                }
-
-                #[diagnostic::on_unimplemented(
-                    message = "a handler's result `{Self}` must implement `serde::Serialize`",
-                    label = "`{Self}` is not `Serialize`",
-                    note = "idemq stores what a handler returns with its dedup row and sends it again as the \
-                            reply to a duplicated request: derive `serde::Serialize` on it, or return `()`"
-                )]
-                trait __IdemqOutput {
-                    fn __idemq_output(&self) -> ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>;
-                }
-                #[diagnostic::do_not_recommend]
-                impl<T: ::idemq::__private::Serialize> __IdemqOutput for T {
-                    fn __idemq_output(&self) -> ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError> {
-                        ::idemq::HandlerOutput::json(self)
-                    }
-                }
-
-                #[diagnostic::on_unimplemented(
-                    message = "`{Self}` cannot be a handler's error type",
-                    label = "`{Self}` is not an error",
-                    note = "the error must implement `std::error::Error + Send + Sync + 'static`, \
-                            or be `idemq::HandlerError`",
-                    note = "for a plain message, return `Result<(), idemq::HandlerError>` \
-                            and `Err(HandlerError::transient(msg))` (or `Permanent(msg).into()`)"
-                )]
-                trait __IdemqError {
-                    fn __idemq_error(self) -> ::idemq::HandlerError;
-                }
-                #[diagnostic::do_not_recommend]
-                impl<E: ::core::convert::Into<::idemq::HandlerError>> __IdemqError for E {
-                    fn __idemq_error(self) -> ::idemq::HandlerError {
-                        ::core::convert::Into::into(self)
-                    }
-                }
-
                 let __idemq_conn = #conn_expr;
                 #ctx_expr
                 #unused_ctx

@@ -49,8 +49,7 @@ async fn apply_payment_with_event(
     ctx: &mut Context,
 ) -> Result<(), HandlerError> {
     record_payment(conn, &msg).await?;
-    let event =
-        PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
+    let event = PaymentApplied::from(msg);
     ctx.publish("", EVENTS.get().map_or("", String::as_str), &event)?;
     Ok(())
 }

@@ -63,8 +63,7 @@ async fn payments_then_notify(
     ctx: &mut Context,
 ) -> Result<(), HandlerError> {
     record_payment(conn, &msg).await?;
-    let event =
-        PaymentApplied { payment_id: msg.payment_id, account: msg.account, amount_cents: msg.amount_cents };
+    let event = PaymentApplied::from(msg);
     ctx.publish("", &knobs().next_queue, &event)?;
     tokio::time::sleep(knobs().slow).await;
     Ok(())
