@@ -184,6 +184,8 @@ mod retry;
 mod runtime;
 pub mod schema;
 mod session;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod topology;
 mod verdict;
 mod width;

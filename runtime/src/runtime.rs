@@ -354,7 +354,7 @@ impl RuntimeBuilder {
     }
 
     /// Every consumer's retry policy, as `run` would use it.
-    #[cfg(feature = "cli")]
+    #[cfg(any(feature = "cli", feature = "testing"))]
     pub(crate) fn retry_policies(&self) -> Vec<RetryPolicy> {
         self.consumers
             .iter()

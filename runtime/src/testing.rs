@@ -1,0 +1,316 @@
+//! A test kit for handlers (feature `testing`, for dev-dependencies only: it turns
+//! on the fault hooks): run a handler in the real runtime against a real PostgreSQL
+//! and RabbitMQ, each test in a throwaway database and queue of its own, and
+//! deliver a message once, twice, concurrently, or with the ack lost after COMMIT.
+//!
+//! ```no_run
+//! # use idemq::testing::TestKit;
+//! # #[derive(serde::Serialize)] struct Payment { payment_id: String }
+//! # async fn example(handler: impl idemq::Handler) {
+//! let kit = TestKit::start(handler).await.expect("the services are up");
+//! let payment = Payment { payment_id: "p-1".into() };
+//! let outcomes = kit.deliver_concurrently(&payment, 4).await;
+//! assert_eq!(outcomes.iter().filter(|o| **o == idemq::Outcome::Applied).count(), 1);
+//! // ... and check the effect with `kit.connect().await`.
+//! kit.finish().await;
+//! # }
+//! ```
+//!
+//! `AMQP_URL` and `DATABASE_URL` say where the services are (the database named
+//! there is only used to create and drop the test's own).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{redact, Error};
+use crate::fault::{FaultContext, FaultPoint};
+use crate::handler::Handler;
+use crate::outcome::{Outcome, Settled};
+use crate::runtime::{Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+use crate::topology::{Queue, Topology};
+
+/// How long a delivery may take to settle before the kit gives up.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A handler running in a runtime of its own, on a queue and database of its own.
+pub struct TestKit {
+    queue: String,
+    wait_queues: Vec<String>,
+    database_url: String,
+    admin_url: String,
+    database: String,
+    broker: Connection,
+    publisher: lapin::Channel,
+    settled: Arc<Mutex<Vec<Settled>>>,
+    lose_next_ack: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), Error>>,
+}
+
+impl std::fmt::Debug for TestKit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestKit")
+            .field("queue", &self.queue)
+            .field("database", &self.database)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TestKit {
+    /// Creates the database (migrated) and the queue, and starts `handler` on them.
+    ///
+    /// # Errors
+    /// The services are unreachable, or the runtime refuses the handler.
+    pub async fn start<H: Handler>(handler: H) -> Result<Self, Error> {
+        Self::start_with(handler, |builder| builder).await
+    }
+
+    /// [`TestKit::start`] with the builder tuned (`batch_size`, `retry`, the app's
+    /// own `migrate` is the caller's: run it on [`TestKit::database_url`] first via
+    /// [`TestKit::prepare`]).
+    ///
+    /// # Errors
+    /// As [`TestKit::start`].
+    pub async fn start_with<H: Handler>(
+        handler: H,
+        tune: impl FnOnce(RuntimeBuilder) -> RuntimeBuilder,
+    ) -> Result<Self, Error> {
+        Self::prepare(handler, tune, |_| async { Ok(()) }).await
+    }
+
+    /// [`TestKit::start_with`], running `setup` (the application's tables) on the
+    /// fresh database before the runtime starts.
+    ///
+    /// # Errors
+    /// As [`TestKit::start`], and `setup`'s.
+    pub async fn prepare<H, F, Fut>(
+        handler: H,
+        tune: impl FnOnce(RuntimeBuilder) -> RuntimeBuilder,
+        setup: F,
+    ) -> Result<Self, Error>
+    where
+        H: Handler,
+        F: FnOnce(String) -> Fut,
+        Fut: std::future::Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>>,
+    {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let id =
+            format!("{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), fastrand::u32(..));
+        let amqp_url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned());
+        let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+        let database = format!("idemq_kit_{id}");
+        let database_url = with_database(&admin_url, &database);
+        let mut admin = AsyncPgConnection::establish(&admin_url)
+            .await
+            .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
+        diesel::sql_query(format!("CREATE DATABASE \"{database}\""))
+            .execute(&mut admin)
+            .await
+            .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
+        crate::migrate(&database_url).await?;
+        setup(database_url.clone())
+            .await
+            .map_err(|err| Error::Config(format!("the test's setup failed: {err}")))?;
+
+        let queue = format!("idemq-kit-{id}");
+        let broker = Connection::connect(&amqp_url, ConnectionProperties::default())
+            .await
+            .map_err(|cause| Error::AmqpConnect { url: redact(&amqp_url), cause })?;
+        let amqp = |source| Error::Amqp { action: "set up the test's queue".into(), source };
+        let publisher = broker.create_channel().await.map_err(amqp)?;
+        let topology = Topology::new().queue(Queue::new(queue.clone()));
+        topology.declare(&publisher).await?;
+        publisher.confirm_select(ConfirmSelectOptions::default()).await.map_err(amqp)?;
+
+        let settled: Arc<Mutex<Vec<Settled>>> = Arc::default();
+        let sink = Arc::clone(&settled);
+        let lose_next_ack = Arc::new(AtomicBool::new(false));
+        let lose = Arc::clone(&lose_next_ack);
+        let hook: crate::fault::FaultHook = Arc::new(move |ctx: FaultContext| {
+            let lose = Arc::clone(&lose);
+            Box::pin(async move {
+                if ctx.point == FaultPoint::AfterCommit
+                    && ctx.outcome == Outcome::Applied
+                    && lose.swap(false, Ordering::SeqCst)
+                {
+                    // COMMIT landed; the ack is lost with the channel.
+                    let _ = ctx.channel.close(200, "idemq test kit: ack lost after COMMIT".into()).await;
+                }
+            })
+        });
+        let builder = Runtime::builder()
+            .amqp_url(amqp_url)
+            .database_url(database_url.clone())
+            .topology(topology)
+            .consume(queue.clone(), handler)
+            .relay(false)
+            .reconnect_max_backoff(Duration::from_millis(200))
+            .shutdown_deadline(Duration::from_secs(5));
+        let builder = tune(builder);
+        let wait_queues: Vec<String> = builder
+            .retry_policies()
+            .iter()
+            .flat_map(|policy| policy.wait_queues(&queue))
+            .map(|(name, _)| name)
+            .collect();
+        let runtime = builder
+            .observer(move |s| sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s.clone()))
+            .fault_hook(hook)
+            .build()?;
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(runtime.run(shutdown.clone()));
+        Ok(Self {
+            queue,
+            wait_queues,
+            database_url,
+            admin_url,
+            database,
+            broker,
+            publisher,
+            settled,
+            lose_next_ack,
+            shutdown,
+            task,
+        })
+    }
+
+    /// The test database's URL (to check the handler's effects).
+    pub fn database_url(&self) -> &str {
+        &self.database_url
+    }
+
+    /// A connection to the test database.
+    ///
+    /// # Panics
+    /// If it cannot connect (the kit just did).
+    pub async fn connect(&self) -> AsyncPgConnection {
+        AsyncPgConnection::establish(&self.database_url).await.expect("connect to the test database")
+    }
+
+    /// Every delivery settled so far, in order.
+    pub fn settled(&self) -> Vec<Settled> {
+        self.settled.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Publishes `message` (JSON) once and waits until it is settled.
+    ///
+    /// # Panics
+    /// If it is not settled within 30 s.
+    pub async fn deliver<M: Serialize + ?Sized>(&self, message: &M) -> Outcome {
+        self.deliver_concurrently(message, 1).await.remove(0)
+    }
+
+    /// Publishes `message` and, once settled, the same message again.
+    ///
+    /// # Panics
+    /// As [`TestKit::deliver`].
+    pub async fn deliver_twice<M: Serialize + ?Sized>(&self, message: &M) -> [Outcome; 2] {
+        [self.deliver(message).await, self.deliver(message).await]
+    }
+
+    /// Publishes `copies` copies of `message` at once (they race on the dedup row)
+    /// and waits until all are settled.
+    ///
+    /// # Panics
+    /// As [`TestKit::deliver`].
+    pub async fn deliver_concurrently<M: Serialize + ?Sized>(
+        &self,
+        message: &M,
+        copies: usize,
+    ) -> Vec<Outcome> {
+        let before = self.settled().len();
+        let body = serde_json::to_vec(message).expect("the message serializes");
+        for _ in 0..copies {
+            self.publish(&body).await;
+        }
+        self.wait_for(before + copies).await;
+        self.settled()[before..before + copies].iter().map(|s| s.outcome.clone()).collect()
+    }
+
+    /// Publishes `message`; its transaction commits, then the ack is lost (the
+    /// channel closes, as if the consumer crashed between COMMIT and ack); the broker
+    /// redelivers it. Returns both outcomes: the first applied (its ack not sent),
+    /// the redelivery — which must find the dedup row.
+    ///
+    /// # Panics
+    /// As [`TestKit::deliver`].
+    pub async fn crash_after_commit<M: Serialize + ?Sized>(&self, message: &M) -> [Outcome; 2] {
+        let before = self.settled().len();
+        self.lose_next_ack.store(true, Ordering::SeqCst);
+        self.publish(&serde_json::to_vec(message).expect("the message serializes")).await;
+        self.wait_for(before + 2).await;
+        let settled = self.settled();
+        [settled[before].outcome.clone(), settled[before + 1].outcome.clone()]
+    }
+
+    async fn publish(&self, body: &[u8]) {
+        let properties =
+            BasicProperties::default().with_content_type("application/json".into()).with_delivery_mode(2);
+        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+        let confirm = self
+            .publisher
+            .basic_publish("".into(), self.queue.as_str().into(), options, body, properties)
+            .await
+            .expect("publish to the test queue")
+            .await
+            .expect("a confirm");
+        assert!(
+            matches!(confirm, Confirmation::Ack(None)),
+            "the test queue refused the message: {confirm:?}"
+        );
+    }
+
+    async fn wait_for(&self, settled: usize) {
+        let waited = tokio::time::timeout(SETTLE_TIMEOUT, async {
+            while self.settled().len() < settled {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            waited.is_ok(),
+            "only {} of {settled} deliveries settled within {SETTLE_TIMEOUT:?}",
+            self.settled().len()
+        );
+    }
+
+    /// Stops the runtime and removes the queue (with its dead-letter queue) and the
+    /// database. Without it they are left behind.
+    pub async fn finish(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.task).await;
+        let channel = self.broker.create_channel().await;
+        if let Ok(channel) = channel {
+            let dlq = Queue::new(self.queue.clone()).dead_letter_name().to_owned();
+            for queue in [self.queue.as_str(), dlq.as_str()] {
+                let _ = channel.queue_delete(queue.into(), QueueDeleteOptions::default()).await;
+            }
+            for name in &self.wait_queues {
+                let _ = channel.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await;
+            }
+        }
+        let _ = self.broker.close(200, "test done".into()).await;
+        if let Ok(mut admin) = AsyncPgConnection::establish(&self.admin_url).await {
+            let _ = diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.database))
+                .execute(&mut admin)
+                .await;
+        }
+    }
+}
+
+/// `url` with its database name replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = url.split_once('?').map_or((url, None), |(base, query)| (base, Some(query)));
+    let server = base.rsplit_once('/').map_or(base, |(server, _)| server);
+    match query {
+        Some(query) => format!("{server}/{database}?{query}"),
+        None => format!("{server}/{database}"),
+    }
+}
