@@ -2,7 +2,7 @@
 //! handlers and topology to idemq — a [`RuntimeBuilder`] — and gets subcommands:
 //!
 //! ```text
-//! <app> run      [--concurrency N] [--batch-size N] [--queue Q]... [--http-addr ADDR]
+//! <app> run      [--concurrency N] [--batch-size N] [--prefetch N] [--queue Q]... [--http-addr ADDR]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply]                                            the topology: what exists, what would be declared
@@ -14,9 +14,10 @@
 //! Every subcommand but `run` works without consumers (`dlq` is described in
 //! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
-//! `IDEMQ_BATCH_SIZE`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`, `IDEMQ_REPLAY_WINDOW`),
-//! then a TOML file (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case
-//! (`amqp_url`, `database_url`, `concurrency`, `batch_size`, `http_addr`, `retention`,
+//! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
+//! `IDEMQ_REPLAY_WINDOW`), then a TOML file (`--config`, or `IDEMQ_CONFIG`) with the
+//! same names in snake case (`amqp_url`, `database_url`, `concurrency`, `batch_size`,
+//! `prefetch`, `http_addr`, `retention`,
 //! `replay_window`), then the
 //! code's builder. They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
@@ -174,6 +175,15 @@ impl Cli {
                             .help("deliveries per transaction (1: per-message); prefetch is concurrency × this"),
                     )
                     .arg(
+                        Arg::new("prefetch")
+                            .long("prefetch")
+                            .env("IDEMQ_PREFETCH")
+                            .hide_env_values(true)
+                            .value_name("N")
+                            .value_parser(value_parser!(u16).range(1..))
+                            .help("unacked deliveries per consumer (default: concurrency × batch size)"),
+                    )
+                    .arg(
                         Arg::new("http-addr")
                             .long("http-addr")
                             .env("IDEMQ_HTTP_ADDR")
@@ -276,6 +286,9 @@ impl Cli {
                 }
                 if let Some(n) = setting::<usize>(sub, "batch-size").or(file.batch_size) {
                     builder = builder.batch_size(n);
+                }
+                if let Some(n) = setting::<u16>(sub, "prefetch").or(file.prefetch) {
+                    builder = builder.prefetch(n);
                 }
                 if let Some(addr) = setting::<std::net::SocketAddr>(sub, "http-addr").or(file.http_addr) {
                     builder = builder.http_addr(addr);
@@ -425,6 +438,7 @@ struct Settings {
     database_url: Option<String>,
     concurrency: Option<usize>,
     batch_size: Option<usize>,
+    prefetch: Option<u16>,
     http_addr: Option<std::net::SocketAddr>,
     #[serde(default, deserialize_with = "duration")]
     retention: Option<Duration>,
@@ -445,7 +459,7 @@ impl Settings {
         toml::from_str(&text).map_err(|err| {
             Error::Config(format!(
                 "the config file {} is not valid: {}; its settings are amqp_url, database_url, concurrency, \
-                 batch_size, http_addr, retention and replay_window (durations as \"30d\")",
+                 batch_size, prefetch, http_addr, retention and replay_window (durations as \"30d\")",
                 path.display(),
                 redact(&err.to_string())
             ))

@@ -59,6 +59,7 @@ pub struct RuntimeBuilder {
     observers: Observers,
     relay: Option<crate::relay::Settings>,
     retention: Option<crate::retention::Retention>,
+    prefetch: Option<u16>,
     #[cfg(feature = "metrics")]
     http_addr: Option<std::net::SocketAddr>,
     #[cfg(feature = "fault-injection")]
@@ -99,6 +100,7 @@ impl RuntimeBuilder {
             observers: Observers::default(),
             relay: Some(crate::relay::Settings::default()),
             retention: None,
+            prefetch: None,
             #[cfg(feature = "metrics")]
             http_addr: None,
             #[cfg(feature = "fault-injection")]
@@ -295,6 +297,14 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Each consumer's prefetch (unacked deliveries the broker sends ahead), instead
+    /// of `concurrency × batch_size`. Lower it to bound memory and redelivery after a
+    /// crash; below the batch size, batches cannot fill. 1..=65535.
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = Some(prefetch);
+        self
+    }
+
     /// Deletes dedup rows older than `retention` in the background (off by
     /// default: the dedup table grows until something sweeps it). `build` refuses a
     /// retention not longer than the longest retry horizon plus the replay window
@@ -432,6 +442,12 @@ impl RuntimeBuilder {
         }
         if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
             return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
+        }
+        if self.prefetch == Some(0) {
+            return Err(Error::Config(
+                "prefetch must be 1..=65535 (0 would be unlimited: the broker would send the whole queue)"
+                    .into(),
+            ));
         }
         if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
             return Err(Error::Config(format!(
@@ -681,7 +697,9 @@ impl Runtime {
                     retry: retry.or_else(|| handler.retry()).unwrap_or_else(|| b.retry.clone()),
                     on_conflict: handler.on_conflict().unwrap_or(b.on_conflict),
                     batch: BatchLimits { size, linger: b.linger, pipelines: b.concurrency },
-                    prefetch: u16::try_from(b.concurrency.saturating_mul(size)).unwrap_or(u16::MAX),
+                    prefetch: b.prefetch.unwrap_or_else(|| {
+                        u16::try_from(b.concurrency.saturating_mul(size)).unwrap_or(u16::MAX)
+                    }),
                     scope: dedup_scope(b.namespace.as_deref(), handler.name()),
                     queue,
                     handler,

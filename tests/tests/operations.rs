@@ -224,3 +224,28 @@ async fn metrics_and_health_are_served_on_the_http_address() {
         assert!(busy.contains(&series), "{series} missing:\n{busy}");
     }
 }
+
+/// `.prefetch(n)` (the CLI's `--prefetch`) is each consumer's prefetch, instead of
+/// `concurrency × batch_size`.
+#[tokio::test(flavor = "multi_thread")]
+async fn prefetch_sets_each_consumers_prefetch() {
+    let bed = Bed::isolated().await;
+    let vhost = bed.vhost.as_ref().expect("isolated").name().to_owned();
+    let running = Running::start(bed.runtime().prefetch(7).consume(&bed.queue, ledger_payment));
+    let listed = || {
+        let output = std::process::Command::new("rabbitmqctl")
+            .args(["list_consumers", "-p", &vhost, "queue_name", "prefetch_count", "-q"])
+            .output()
+            .expect("rabbitmqctl");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let queue = bed.queue.clone();
+    idemq_tests::eventually("the consumer with prefetch 7", Duration::from_secs(20), || {
+        let text = listed();
+        let queue = queue.clone();
+        async move { text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == [queue.as_str(), "7"]) }
+    })
+    .await;
+    running.stop().await.expect("clean shutdown");
+    assert!(idemq::Runtime::builder().prefetch(0).consume("q", ledger_payment).build().is_err());
+}
