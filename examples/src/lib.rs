@@ -209,14 +209,17 @@ async fn connect(url: &str) -> Result<AsyncPgConnection, SetupError> {
 
 /// Creates the database named in `database_url` if it does not exist.
 async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
-    let Some((server, name)) = database_url.rsplit_once('/') else {
+    // Only a URL names a database to create (`host=… dbname=…` strings are left to the server).
+    let Ok(mut admin) = url::Url::parse(database_url) else {
         return Ok(());
     };
-    let name = name.split('?').next().unwrap_or(name);
+    let name = admin.path().trim_start_matches('/').to_owned();
     if name.is_empty() || name == "postgres" {
         return Ok(());
     }
-    let admin_url = format!("{server}/postgres");
+    let name = percent_encoding::percent_decode_str(&name).decode_utf8_lossy().into_owned();
+    admin.set_path("/postgres");
+    let admin_url = String::from(admin);
     let mut admin = connect(&admin_url).await?;
     #[derive(QueryableByName)]
     struct Exists {
@@ -225,7 +228,7 @@ async fn ensure_database(database_url: &str) -> Result<(), SetupError> {
     }
     let found: Exists =
         diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
-            .bind::<diesel::sql_types::Text, _>(name)
+            .bind::<diesel::sql_types::Text, _>(&name)
             .get_result(&mut admin)
             .await
             .map_err(db_error("look up the database"))?;

@@ -4,6 +4,11 @@
 //! message or a `Debug` output, and for every driver message that may quote a URL
 //! (lapin's "Invalid URL: '…'" does). When a string is ambiguous it hides more, not
 //! less: a password must never survive, a host name may.
+//!
+//! It scans text rather than parsing URLs (URLs are *edited* with the `url` crate):
+//! what must be redacted most is the URL that does not parse — a raw `@` in a
+//! password, a missing `//` — inside a driver's message, where a parser finds nothing
+//! and would print it whole.
 
 /// What replaces a secret.
 const HIDDEN: &str = "***";

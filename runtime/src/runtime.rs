@@ -803,13 +803,15 @@ fn dedup_scope(namespace: Option<&str>, name: &str) -> String {
     }
 }
 
-/// `url` with `heartbeat=<secs>` in its query, unless it already sets one.
+/// `url` with `heartbeat=<secs>` in its query, unless it already sets one. A URL
+/// that does not parse is left as it is: connecting reports it (redacted).
 fn with_heartbeat(url: &str, heartbeat: Duration) -> String {
-    if url.contains("heartbeat=") {
+    let Ok(mut parsed) = url::Url::parse(url) else { return url.to_owned() };
+    if parsed.query_pairs().any(|(name, _)| name == "heartbeat") {
         return url.to_owned();
     }
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}heartbeat={}", heartbeat.as_secs().max(1))
+    parsed.query_pairs_mut().append_pair("heartbeat", &heartbeat.as_secs().max(1).to_string());
+    parsed.into()
 }
 
 /// The process's shutdown signals, as tokens: the first SIGINT or SIGTERM cancels
@@ -880,5 +882,23 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_heartbeat;
+    use std::time::Duration;
+
+    #[test]
+    fn the_heartbeat_joins_the_query_unless_the_url_sets_one() {
+        let beat = Duration::from_secs(20);
+        assert_eq!(
+            with_heartbeat("amqp://guest:gu%40st@127.0.0.1:5672/%2f", beat),
+            "amqp://guest:gu%40st@127.0.0.1:5672/%2f?heartbeat=20"
+        );
+        assert_eq!(with_heartbeat("amqp://h/v?channel_max=5", beat), "amqp://h/v?channel_max=5&heartbeat=20");
+        assert_eq!(with_heartbeat("amqp://h/v?heartbeat=5", beat), "amqp://h/v?heartbeat=5");
+        assert_eq!(with_heartbeat("not a url", beat), "not a url");
     }
 }

@@ -106,7 +106,7 @@ impl TestKit {
         let amqp_url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned());
         let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
         let database = format!("idemq_kit_{id}");
-        let database_url = with_database(&admin_url, &database);
+        let database_url = with_database(&admin_url, &database)?;
         let mut admin = AsyncPgConnection::establish(&admin_url)
             .await
             .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
@@ -306,11 +306,13 @@ impl TestKit {
 }
 
 /// `url` with its database name replaced by `database`.
-fn with_database(url: &str, database: &str) -> String {
-    let (base, query) = url.split_once('?').map_or((url, None), |(base, query)| (base, Some(query)));
-    let server = base.rsplit_once('/').map_or(base, |(server, _)| server);
-    match query {
-        Some(query) => format!("{server}/{database}?{query}"),
-        None => format!("{server}/{database}"),
-    }
+fn with_database(url: &str, database: &str) -> Result<String, Error> {
+    let mut parsed = url::Url::parse(url).map_err(|err| {
+        Error::Config(format!(
+            "the test kit needs DATABASE_URL as a URL (postgres://…), not {}: {err}",
+            redact(url)
+        ))
+    })?;
+    parsed.set_path(&format!("/{database}"));
+    Ok(parsed.into())
 }
