@@ -59,12 +59,15 @@ async fn assert_books_balance(bed: &Bed, payments: &[PaymentRequested]) {
     assert_eq!(broker.message_count(&bed.dlq).await, 0, "nothing dead-lettered");
 }
 
-/// Sessions of the bed's database sitting inside a transaction (slow handlers).
+/// Sessions of the bed's database sitting inside a handler's transaction (slow
+/// handlers: their last statement was the payment's balance upsert). Only those: the
+/// outbox relay's short claim transactions sit idle in transaction too.
 async fn open_transactions(bed: &Bed) -> i64 {
     use diesel_async::RunQueryDsl;
     let mut conn = bed.db.connect().await;
     diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%'",
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND state LIKE 'idle in transaction%' \
+         AND query LIKE '%accounts%'",
         bed.db.name()
     ))
     .get_result(&mut conn)
