@@ -102,7 +102,7 @@ use crate::dead_letter::{self, headers, Letter};
 use crate::error::Error;
 use crate::handler::{ErrorClass, HandlerError};
 use crate::key::hex;
-use crate::observe::{Batch, InfrastructureRetry, Observers};
+use crate::observe::{Batch, Commit, InfrastructureRetry, Observers};
 use crate::outbox::{self, Context, HandlerOutput, Outgoing, Request};
 use crate::outcome::{FailureKind, Outcome, Settled};
 use crate::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
@@ -248,10 +248,11 @@ pub(crate) struct Item {
 impl Item {
     pub(crate) fn new(
         delivery: Delivery,
-        queue: &str,
+        consumer: &Consumer,
         prepared: Option<Result<Prepared, Rejection>>,
     ) -> Self {
-        let counts = Counts::of(&delivery, queue);
+        consumer.shared.observers.received(&consumer.queue);
+        let counts = Counts::of(&delivery, &consumer.queue);
         Self { delivered: Delivered { delivery, counts, received_at: Instant::now() }, prepared }
     }
 
@@ -287,11 +288,13 @@ struct Decision {
     /// The stored reply a duplicated request is answered with, published (and
     /// confirmed) before its ack.
     reply: Option<Outgoing>,
+    /// How long its handler ran, if it ran.
+    handler_time: Option<Duration>,
 }
 
 impl Decision {
     fn new(outcome: Outcome) -> Self {
-        Self { outcome, key: None, began_at: None, marked: false, batch: 0, reply: None }
+        Self { outcome, key: None, began_at: None, marked: false, batch: 0, reply: None, handler_time: None }
     }
 
     /// Whether settling it waits for a publish (a copy, or a reply).
@@ -406,6 +409,7 @@ impl Consumer {
             received_at: item.received_at,
             began_at: decision.began_at,
             settled_at: Instant::now(),
+            handler_time: decision.handler_time,
         };
         // One event per delivery, with what an operator greps for (cheap when the
         // level is off; `RUST_LOG=idemq::delivery=debug` shows them).
@@ -514,6 +518,7 @@ impl Consumer {
                         marked: marked.is_some(),
                         batch: 1,
                         reply: None,
+                        handler_time: None,
                     };
                     return Ran { decided: vec![(part[0], decision)], ..Ran::default() };
                 }
@@ -746,9 +751,13 @@ impl Consumer {
                 ctx.use_random_ids();
             }
             let run = AssertUnwindSafe(effect(conn, &mut ctx)).catch_unwind();
-            let failure = match tokio::time::timeout(self.shared.handler_timeout, run).await {
+            let started = Instant::now();
+            let ran_for = tokio::time::timeout(self.shared.handler_timeout, run).await;
+            let took = started.elapsed();
+            let failure = match ran_for {
                 Ok(Ok(Ok(output))) => {
-                    done.push(Done { index, key, fingerprint, output, published: ctx.take_published() });
+                    let published = ctx.take_published();
+                    done.push(Done { index, key, fingerprint, output, published, took });
                     continue;
                 }
                 Ok(Ok(Err(error))) => Failure::Returned(error),
@@ -796,7 +805,9 @@ impl Consumer {
             if class == ErrorClass::Permanent && dedup {
                 self.store_failure(conn, &items[index], &key, &fingerprint, &outcome).await?;
             }
-            ran.decided.push((index, self.decision(outcome, key.as_str(), Some(began_at), batch)));
+            let mut decision = self.decision(outcome, key.as_str(), Some(began_at), batch);
+            decision.handler_time = Some(took);
+            ran.decided.push((index, decision));
             ran.next = rerun_repeats(repeats);
             return Ok(ran);
         }
@@ -830,17 +841,22 @@ impl Consumer {
         }
         drop(results);
 
+        let committing = Instant::now();
         let failure = match db::commit_checked(conn, xid).await {
             Ok(()) => {
+                let commit =
+                    Commit { queue: &self.queue, deliveries: done.len(), took: committing.elapsed() };
+                self.shared.observers.committed(&commit);
                 if !rows.is_empty() {
                     self.shared.outbox.committed();
                 }
-                for Done { index, key, fingerprint, output, .. } in done {
+                for Done { index, key, fingerprint, output, took, .. } in done {
                     let stored =
                         Stored { fingerprint: Some(fingerprint.to_vec()), result: output.0, failed: false };
                     payloads.insert(key.as_str().to_owned(), stored);
-                    ran.decided
-                        .push((index, self.decision(Outcome::Applied, key.as_str(), Some(began_at), batch)));
+                    let mut decision = self.decision(Outcome::Applied, key.as_str(), Some(began_at), batch);
+                    decision.handler_time = Some(took);
+                    ran.decided.push((index, decision));
                 }
                 self.resolve_repeats(&mut ran, items, repeats, &payloads, began_at, batch);
                 return Ok(ran);
@@ -921,7 +937,15 @@ impl Consumer {
     }
 
     fn decision(&self, outcome: Outcome, key: &str, began_at: Option<Instant>, batch: usize) -> Decision {
-        Decision { outcome, key: Some(key.to_owned()), began_at, marked: false, batch, reply: None }
+        Decision {
+            outcome,
+            key: Some(key.to_owned()),
+            began_at,
+            marked: false,
+            batch,
+            reply: None,
+            handler_time: None,
+        }
     }
 
     /// The message id of the reply to the request with `key` (every copy of it).
@@ -1176,6 +1200,8 @@ struct Done {
     output: HandlerOutput,
     /// What it published, for the outbox.
     published: Vec<Outgoing>,
+    /// How long it ran.
+    took: Duration,
 }
 
 /// A delivery whose key an earlier one of its batch holds: decided by that one's fate.

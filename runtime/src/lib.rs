@@ -200,7 +200,7 @@ pub use key::{
     TemplatePart, MAX_STORED_KEY_BYTES,
 };
 pub use migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
-pub use observe::{Batch, InfrastructureRetry, Observe, RelayPass};
+pub use observe::{Batch, Commit, InfrastructureRetry, Observe, RelayPass};
 pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, PublishError};
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use redact::redact;

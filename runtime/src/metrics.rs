@@ -11,7 +11,10 @@
 //! | series | |
 //! |---|---|
 //! | `idemq_deliveries_total{queue, outcome, kind}` | settled deliveries: `applied`, `duplicate`, `already_copied`, `retried`, `requeued`, `dead_lettered` (with the failure `kind`), `abandoned` |
+//! | `idemq_in_flight{queue}` | deliveries received and not yet settled |
 //! | `idemq_delivery_duration_seconds{queue}` | received → settled |
+//! | `idemq_handler_duration_seconds{queue}` | a handler's run (its last, for a re-run one) |
+//! | `idemq_commit_duration_seconds{queue}` | the checked COMMIT of a transaction that committed |
 //! | `idemq_transaction_duration_seconds{queue}` | a batch, from its first transaction's start to its last decision (handlers and COMMIT) |
 //! | `idemq_batch_splits_total{queue}` | batches run again smaller |
 //! | `idemq_infrastructure_retries_total{queue}` | transactions retried after a database fault |
@@ -40,6 +43,13 @@ use crate::session::ConnectionEvent;
 
 type Labels = Vec<(&'static str, String)>;
 
+/// Histograms with the buckets of [`histogram`].
+type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
+
+fn histograms() -> Histograms {
+    Family::new_with_constructor(histogram)
+}
+
 fn histogram() -> Histogram {
     // 0.5 ms … ~16 s.
     Histogram::new(exponential_buckets(0.0005, 2.0, 16))
@@ -49,8 +59,11 @@ fn histogram() -> Histogram {
 pub(crate) struct Metrics {
     registry: Registry,
     deliveries: Family<Labels, Counter>,
-    delivery_seconds: Family<Labels, Histogram, fn() -> Histogram>,
-    transaction_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    in_flight: Family<Labels, Gauge>,
+    delivery_seconds: Histograms,
+    handler_seconds: Histograms,
+    commit_seconds: Histograms,
+    transaction_seconds: Histograms,
     batch_splits: Family<Labels, Counter>,
     infrastructure_retries: Family<Labels, Counter>,
     reconnects: Counter,
@@ -69,10 +82,9 @@ impl Metrics {
     pub(crate) fn new(queues: &[String]) -> Arc<Self> {
         let mut registry = Registry::default();
         let deliveries = Family::<Labels, Counter>::default();
-        let delivery_seconds =
-            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(histogram);
-        let transaction_seconds =
-            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(histogram);
+        let in_flight = Family::<Labels, Gauge>::default();
+        let (delivery_seconds, handler_seconds) = (histograms(), histograms());
+        let (commit_seconds, transaction_seconds) = (histograms(), histograms());
         let batch_splits = Family::<Labels, Counter>::default();
         let infrastructure_retries = Family::<Labels, Counter>::default();
         let (reconnects, connected) = (Counter::default(), Gauge::default());
@@ -84,7 +96,14 @@ impl Metrics {
             "Settled deliveries by queue, outcome and failure kind",
             deliveries.clone(),
         );
+        registry.register("idemq_in_flight", "Deliveries received and not yet settled", in_flight.clone());
         registry.register("idemq_delivery_duration_seconds", "Received to settled", delivery_seconds.clone());
+        registry.register("idemq_handler_duration_seconds", "A handler's run", handler_seconds.clone());
+        registry.register(
+            "idemq_commit_duration_seconds",
+            "A checked COMMIT that committed",
+            commit_seconds.clone(),
+        );
         registry.register(
             "idemq_transaction_duration_seconds",
             "A batch: first transaction start to last decision",
@@ -122,7 +141,10 @@ impl Metrics {
                 let _ = deliveries.get_or_create(&labels(queue, "dead_lettered", kind.as_str()));
             }
             let queue_only = vec![("queue", queue.clone())];
+            let _ = in_flight.get_or_create(&queue_only);
             let _ = delivery_seconds.get_or_create(&queue_only);
+            let _ = handler_seconds.get_or_create(&queue_only);
+            let _ = commit_seconds.get_or_create(&queue_only);
             let _ = transaction_seconds.get_or_create(&queue_only);
             let _ = batch_splits.get_or_create(&queue_only);
             let _ = infrastructure_retries.get_or_create(&queue_only);
@@ -130,7 +152,10 @@ impl Metrics {
         Arc::new(Self {
             registry,
             deliveries,
+            in_flight,
             delivery_seconds,
+            handler_seconds,
+            commit_seconds,
             transaction_seconds,
             batch_splits,
             infrastructure_retries,
@@ -182,10 +207,22 @@ impl Observe for Metrics {
         };
         let outcome = settled.outcome.name();
         self.deliveries.get_or_create(&labels(&settled.queue, outcome, kind)).inc();
+        let queue = vec![("queue", settled.queue.clone())];
         let took = settled.settled_at.saturating_duration_since(settled.received_at);
-        self.delivery_seconds
-            .get_or_create(&vec![("queue", settled.queue.clone())])
-            .observe(took.as_secs_f64());
+        self.delivery_seconds.get_or_create(&queue).observe(took.as_secs_f64());
+        if let Some(handler) = settled.handler_time {
+            self.handler_seconds.get_or_create(&queue).observe(handler.as_secs_f64());
+        }
+        self.in_flight.get_or_create(&queue).dec();
+    }
+
+    fn received(&self, queue: &str) {
+        self.in_flight.get_or_create(&vec![("queue", queue.to_owned())]).inc();
+    }
+
+    fn committed(&self, commit: &crate::observe::Commit<'_>) {
+        let queue = vec![("queue", commit.queue.to_owned())];
+        self.commit_seconds.get_or_create(&queue).observe(commit.took.as_secs_f64());
     }
 
     fn infrastructure_retry(&self, retry: &InfrastructureRetry<'_>) {

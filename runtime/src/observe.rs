@@ -30,6 +30,16 @@ pub trait Observe: Send + Sync + 'static {
         let _ = event;
     }
 
+    /// A delivery was received from the broker (it is settled later, once).
+    fn received(&self, queue: &str) {
+        let _ = queue;
+    }
+
+    /// A transaction's COMMIT succeeded.
+    fn committed(&self, commit: &Commit<'_>) {
+        let _ = commit;
+    }
+
     /// A batch (group commit) was decided.
     fn batch(&self, batch: &Batch<'_>) {
         let _ = batch;
@@ -67,6 +77,18 @@ pub struct Batch<'a> {
     /// Times it (or a part of it) was run again smaller.
     pub splits: u64,
     /// From the first transaction's start to the last decision.
+    pub took: Duration,
+}
+
+/// A COMMIT that succeeded.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct Commit<'a> {
+    /// The consumer's queue.
+    pub queue: &'a str,
+    /// Deliveries whose effects it committed.
+    pub deliveries: usize,
+    /// How long the checked COMMIT took (one round trip).
     pub took: Duration,
 }
 
@@ -109,6 +131,14 @@ impl Observers {
         self.0.iter().for_each(|o| o.connection(event));
     }
 
+    pub(crate) fn received(&self, queue: &str) {
+        self.0.iter().for_each(|o| o.received(queue));
+    }
+
+    pub(crate) fn committed(&self, commit: &Commit<'_>) {
+        self.0.iter().for_each(|o| o.committed(commit));
+    }
+
     pub(crate) fn batch(&self, batch: &Batch<'_>) {
         self.0.iter().for_each(|o| o.batch(batch));
     }
@@ -138,6 +168,14 @@ impl<T: Observe> Observe for Arc<T> {
 
     fn batch(&self, batch: &Batch<'_>) {
         (**self).batch(batch);
+    }
+
+    fn received(&self, queue: &str) {
+        (**self).received(queue);
+    }
+
+    fn committed(&self, commit: &Commit<'_>) {
+        (**self).committed(commit);
     }
 
     fn relay(&self, pass: &RelayPass) {

@@ -153,6 +153,8 @@ pub struct Settled {
     pub began_at: Option<Instant>,
     /// When the delivery was settled.
     pub settled_at: Instant,
+    /// How long its handler ran (its last run), if it ran.
+    pub handler_time: Option<std::time::Duration>,
 }
 
 /// Counters of a runtime's outcomes since it was built.

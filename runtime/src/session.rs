@@ -436,7 +436,7 @@ async fn consume(
             }
             let Some(delivery) = pending.pop_front() else { break };
             let alone = delivery.redelivered;
-            batch.push(Item::new(delivery, &consumer.queue, None));
+            batch.push(Item::new(delivery, &consumer, None));
             if alone {
                 break;
             }
@@ -451,7 +451,7 @@ async fn consume(
                         pending.push_back(delivery);
                         break;
                     }
-                    Some(Next::Delivery(delivery)) => batch.push(Item::new(delivery, &consumer.queue, None)),
+                    Some(Next::Delivery(delivery)) => batch.push(Item::new(delivery, &consumer, None)),
                     Some(Next::Ended(reason)) => {
                         ended = Some(reason);
                         break;
@@ -515,7 +515,7 @@ async fn consume_in_lanes(
             }
         };
         // A pipeline ends only when its sender is dropped (below).
-        let _ = pipelines[slot].send(Item::new(delivery, &consumer.queue, Some(prepared)));
+        let _ = pipelines[slot].send(Item::new(delivery, &consumer, Some(prepared)));
     };
     // The pipelines finish what they hold (in flight, within the shutdown deadline).
     drop(pipelines);

@@ -220,6 +220,9 @@ async fn metrics_and_health_are_served_on_the_http_address() {
         format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"applied\",kind=\"\"}} 1"),
         format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"duplicate\",kind=\"\"}} 1"),
         format!("idemq_delivery_duration_seconds_count{{queue=\"{queue}\"}} 2"),
+        format!("idemq_handler_duration_seconds_count{{queue=\"{queue}\"}} 1"),
+        format!("idemq_commit_duration_seconds_count{{queue=\"{queue}\"}} 1"),
+        format!("idemq_in_flight{{queue=\"{queue}\"}} 0"),
     ] {
         assert!(busy.contains(&series), "{series} missing:\n{busy}");
     }
