@@ -14,6 +14,27 @@ use crate::session::ConnectionEvent;
 /// A subscriber to what the runtime does. Every method has a no-op default:
 /// implement the ones you need. Methods run on the runtime's tasks, in line: keep
 /// them quick (count, record, send to a channel), never block.
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use std::sync::Arc;
+/// use idemq::{Observe, Outcome, Settled};
+///
+/// #[derive(Default)]
+/// struct DeadLetters(AtomicU64);
+///
+/// impl Observe for DeadLetters {
+///     fn settled(&self, settled: &Settled) {
+///         if matches!(settled.outcome, Outcome::DeadLettered { .. }) {
+///             self.0.fetch_add(1, Ordering::Relaxed);
+///         }
+///     }
+/// }
+///
+/// let dead = Arc::new(DeadLetters::default());
+/// let builder = idemq::Runtime::builder().observe(Arc::clone(&dead)); // keep `dead` to read it
+/// # let _ = builder;
+/// ```
 pub trait Observe: Send + Sync + 'static {
     /// A delivery was settled (acked, dead-lettered, retried, requeued, …).
     fn settled(&self, settled: &Settled) {

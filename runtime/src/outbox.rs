@@ -206,6 +206,23 @@ pub enum PublishError {
 /// statement per batch). The relay of a running [`Runtime`](crate::Runtime) picks
 /// the row up within its poll interval, or at once if something notifies it.
 ///
+/// ```no_run
+/// # async fn example(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// use diesel_async::AsyncConnection;
+/// use idemq::{enqueue, Outgoing};
+///
+/// conn.transaction::<_, Box<dyn std::error::Error + Send + Sync>, _>(async |conn| {
+///     // ... the application's own writes ...
+///     enqueue(conn, Outgoing::json("orders", "order.placed", &serde_json::json!({"id": 7}))?.message_id("order-7"))
+///         .await?;
+///     Ok(())
+/// })
+/// .await
+/// .map_err(|err| err.to_string())?;
+/// # Ok(())
+/// # }
+/// ```
+///
 /// # Errors
 /// [`PublishError::Database`].
 pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result<String, PublishError> {
@@ -224,6 +241,14 @@ pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result
 /// key and replaying its dead letter. Forgetting the key of an *applied* message
 /// makes its next copy apply again: only do it for a message whose effect you know
 /// did not happen.
+///
+/// ```no_run
+/// # async fn example(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
+/// // The handler `apply_payment` may now apply payment p-17 again (its dead letter replayed).
+/// idemq::forget(conn, "apply_payment", "p-17").await?;
+/// # Ok(())
+/// # }
+/// ```
 ///
 /// # Errors
 /// The database's.

@@ -25,6 +25,16 @@ use crate::retry::RetryPolicy;
 pub const GC_LOCK: i64 = 0x6964_656d_715f_6763;
 
 /// How long dedup rows are kept, and how the sweep runs.
+///
+/// ```
+/// use std::time::Duration;
+/// use idemq::{Retention, RetryPolicy};
+///
+/// let retention = Retention::keep(Duration::from_secs(30 * 86_400)).replay_window(Duration::from_secs(7 * 86_400));
+/// assert!(retention.check([&RetryPolicy::default()]).is_ok());
+/// // Shorter than a day of retries plus the replay window: refused.
+/// assert!(Retention::keep(Duration::from_secs(86_400)).check([&RetryPolicy::default()]).is_err());
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
 pub struct Retention {
