@@ -228,6 +228,9 @@ fn gc_refuses_a_short_retention_and_reads_its_settings_from_a_config_file() {
     run_ok(&mut env.payments(&["migrate"]));
     let refused = run_fails(&mut env.payments(&["gc", "--keep", "1d"]));
     assert!(refused.contains("too short") && refused.contains("replay window"), "{refused}");
+    // `run` sweeps in the background with the same check, before it connects.
+    let refused = run_fails(&mut env.payments(&["run", "--retention", "1d"]));
+    assert!(refused.contains("too short"), "{refused}");
     let swept = stdout(&run_ok(&mut env.payments(&["gc", "--keep", "30d"])));
     assert!(swept.contains("deleted 0 dedup rows"), "{swept}");
     let dir = std::env::temp_dir().join(format!("idemq-cli-{}", env.database));

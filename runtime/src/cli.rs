@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! <app> run      [--concurrency N] [--batch-size N] [--prefetch N] [--queue Q]... [--http-addr ADDR]
+//!                [--retention 30d [--replay-window 7d]]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply]                                            the topology: what exists, what would be declared
@@ -174,6 +175,16 @@ impl Cli {
                             .value_parser(value_parser!(usize))
                             .help("deliveries per transaction (1: per-message); prefetch is concurrency × this"),
                     )
+                    .arg(duration(
+                        "retention",
+                        "IDEMQ_RETENTION",
+                        "sweep dedup rows older than this in the background (e.g. 30d; default: never)",
+                    ))
+                    .arg(duration(
+                        "replay-window",
+                        "IDEMQ_REPLAY_WINDOW",
+                        "with --retention: how long a dead letter may still be replayed (default 7d)",
+                    ))
                     .arg(
                         Arg::new("prefetch")
                             .long("prefetch")
@@ -296,9 +307,9 @@ impl Cli {
                 if let Some(queues) = sub.get_many::<String>("queue") {
                     builder = builder.only_queues(&queues.cloned().collect::<Vec<_>>())?;
                 }
-                if let Some(keep) = file.retention {
+                if let Some(keep) = setting::<Duration>(sub, "retention").or(file.retention) {
                     let mut retention = Retention::keep(keep);
-                    if let Some(window) = file.replay_window {
+                    if let Some(window) = setting::<Duration>(sub, "replay-window").or(file.replay_window) {
                         retention = retention.replay_window(window);
                     }
                     builder = builder.retention(retention);
