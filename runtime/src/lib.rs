@@ -152,6 +152,10 @@
 //!
 //! ## Features
 //! - `uuid`: `uuid::Uuid` key fields.
+//! - `cli`: `idemq::cli`, the application's command line (`run`, `migrate`, `declare`,
+//!   `status`, `gc`, `dlq`); turns on `metrics`.
+//! - `metrics`: Prometheus metrics and health endpoints (`RuntimeBuilder::http_addr`).
+//! - `testing`: `idemq::testing::TestKit`, for dev-dependencies (it turns on `fault-injection`).
 //! - `fault-injection`: test-only `fault` hooks (enabled by idemq's own tests as a dev-dependency; never in production builds).
 
 #![warn(missing_docs)]
