@@ -42,7 +42,7 @@ use clap::{value_parser, Arg, ArgAction, ArgMatches, Command};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::Connection;
 
 pub use clap;
 
@@ -484,10 +484,9 @@ async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
         .map_err(|err| Error::DatabaseConnect { url: redact(url), message: err.to_string() })
 }
 
-async fn connect_broker(url: &str) -> Result<Connection, Error> {
-    Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(|cause| Error::AmqpConnect { url: redact(url), cause })
+/// A connection to the first broker address of the list that answers.
+pub(crate) async fn connect_broker(urls: &str) -> Result<Connection, Error> {
+    Ok(crate::brokers::Brokers::parse(urls)?.connect().await?.0)
 }
 
 /// The application's setup first (it may create the database), then idemq's

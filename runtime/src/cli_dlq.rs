@@ -25,10 +25,9 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{Channel, Confirmation, Connection};
 
 use crate::dead_letter::headers;
-use crate::error::{redact, Error};
 use crate::runtime::RuntimeBuilder;
 
 /// The longest a browse holds dead letters unacked.
@@ -53,10 +52,7 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
             None => "the code declares and consumes no queue".into(),
         });
     }
-    let url = builder.configured_amqp_url();
-    let connection = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(|cause| Error::AmqpConnect { url: redact(url), cause })?;
+    let connection = crate::cli::connect_broker(builder.configured_amqp_url()).await?;
     let filter = Filter::of(sub);
     let mut index = 0;
     for (queue, dlq) in &queues {

@@ -162,6 +162,7 @@
 
 mod acks;
 mod backoff;
+mod brokers;
 #[cfg(feature = "cli")]
 pub mod cli;
 #[cfg(feature = "cli")]

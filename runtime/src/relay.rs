@@ -36,7 +36,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Channel, Confirmation, Connection, ExchangeKind};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -390,10 +390,8 @@ impl Worker {
 
     async fn connect(&self) -> Result<Link, String> {
         let connect = async {
-            let connection =
-                Connection::connect(&self.amqp_url, ConnectionProperties::default()).await.map_err(
-                    |err| format!("connect to {}: {}", redact(&self.amqp_url), redact(&err.to_string())),
-                )?;
+            let brokers = crate::brokers::Brokers::parse(&self.amqp_url).map_err(|err| err.to_string())?;
+            let (connection, _) = brokers.connect().await.map_err(|err| redact(&err.to_string()))?;
             let channel = connection.create_channel().await.map_err(|err| err.to_string())?;
             channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
             Ok(Link { connection, channel, probe: None, exchanges: HashSet::new() })

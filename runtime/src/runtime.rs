@@ -108,7 +108,9 @@ impl RuntimeBuilder {
         }
     }
 
-    /// The broker, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (default: `AMQP_URL`).
+    /// The broker, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (default: `AMQP_URL`), or
+    /// several nodes separated by commas: the runtime connects to one that answers and,
+    /// after losing it, tries the next first (a comma in a password is `%2C`).
     pub fn amqp_url(mut self, url: impl Into<String>) -> Self {
         self.amqp_url = url.into();
         self
@@ -707,7 +709,7 @@ impl Runtime {
             })
             .collect();
         let ctx = SessionContext {
-            amqp_url: with_heartbeat(&b.amqp_url, b.heartbeat),
+            brokers: crate::brokers::Brokers::parse(&b.amqp_url)?.map(|url| with_heartbeat(url, b.heartbeat)),
             topology: b.topology,
             consumers,
             shared,

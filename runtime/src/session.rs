@@ -16,14 +16,14 @@ use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::acks::Acks;
 use crate::delivery::{Consumer, Item, Shared};
-use crate::error::{redact, Error};
+use crate::error::Error;
 use crate::prepare::ErasedHandler;
 use crate::retry::RetryPolicy;
 use crate::topology::{Queue, Topology};
@@ -87,7 +87,8 @@ pub(crate) struct ConsumerSpec {
 
 /// What every session shares.
 pub(crate) struct SessionContext {
-    pub(crate) amqp_url: String,
+    /// The broker addresses (heartbeat set), tried in turn.
+    pub(crate) brokers: crate::brokers::Brokers,
     pub(crate) topology: Topology,
     pub(crate) consumers: Vec<ConsumerSpec>,
     pub(crate) shared: Arc<Shared>,
@@ -108,6 +109,8 @@ pub(crate) struct Connections {
     consuming: Connection,
     publishing: Connection,
     channels: Vec<Channel>,
+    /// The broker address both are connected to.
+    node: usize,
 }
 
 impl Connections {
@@ -200,6 +203,8 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
     // Whatever is still open goes: unacked deliveries return to the queue, and
     // in-flight tasks of this session can no longer ack (their acker's channel is
     // closed), so the broker redelivers them to the next session.
+    // The next attempt starts with the next address: this one was just lost.
+    ctx.brokers.lost(connections.node);
     connections.close("reconnecting").await;
     SessionEnd::Lost { reason, connected: true }
 }
@@ -219,17 +224,20 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
             SessionEnd::Lost { reason: err.to_string(), connected: false }
         }
     };
-    let connect = || async {
-        Connection::connect(&ctx.amqp_url, ConnectionProperties::default())
-            .await
-            .map_err(|cause| Error::AmqpConnect { url: redact(&ctx.amqp_url), cause })
-    };
     let amqp = |action: &str| {
         let action = action.to_owned();
         move |source| Error::Amqp { action, source }
     };
-    let consuming = connect().await.map_err(fail)?;
-    let publishing = connect().await.map_err(fail)?;
+    // One node that answers for both connections.
+    let (consuming, node) = ctx.brokers.connect().await.map_err(fail)?;
+    let publishing = match ctx.brokers.connect_to(node).await {
+        Ok(publishing) => publishing,
+        Err(err) => {
+            bounded(consuming.close(200, "start-up failed".into())).await;
+            ctx.brokers.lost(node);
+            return Err(fail(err));
+        }
+    };
     let started = async {
         let publisher = publishing.create_channel().await.map_err(amqp("open the publisher channel"))?;
         publisher
@@ -293,11 +301,12 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     .await;
     match started {
         Ok((loops, session_stop, channels)) => {
-            Ok((Connections { consuming, publishing, channels }, loops, session_stop))
+            Ok((Connections { consuming, publishing, channels, node }, loops, session_stop))
         }
         Err(err) => {
             bounded(consuming.close(200, "start-up failed".into())).await;
             bounded(publishing.close(200, "start-up failed".into())).await;
+            ctx.brokers.lost(node);
             // A topology mismatch cannot be fixed by reconnecting.
             let fatal = first || matches!(err, Error::QueueMismatch { .. } | Error::ExchangeMismatch { .. });
             Err(if fatal {

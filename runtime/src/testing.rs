@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Confirmation, Connection};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -120,9 +120,7 @@ impl TestKit {
             .map_err(|err| Error::Config(format!("the test's setup failed: {err}")))?;
 
         let queue = format!("idemq-kit-{id}");
-        let broker = Connection::connect(&amqp_url, ConnectionProperties::default())
-            .await
-            .map_err(|cause| Error::AmqpConnect { url: redact(&amqp_url), cause })?;
+        let broker = crate::brokers::Brokers::parse(&amqp_url)?.connect().await?.0;
         let amqp = |source| Error::Amqp { action: "set up the test's queue".into(), source };
         let publisher = broker.create_channel().await.map_err(amqp)?;
         let topology = Topology::new().queue(Queue::new(queue.clone()));
