@@ -174,7 +174,34 @@ fn short(what: &'static str, name: &str) -> Result<(), PublishError> {
     if name.len() > 255 {
         return Err(PublishError::TooLong { what, len: name.len() });
     }
+    no_nul(what, name)
+}
+
+/// PostgreSQL `text` cannot hold a NUL byte: a row holding one could never be written,
+/// and its whole batch would fail with it, again and again.
+fn no_nul(what: &'static str, text: &str) -> Result<(), PublishError> {
+    if text.contains('\0') {
+        return Err(PublishError::Nul { what });
+    }
     Ok(())
+}
+
+impl Outgoing {
+    /// Checks what the builder methods took unchecked.
+    fn validate(&self) -> Result<(), PublishError> {
+        for (what, text) in [
+            ("the message id", self.message_id.as_deref()),
+            ("the content type", self.content_type.as_deref()),
+            ("the correlation id", self.correlation_id.as_deref()),
+        ] {
+            no_nul(what, text.unwrap_or_default())?;
+        }
+        for (name, value) in &self.headers {
+            no_nul("a header", name)?;
+            no_nul("a header", value)?;
+        }
+        Ok(())
+    }
 }
 
 /// Why a message could not go into the outbox.
@@ -191,6 +218,12 @@ pub enum PublishError {
         what: &'static str,
         /// Its length in bytes.
         len: usize,
+    },
+    /// A name, id or header holds a NUL byte (PostgreSQL `text` cannot store it).
+    #[error("{what} holds a NUL byte, which the outbox (PostgreSQL text) cannot store")]
+    Nul {
+        /// Which part.
+        what: &'static str,
     },
     /// Writing the outbox row failed (the transaction is aborted: return the error).
     #[error("writing the outbox row failed: {0}")]
@@ -226,6 +259,7 @@ pub enum PublishError {
 /// # Errors
 /// [`PublishError::Database`].
 pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result<String, PublishError> {
+    outgoing.validate()?;
     let id = outgoing.message_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
     let row = Outgoing { message_id: Some(id.clone()), ..outgoing };
     crate::db::insert_outbox(conn, std::slice::from_ref(&row)).await.map_err(PublishError::Database)?;
@@ -289,8 +323,15 @@ impl Request {
     pub(crate) fn of(properties: &BasicProperties) -> Option<Self> {
         let reply_to = properties.reply_to().as_ref()?.as_str();
         let correlation_id = properties.correlation_id().as_ref()?.as_str();
-        (!reply_to.is_empty())
-            .then(|| Self { reply_to: reply_to.to_owned(), correlation_id: correlation_id.to_owned() })
+        if reply_to.is_empty() {
+            return None;
+        }
+        if reply_to.contains('\0') || correlation_id.contains('\0') {
+            // Unanswerable: the reply's row could not be stored (a NUL in text).
+            tracing::warn!("a request whose reply_to or correlation_id holds a NUL byte gets no reply");
+            return None;
+        }
+        Some(Self { reply_to: reply_to.to_owned(), correlation_id: correlation_id.to_owned() })
     }
 }
 
@@ -377,6 +418,7 @@ impl Context {
     /// # Errors
     /// None today; kept fallible like [`Context::publish`].
     pub fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
+        outgoing.validate()?;
         let id = if self.random_ids {
             uuid::Uuid::new_v4().simple().to_string()
         } else {
@@ -518,6 +560,18 @@ mod tests {
         let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
         let err = ctx.publish("", &"q".repeat(256), &1).unwrap_err();
         assert!(matches!(err, PublishError::TooLong { len: 256, .. }), "{err}");
+    }
+
+    #[test]
+    fn a_nul_byte_is_refused_when_published_and_a_request_holding_one_is_not_answered() {
+        let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+        assert!(matches!(ctx.publish("", "q\0", &1), Err(PublishError::Nul { .. })));
+        let header = Outgoing::json("", "q", &1).unwrap().header("x-a", "b\0c");
+        assert!(matches!(ctx.publish_outgoing(header), Err(PublishError::Nul { .. })));
+        let request = BasicProperties::default().with_reply_to("r".into()).with_correlation_id("c\0".into());
+        assert!(Request::of(&request).is_none());
+        let fine = BasicProperties::default().with_reply_to("r".into()).with_correlation_id("c".into());
+        assert!(Request::of(&fine).is_some());
     }
 
     #[test]
