@@ -177,6 +177,10 @@ fn short(what: &'static str, name: &str) -> Result<(), PublishError> {
     no_nul(what, name)
 }
 
+/// The most header bytes an outgoing message may carry: its header frame must stay
+/// well under the broker's `frame_max` (131,072 bytes by default).
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
 /// PostgreSQL `text` cannot hold a NUL byte: a row holding one could never be written,
 /// and its whole batch would fail with it, again and again.
 fn no_nul(what: &'static str, text: &str) -> Result<(), PublishError> {
@@ -196,9 +200,15 @@ impl Outgoing {
         ] {
             no_nul(what, text.unwrap_or_default())?;
         }
+        let mut header_bytes = 0;
         for (name, value) in &self.headers {
             no_nul("a header", name)?;
             no_nul("a header", value)?;
+            header_bytes += name.len() + value.len();
+        }
+        if header_bytes > MAX_HEADER_BYTES {
+            // A header frame over the broker's frame_max (~128 KiB) closes the connection.
+            return Err(PublishError::TooLong { what: "the headers", len: header_bytes });
         }
         Ok(())
     }
@@ -211,8 +221,9 @@ pub enum PublishError {
     /// The message could not be serialized to JSON.
     #[error("the message cannot be serialized to JSON: {0}")]
     Serialize(#[source] serde_json::Error),
-    /// An exchange name or routing key over AMQP's limit.
-    #[error("{what} is {len} bytes; AMQP allows at most 255")]
+    /// An exchange name or routing key over AMQP's limit (255 bytes), or headers
+    /// over [`MAX_HEADER_BYTES`].
+    #[error("{what} is {len} bytes, over what one message may carry (names 255, headers 65,536)")]
     TooLong {
         /// Which name.
         what: &'static str,

@@ -505,6 +505,15 @@ async fn publish_all(
             }
         };
     }
+    // The connection or channel failed: the first row left unknown is postponed (it
+    // may be what closed the channel — too large, say — and would otherwise come
+    // first in every pass, holding up every row behind it). If the broker had it,
+    // it goes out once more under its id: at least once, as always.
+    if let Some(reason) = &lost {
+        if let Some(first) = results.iter_mut().find(|result| result.is_none()) {
+            *first = Some(Err(format!("the channel failed while it was being published: {reason}")));
+        }
+    }
     (results, lost)
 }
 

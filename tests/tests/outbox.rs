@@ -430,3 +430,41 @@ async fn a_runtime_without_a_relay_wakes_the_relays_elsewhere() {
     relay.await.expect("relay task").expect("relay run");
     assert_eq!(backlog(&bed).await, 0);
 }
+
+/// A row the broker refuses by closing the connection (a header frame over
+/// `frame_max`) does not hold up the rows behind it: it is postponed, they go out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_that_breaks_the_connection_does_not_block_the_others() {
+    let bed = Bed::isolated().await;
+    let target = idemq_tests::unique("events");
+    bed.broker.declare_queue(&target).await;
+    let mut conn = bed.db.connect().await;
+    // `enqueue` refuses such headers; a row written another way still must not block.
+    let huge = idemq::Outgoing::json("", &target, &1).unwrap().header("x-huge", "h".repeat(140_000));
+    assert!(matches!(idemq::enqueue(&mut conn, huge).await, Err(idemq::PublishError::TooLong { .. })));
+    let written = diesel::sql_query(format!(
+        "INSERT INTO idemq_outbox (message_id, exchange, routing_key, body, headers) \
+         VALUES ('huge', '', '{target}', '1', '{{\"x-huge\": \"{}\"}}')",
+        "h".repeat(140_000)
+    ));
+    diesel_async::RunQueryDsl::execute(written, &mut conn).await.expect("write the oversized row");
+    for i in 0..3 {
+        idemq::enqueue(&mut conn, idemq::Outgoing::json("", &target, &i).unwrap()).await.expect("enqueue");
+    }
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let relay = idemq::Relay::builder()
+        .amqp_url(&bed.amqp_url)
+        .database_url(bed.db.url())
+        .poll_interval(Duration::from_millis(50))
+        .build();
+    let relay = tokio::spawn(relay.run(shutdown.clone()));
+    eventually("the three good rows published", Duration::from_secs(30), || async {
+        bed.broker.message_count(&target).await == 3
+    })
+    .await;
+    shutdown.cancel();
+    relay.await.expect("relay task").expect("relay run");
+    let rows = outbox_rows(&bed).await;
+    assert_eq!(rows.len(), 1, "only the oversized row is left: {rows:?}");
+    assert!(rows[0].1 >= 1 && rows[0].2.is_some(), "postponed with its error: {rows:?}");
+}
