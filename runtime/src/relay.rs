@@ -415,6 +415,7 @@ impl Worker {
                 }
                 let (results, lost) = publish_all(link, &rows).await;
                 let (mut sent, mut postponed) = (Vec::new(), 0);
+                let mut first_error: Option<(String, String)> = None;
                 for (row, result) in rows.iter().zip(&results) {
                     match result {
                         Some(Ok(())) => sent.push(row.id),
@@ -425,7 +426,11 @@ impl Worker {
                         }
                         Some(Err(error)) => {
                             let delay = retry_delay(row.attempts, max_backoff);
-                            tracing::warn!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, ?delay, %error, "outbox relay: could not publish; it stays in the outbox and is retried");
+                            // One line per row at debug; the pass says it once at warn.
+                            tracing::debug!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, ?delay, %error, "outbox relay: could not publish; it stays in the outbox and is retried");
+                            if first_error.is_none() {
+                                first_error = Some((row.message_id.clone(), error.clone()));
+                            }
                             db::postpone_outbox(conn, row.id, delay, error).await?;
                             postponed += 1;
                         }
@@ -434,6 +439,9 @@ impl Worker {
                     }
                 }
                 db::delete_outbox(conn, &sent).await?;
+                if let Some((message_id, error)) = first_error {
+                    tracing::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::relay=debug lists each)");
+                }
                 Ok(Pass { claimed: rows.len(), published: sent.len(), postponed, lost })
             })
             .await;
