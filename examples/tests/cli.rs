@@ -282,27 +282,16 @@ fn dlq_lists_shows_replays_and_purges_dead_letters() {
     let left = stdout(&run_ok(&mut env.payments(&["dlq", "list"])));
     assert_eq!(count(&left), 3, "{left}");
     assert!(!left.contains("decode"), "{left}");
-    // The replayed one waits in `payments`, without its old delivery count.
-    let queues = stdout(&run_ok(Command::new("rabbitmqctl").args([
-        "list_queues",
-        "-p",
-        &env.vhost,
-        "name",
-        "messages",
-        "-q",
-    ])));
+    // The replayed one waits in `payments` (no consumer runs).
+    let queues = || {
+        let listed = ["list_queues", "-p", &env.vhost, "name", "messages", "-q"];
+        stdout(&run_ok(Command::new("rabbitmqctl").args(listed)))
+    };
     let deadline = Instant::now() + Duration::from_secs(15);
-    let mut queues = queues;
-    while !queues.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["payments", "1"]) {
-        assert!(Instant::now() < deadline, "the replayed message is not in payments: {queues}");
+    let mut listed = queues();
+    while !listed.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["payments", "1"]) {
+        assert!(Instant::now() < deadline, "the replayed message is not in payments: {listed}");
         std::thread::sleep(Duration::from_millis(500));
-        queues = stdout(&run_ok(Command::new("rabbitmqctl").args([
-            "list_queues",
-            "-p",
-            &env.vhost,
-            "name",
-            "messages",
-            "-q",
-        ])));
+        listed = queues();
     }
 }

@@ -24,7 +24,7 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::{Channel, Confirmation, Connection};
 
 use crate::dead_letter::headers;
@@ -182,15 +182,10 @@ impl Filter {
     }
 }
 
+/// A header of `delivery` for display: text, or the value as the client shows it.
 fn header(delivery: &Delivery, name: &str) -> Option<String> {
-    match delivery.properties.headers().as_ref()?.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        AMQPValue::LongLongInt(n) => Some(n.to_string()),
-        AMQPValue::LongInt(n) => Some(n.to_string()),
-        AMQPValue::LongUInt(n) => Some(n.to_string()),
-        other => Some(format!("{other:?}")),
-    }
+    let value = crate::amqp_value::header(&delivery.properties, name)?;
+    Some(crate::amqp_value::text(value).unwrap_or_else(|| format!("{value:?}")))
 }
 
 /// The copy id's lineage (before `:attempt`).

@@ -95,6 +95,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::acks::Acks;
+use crate::amqp_value;
 use crate::backoff::Backoff;
 use crate::db::Stored;
 use crate::db::{self, CommitFailure};
@@ -897,8 +898,8 @@ impl Consumer {
     }
 
     /// Decides the repeats of keys whose payload is known (applied by this
-    /// transaction or before it); any other runs next.
-    /// A duplicated request is answered with the stored result (or stored error).
+    /// transaction or before it); any other runs next. A duplicated request is
+    /// answered with the stored result (or stored error).
     fn resolve_repeats(
         &self,
         ran: &mut Ran,
@@ -1363,7 +1364,7 @@ impl Counts {
         let redelivered = delivery.redelivered;
         let delivery_count =
             if redelivered { header(headers::DELIVERY_COUNT).map_or(0, as_count) } else { 0 };
-        let retried_here = header(headers::RETRY_OF).and_then(as_str).is_some_and(|q| q == queue)
+        let retried_here = header(headers::RETRY_OF).and_then(amqp_value::string).is_some_and(|q| q == queue)
             && header("x-death").is_some_and(|death| came_from_wait_queue(death, queue));
         let attempt =
             if retried_here { header(headers::ATTEMPTS).map_or(0, as_count).saturating_add(1) } else { 1 };
@@ -1376,17 +1377,9 @@ impl Counts {
 fn came_from_wait_queue(death: &AMQPValue, queue: &str) -> bool {
     let AMQPValue::FieldArray(entries) = death else { return false };
     let Some(AMQPValue::FieldTable(newest)) = entries.as_slice().first() else { return false };
-    let field = |name: &str| newest.inner().get(name).and_then(as_str);
+    let field = |name: &str| newest.inner().get(name).and_then(amqp_value::string);
     let prefix = format!("{queue}.retry.");
     field("queue").is_some_and(|q| q.starts_with(&prefix)) && field("reason").as_deref() == Some("expired")
-}
-
-fn as_str(value: &AMQPValue) -> Option<String> {
-    match value {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
 }
 
 fn as_count(value: &AMQPValue) -> u32 {

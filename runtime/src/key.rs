@@ -112,20 +112,7 @@ impl<'a> Metadata<'a> {
 
     /// A header of the delivery: a string as it is, an integer in decimal.
     pub fn header(&self, name: &str) -> Option<String> {
-        use lapin::types::AMQPValue;
-        let value = self.properties.headers().as_ref()?.inner().get(name)?;
-        match value {
-            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-            AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-            AMQPValue::LongLongInt(v) => Some(v.to_string()),
-            AMQPValue::LongInt(v) => Some(v.to_string()),
-            AMQPValue::LongUInt(v) => Some(v.to_string()),
-            AMQPValue::ShortInt(v) => Some(v.to_string()),
-            AMQPValue::ShortUInt(v) => Some(v.to_string()),
-            AMQPValue::ShortShortInt(v) => Some(v.to_string()),
-            AMQPValue::ShortShortUInt(v) => Some(v.to_string()),
-            _ => None,
-        }
+        crate::amqp_value::header(self.properties, name).and_then(crate::amqp_value::text)
     }
 
     /// The SHA-256 of the body's canonical payload (see the crate docs, "the same

@@ -161,6 +161,7 @@
 #![warn(missing_docs)]
 
 mod acks;
+mod amqp_value;
 mod backoff;
 mod brokers;
 #[cfg(feature = "cli")]

@@ -148,26 +148,30 @@ impl Outgoing {
             mandatory: !request.reply_to.starts_with(DIRECT_REPLY_TO),
         }
     }
+}
 
-    /// The AMQP properties it is published with (persistent).
-    pub(crate) fn properties(&self, message_id: &str) -> BasicProperties {
-        let mut properties =
-            BasicProperties::default().with_delivery_mode(2).with_message_id(message_id.into());
-        if let Some(content_type) = &self.content_type {
-            properties = properties.with_content_type(content_type.as_str().into());
-        }
-        if let Some(correlation_id) = &self.correlation_id {
-            properties = properties.with_correlation_id(correlation_id.as_str().into());
-        }
-        if !self.headers.is_empty() {
-            let mut table = lapin::types::FieldTable::default();
-            for (name, value) in &self.headers {
-                table.insert(name.as_str().into(), AMQPValue::LongString(value.as_str().into()));
-            }
-            properties = properties.with_headers(table);
-        }
-        properties
+/// The AMQP properties an outbox row is published with (persistent).
+pub(crate) fn properties(
+    message_id: &str,
+    content_type: Option<&str>,
+    correlation_id: Option<&str>,
+    headers: &BTreeMap<String, String>,
+) -> BasicProperties {
+    let mut properties = BasicProperties::default().with_delivery_mode(2).with_message_id(message_id.into());
+    if let Some(content_type) = content_type {
+        properties = properties.with_content_type(content_type.into());
     }
+    if let Some(correlation_id) = correlation_id {
+        properties = properties.with_correlation_id(correlation_id.into());
+    }
+    if !headers.is_empty() {
+        let mut table = lapin::types::FieldTable::default();
+        for (name, value) in headers {
+            table.insert(name.as_str().into(), AMQPValue::LongString(value.as_str().into()));
+        }
+        properties = properties.with_headers(table);
+    }
+    properties
 }
 
 fn short(what: &'static str, name: &str) -> Result<(), PublishError> {
@@ -478,12 +482,7 @@ impl Context {
 
     /// A header of the delivery, if it is a string.
     pub fn header(&self, name: &str) -> Option<String> {
-        let headers = self.properties.headers().as_ref()?;
-        match headers.inner().get(name)? {
-            AMQPValue::LongString(value) => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
-            AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
-            _ => None,
-        }
+        crate::amqp_value::header(&self.properties, name).and_then(crate::amqp_value::string)
     }
 
     /// The messages published so far, taken by the runtime after the handler ran.

@@ -174,8 +174,9 @@ impl Relay {
             return Err(problem.into());
         }
         drop(conn);
+        let brokers = crate::brokers::Brokers::parse(&amqp_url)?;
         let worker =
-            Worker { pool, amqp_url, database_url, settings, wake: Arc::new(Notify::new()), observers };
+            Worker { pool, brokers, database_url, settings, wake: Arc::new(Notify::new()), observers };
         worker.run(shutdown).await;
         Ok(())
     }
@@ -233,7 +234,8 @@ impl OutboxSignal {
 /// A relay's loop and what it needs.
 pub(crate) struct Worker {
     pub(crate) pool: Pool<AsyncPgConnection>,
-    pub(crate) amqp_url: String,
+    /// The broker addresses, tried in turn (the one last lost, last).
+    pub(crate) brokers: crate::brokers::Brokers,
     pub(crate) database_url: String,
     pub(crate) settings: Settings,
     pub(crate) wake: Arc<Notify>,
@@ -243,6 +245,8 @@ pub(crate) struct Worker {
 /// The relay's broker connection and what it learned on it.
 struct Link {
     connection: Connection,
+    /// The broker address it is connected to.
+    node: usize,
     channel: Channel,
     /// For passive exchange checks (a failed one closes its channel).
     probe: Option<Channel>,
@@ -348,6 +352,8 @@ impl Worker {
                 Ok(Pass { lost: Some(reason), .. }) => {
                     tracing::warn!(reason = %redact(&reason), "outbox relay: broker connection lost; reconnecting");
                     if let Some(old) = link.take() {
+                        // The next connection starts with the next address.
+                        self.brokers.lost(old.node);
                         let _ = tokio::time::timeout(
                             Duration::from_secs(2),
                             old.connection.close(200, "reconnecting".into()),
@@ -390,11 +396,10 @@ impl Worker {
 
     async fn connect(&self) -> Result<Link, String> {
         let connect = async {
-            let brokers = crate::brokers::Brokers::parse(&self.amqp_url).map_err(|err| err.to_string())?;
-            let (connection, _) = brokers.connect().await.map_err(|err| redact(&err.to_string()))?;
+            let (connection, node) = self.brokers.connect().await.map_err(|err| redact(&err.to_string()))?;
             let channel = connection.create_channel().await.map_err(|err| err.to_string())?;
             channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
-            Ok(Link { connection, channel, probe: None, exchanges: HashSet::new() })
+            Ok(Link { connection, node, channel, probe: None, exchanges: HashSet::new() })
         };
         tokio::time::timeout(Duration::from_secs(30), connect)
             .await
@@ -556,14 +561,14 @@ async fn exchange_exists(link: &mut Link, exchange: &str) -> Result<bool, String
 }
 
 fn properties(row: &OutboxRow) -> lapin::BasicProperties {
-    let mut outgoing = crate::outbox::Outgoing::bytes(String::new(), String::new(), Vec::new())
-        .expect("empty names are short");
-    outgoing.content_type.clone_from(&row.content_type);
-    outgoing.correlation_id.clone_from(&row.correlation_id);
-    if let Some(headers) = &row.headers {
-        outgoing.headers = serde_json::from_str(headers).unwrap_or_default();
-    }
-    outgoing.properties(&row.message_id)
+    let headers =
+        row.headers.as_deref().and_then(|headers| serde_json::from_str(headers).ok()).unwrap_or_default();
+    crate::outbox::properties(
+        &row.message_id,
+        row.content_type.as_deref(),
+        row.correlation_id.as_deref(),
+        &headers,
+    )
 }
 
 /// 100 ms, doubling per failure, at most `max`.

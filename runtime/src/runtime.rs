@@ -365,14 +365,11 @@ impl RuntimeBuilder {
         Ok(self)
     }
 
-    /// Every consumer's retry policy, as `run` would use it.
-    #[cfg(any(feature = "cli", feature = "testing"))]
+    /// Every consumer's retry policy, as `run` uses it.
     pub(crate) fn retry_policies(&self) -> Vec<RetryPolicy> {
         self.consumers
             .iter()
-            .map(|(_, handler, retry)| {
-                retry.clone().or_else(|| handler.retry()).unwrap_or_else(|| self.retry.clone())
-            })
+            .map(|(_, handler, retry)| effective_retry(retry.clone(), &**handler, &self.retry))
             .collect()
     }
 
@@ -477,14 +474,7 @@ impl RuntimeBuilder {
             }
         }
         if let Some(retention) = &self.retention {
-            let policies: Vec<RetryPolicy> = self
-                .consumers
-                .iter()
-                .map(|(_, handler, retry)| {
-                    retry.clone().or_else(|| handler.retry()).unwrap_or_else(|| self.retry.clone())
-                })
-                .collect();
-            retention.check(&policies)?;
+            retention.check(&self.retry_policies())?;
         }
         let mut seen = std::collections::HashSet::new();
         for (queue, _, _) in &self.consumers {
@@ -643,7 +633,7 @@ impl Runtime {
             (Some(settings), Some(wake)) => {
                 let worker = crate::relay::Worker {
                     pool: crate::relay::relay_pool(&b.database_url)?,
-                    amqp_url: b.amqp_url.clone(),
+                    brokers: crate::brokers::Brokers::parse(&b.amqp_url)?,
                     database_url: b.database_url.clone(),
                     settings,
                     wake,
@@ -696,7 +686,7 @@ impl Runtime {
                         .find_queue(&queue)
                         .cloned()
                         .unwrap_or_else(|| Queue::new(queue.clone())),
-                    retry: retry.or_else(|| handler.retry()).unwrap_or_else(|| b.retry.clone()),
+                    retry: effective_retry(retry, &*handler, &b.retry),
                     on_conflict: handler.on_conflict().unwrap_or(b.on_conflict),
                     batch: BatchLimits { size, linger: b.linger, pipelines: b.concurrency },
                     prefetch: b.prefetch.unwrap_or_else(|| {
@@ -791,6 +781,16 @@ async fn sweep_every(shared: &Shared, retention: crate::retention::Retention, st
             () = stop.cancelled() => return,
         }
     }
+}
+
+/// A consumer's retry policy: `consume_with`'s, else the handler's `retry(..)`, else
+/// the runtime's.
+fn effective_retry(
+    explicit: Option<RetryPolicy>,
+    handler: &dyn ErasedHandler,
+    runtime: &RetryPolicy,
+) -> RetryPolicy {
+    explicit.or_else(|| handler.retry()).unwrap_or_else(|| runtime.clone())
 }
 
 /// The largest [`RuntimeBuilder::batch_size`]: a batch's dedup rows go in one

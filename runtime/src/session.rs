@@ -200,11 +200,11 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
     };
     session_stop.cancel();
     while loops.join_next().await.is_some() {}
+    // The next attempt starts with the next address: this one was just lost.
+    ctx.brokers.lost(connections.node);
     // Whatever is still open goes: unacked deliveries return to the queue, and
     // in-flight tasks of this session can no longer ack (their acker's channel is
     // closed), so the broker redelivers them to the next session.
-    // The next attempt starts with the next address: this one was just lost.
-    ctx.brokers.lost(connections.node);
     connections.close("reconnecting").await;
     SessionEnd::Lost { reason, connected: true }
 }

@@ -72,9 +72,8 @@ impl TestKit {
         Self::start_with(handler, |builder| builder).await
     }
 
-    /// [`TestKit::start`] with the builder tuned (`batch_size`, `retry`, the app's
-    /// own `migrate` is the caller's: run it on [`TestKit::database_url`] first via
-    /// [`TestKit::prepare`]).
+    /// [`TestKit::start`] with the builder tuned (`batch_size`, `retry`, …). For the
+    /// application's own tables, use [`TestKit::prepare`].
     ///
     /// # Errors
     /// As [`TestKit::start`].
