@@ -228,6 +228,12 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
         bed.broker.message_count(&bed.queue).await == 0
     })
     .await;
+    // An empty queue counts ready messages only: the last duplicates may still be in
+    // flight (delivered, not yet settled). Every delivery and every requeue settles.
+    idemq_tests::eventually("the requeued deliveries came back and settled", Duration::from_secs(30), || async {
+        running.events().len() >= total + while_down.len()
+    })
+    .await;
     let events = running.events();
     let stats = running.stats.snapshot();
     running.stop().await.expect("clean shutdown");
