@@ -142,9 +142,17 @@ async fn chaos_postgres_kills_the_consumers_sessions() {
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
         bed.db.name()
     );
-    // Early in the stream: group commit applies it fast, and a kill must find work.
+    // Early in the stream: group commit applies it fast, and a kill must find work —
+    // the first waits until a handler's transaction is open (once, in a fresh-clone CI
+    // run, every kill landed between batches or after the stream, and hit nothing).
     for fraction in 1..=3 {
         wait_applied(&bed, PAYMENTS * fraction / 8).await;
+        if fraction == 1 {
+            eventually("a handler's transaction is open", Duration::from_secs(20), || async {
+                open_transactions(&bed).await >= 1
+            })
+            .await;
+        }
         let status = Command::new("psql")
             .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-qAtc", &kill])
             .stdout(std::process::Stdio::null())
