@@ -127,13 +127,14 @@ pub async fn record_payment(
 }
 
 /// The demo's topology: the `payments` quorum queue and its `payments.dlq`, the
-/// `payments.events` fanout exchange the events are published to, and the durable
-/// `payments.applied` queue bound to it, where they land.
+/// `payments.events` fanout exchange the events are published to, and the
+/// `payments.applied` quorum queue bound to it, where they land (quorum, so that on
+/// a cluster they survive the loss of a node).
 pub fn topology() -> Topology {
     Topology::new()
         .exchange(Exchange::fanout(EVENTS_EXCHANGE))
         .queue(Queue::new(QUEUE))
-        .queue(Queue::new(EVENTS_QUEUE).classic().bind(EVENTS_EXCHANGE, ""))
+        .queue(Queue::new(EVENTS_QUEUE).bind(EVENTS_EXCHANGE, ""))
 }
 
 /// The demo's own tables.

@@ -44,16 +44,18 @@ impl Brokers {
 
     /// Connects to the first address that answers, starting at the current one.
     /// Returns the connection and the address's index (to open more connections to
-    /// the same node with [`Brokers::connect_to`]).
+    /// the same node with [`Brokers::connect_to`]). `role` names the connection for
+    /// the broker's operators: `idemq <role> (pid <pid>)` in `rabbitmqctl
+    /// list_connections client_properties` and the management UI.
     ///
     /// # Errors
     /// [`Error::AmqpConnect`] with the last address's error when none answers.
-    pub(crate) async fn connect(&self) -> Result<(Connection, usize), Error> {
+    pub(crate) async fn connect(&self, role: &str) -> Result<(Connection, usize), Error> {
         let start = self.next.load(Ordering::Relaxed) % self.urls.len();
         let mut last = None;
         for offset in 0..self.urls.len() {
             let index = (start + offset) % self.urls.len();
-            match self.connect_to(index).await {
+            match self.connect_to(index, role).await {
                 Ok(connection) => {
                     self.next.store(index, Ordering::Relaxed);
                     return Ok((connection, index));
@@ -69,15 +71,15 @@ impl Brokers {
         Err(last.expect("at least one address"))
     }
 
-    /// Connects to address `index`.
+    /// Connects to address `index`, naming the connection after `role`.
     ///
     /// # Errors
     /// [`Error::AmqpConnect`].
-    pub(crate) async fn connect_to(&self, index: usize) -> Result<Connection, Error> {
+    pub(crate) async fn connect_to(&self, index: usize, role: &str) -> Result<Connection, Error> {
         let url = &self.urls[index % self.urls.len()];
-        match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, ConnectionProperties::default()))
-            .await
-        {
+        let name = format!("idemq {role} (pid {})", std::process::id());
+        let properties = ConnectionProperties::default().with_connection_name(name.into());
+        match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, properties)).await {
             Ok(Ok(connection)) => Ok(connection),
             Ok(Err(cause)) => Err(Error::AmqpConnect { url: redact(url), cause }),
             Err(_) => Err(Error::AmqpConnect {

@@ -486,7 +486,7 @@ async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
 
 /// A connection to the first broker address of the list that answers.
 pub(crate) async fn connect_broker(urls: &str) -> Result<Connection, Error> {
-    Ok(crate::brokers::Brokers::parse(urls)?.connect().await?.0)
+    Ok(crate::brokers::Brokers::parse(urls)?.connect("cli").await?.0)
 }
 
 /// The application's setup first (it may create the database), then idemq's

@@ -35,6 +35,20 @@ pub enum Error {
         #[source]
         source: lapin::Error,
     },
+    /// A queue exists but lives on a cluster node that is down (404 NOT_FOUND "home
+    /// node … is down"): a classic queue is not replicated, so while that node is
+    /// gone nothing can declare, publish to or consume it.
+    #[error(
+        "queue '{queue}' is unavailable: {detail}. It is a classic queue and its node is down; \
+         it comes back with that node. To survive the loss of a node, make it a quorum queue \
+         (the default: drop `.classic()`; an existing classic queue must be drained and deleted first)"
+    )]
+    QueueUnavailable {
+        /// The queue's name.
+        queue: String,
+        /// The broker's words.
+        detail: String,
+    },
     /// A queue exists with other arguments than the topology declares (406 PRECONDITION_FAILED).
     #[error(
         "queue '{queue}' already exists with different arguments: {detail}. \
@@ -116,6 +130,9 @@ impl fmt::Debug for Error {
                 .field("detail", detail)
                 .field("declared", declared)
                 .finish(),
+            Self::QueueUnavailable { queue, detail } => {
+                f.debug_struct("QueueUnavailable").field("queue", queue).field("detail", detail).finish()
+            }
             Self::ExchangeMismatch { exchange, detail } => f
                 .debug_struct("ExchangeMismatch")
                 .field("exchange", exchange)

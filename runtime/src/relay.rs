@@ -396,7 +396,8 @@ impl Worker {
 
     async fn connect(&self) -> Result<Link, String> {
         let connect = async {
-            let (connection, node) = self.brokers.connect().await.map_err(|err| redact(&err.to_string()))?;
+            let (connection, node) =
+                self.brokers.connect("relay").await.map_err(|err| redact(&err.to_string()))?;
             let channel = connection.create_channel().await.map_err(|err| err.to_string())?;
             channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
             Ok(Link { connection, node, channel, probe: None, exchanges: HashSet::new() })

@@ -229,8 +229,8 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
         move |source| Error::Amqp { action, source }
     };
     // One node that answers for both connections.
-    let (consuming, node) = ctx.brokers.connect().await.map_err(fail)?;
-    let publishing = match ctx.brokers.connect_to(node).await {
+    let (consuming, node) = ctx.brokers.connect("consumer").await.map_err(fail)?;
+    let publishing = match ctx.brokers.connect_to(node, "publisher").await {
         Ok(publishing) => publishing,
         Err(err) => {
             bounded(consuming.close(200, "start-up failed".into())).await;
@@ -245,14 +245,18 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
             .await
             .map_err(amqp("enable publisher confirms"))?;
 
-        let setup = consuming.create_channel().await.map_err(amqp("open a channel"))?;
-        ctx.topology.declare(&setup).await?;
-        for spec in &ctx.consumers {
-            for (name, delay) in spec.retry.wait_queues(&spec.queue) {
-                spec.declared.declare_wait_queue(&setup, &name, delay).await?;
-            }
-        }
-        bounded(setup.close(200, "declared".into())).await;
+        let waits: Vec<_> = ctx
+            .consumers
+            .iter()
+            .flat_map(|spec| {
+                spec.retry
+                    .wait_queues(&spec.queue)
+                    .into_iter()
+                    .map(|(name, delay)| (&spec.declared, name, delay))
+            })
+            .collect();
+        let consumed = |queue: &str| ctx.consumers.iter().any(|spec| spec.queue == queue);
+        ctx.topology.declare_available(&consuming, &waits, consumed).await?;
 
         let session_stop = CancellationToken::new();
         let mut loops = tokio::task::JoinSet::new();

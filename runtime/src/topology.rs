@@ -100,6 +100,55 @@ impl Topology {
         }
         Ok(())
     }
+
+    /// What the runtime declares at every (re)connect: the topology, then `waits`
+    /// (wait queues: the queue they belong to, name, delay). On a cluster a classic
+    /// queue lives on one node; while that node is down the queue is
+    /// [unavailable](Error::QueueUnavailable). Such a queue is skipped with a warning
+    /// unless `needed(name)` (the runtime consumes it): a queue this process only
+    /// publishes to (an event queue, a dead-letter queue) must not stop it consuming
+    /// the others. What is published there meanwhile is not confirmed, so it waits:
+    /// outbox rows are postponed, deliveries whose dead-letter copy fails go back to
+    /// their queue.
+    pub(crate) async fn declare_available(
+        &self,
+        connection: &lapin::Connection,
+        waits: &[(&Queue, String, Duration)],
+        needed: impl Fn(&str) -> bool,
+    ) -> Result<(), Error> {
+        let open = || async {
+            connection
+                .create_channel()
+                .await
+                .map_err(|source| Error::Amqp { action: "open a channel".into(), source })
+        };
+        let mut channel = open().await?;
+        for exchange in &self.exchanges {
+            exchange.declare(&channel).await?;
+        }
+        let queues = self.queues.iter().map(|queue| (queue, None));
+        let waits = waits.iter().map(|(queue, name, delay)| (*queue, Some((name.as_str(), *delay))));
+        for (queue, wait) in queues.chain(waits) {
+            let declared = match wait {
+                None => queue.declare(&channel).await,
+                Some((name, delay)) => queue.declare_wait_queue(&channel, name, delay).await,
+            };
+            match declared {
+                Err(Error::QueueUnavailable { queue, detail }) if !needed(&queue) => {
+                    tracing::warn!(
+                        queue = %queue,
+                        %detail,
+                        "queue unavailable (its node is down); consuming the others, what is published to it waits"
+                    );
+                    // The refusal closed the channel.
+                    channel = open().await?;
+                }
+                other => other?,
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), channel.close(200, "declared".into())).await;
+        Ok(())
+    }
 }
 
 /// An exchange to declare (durable).
@@ -162,6 +211,7 @@ pub struct Queue {
     pub(crate) dead_letter: String,
     pub(crate) queue_type: QueueType,
     pub(crate) delivery_limit: u32,
+    replicas: Option<u32>,
     bindings: Vec<(String, String)>,
 }
 
@@ -174,6 +224,7 @@ impl Queue {
             name,
             queue_type: QueueType::Quorum,
             delivery_limit: DEFAULT_DELIVERY_LIMIT,
+            replicas: None,
             bindings: Vec::new(),
         }
     }
@@ -194,6 +245,19 @@ impl Queue {
     /// `poison`) without running the handler. Default [`DEFAULT_DELIVERY_LIMIT`].
     pub fn delivery_limit(mut self, limit: u32) -> Self {
         self.delivery_limit = limit.max(1);
+        self
+    }
+
+    /// On a cluster, how many nodes hold a replica of this quorum queue (and of its
+    /// dead-letter and wait queues): `x-quorum-initial-group-size`. Default: the
+    /// broker's (every node of the cluster, on RabbitMQ 3.x). A quorum queue stays
+    /// available while a majority of its replicas is up: 3 survive the loss of one
+    /// node, 5 of two. Applies when the queue is created: RabbitMQ refuses (406, a
+    /// [`Error::QueueMismatch`]) a different count for an existing queue; change
+    /// one's membership with `rabbitmq-queues add_member` / `grow` / `shrink`.
+    /// Ignored for classic queues.
+    pub fn replicas(mut self, replicas: u32) -> Self {
+        self.replicas = Some(replicas.max(1));
         self
     }
 
@@ -218,8 +282,9 @@ impl Queue {
     pub(crate) fn describe(&self) -> String {
         match self.queue_type {
             QueueType::Quorum => {
+                let replicas = self.replicas.map(|n| format!(", {n} replicas")).unwrap_or_default();
                 format!(
-                    "quorum, dead letters to {}, delivery limit {}",
+                    "quorum{replicas}, dead letters to {}, delivery limit {}",
                     self.dead_letter, self.delivery_limit
                 )
             }
@@ -230,6 +295,9 @@ impl Queue {
     fn type_arguments(&self, args: &mut FieldTable) {
         if self.queue_type == QueueType::Quorum {
             args.insert("x-queue-type".into(), long_string("quorum"));
+            if let Some(replicas) = self.replicas {
+                args.insert("x-quorum-initial-group-size".into(), AMQPValue::LongLongInt(replicas.into()));
+            }
         }
     }
 
@@ -301,8 +369,11 @@ async fn declare_queue(channel: &Channel, name: &str, args: FieldTable) -> Resul
     let options = QueueDeclareOptions { durable: true, ..Default::default() };
     let declared = describe(&args);
     channel.queue_declare(name.into(), options, args).await.map(drop).map_err(|source| {
-        match precondition_failed(&source) {
-            Some(detail) => Error::QueueMismatch { queue: name.to_owned(), detail, declared },
+        if let Some(detail) = precondition_failed(&source) {
+            return Error::QueueMismatch { queue: name.to_owned(), detail, declared };
+        }
+        match home_node_down(&source) {
+            Some(detail) => Error::QueueUnavailable { queue: name.to_owned(), detail },
             None => Error::Amqp { action: format!("declare queue '{name}'"), source },
         }
     })
@@ -328,8 +399,18 @@ fn long_string(value: &str) -> AMQPValue {
 
 /// The broker's reply text of a 406 PRECONDITION_FAILED, if that is what `error` is.
 fn precondition_failed(error: &lapin::Error) -> Option<String> {
+    refusal(error, 406)
+}
+
+/// The broker's reply text of a 404 NOT_FOUND saying a queue's home node is down
+/// (a classic queue on a lost cluster node).
+fn home_node_down(error: &lapin::Error) -> Option<String> {
+    refusal(error, 404).filter(|text| text.contains("home node"))
+}
+
+fn refusal(error: &lapin::Error, code: u16) -> Option<String> {
     match error.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406 => {
+        lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == code => {
             let text: &ShortString = amqp.get_message();
             Some(text.as_str().to_owned())
         }

@@ -95,6 +95,9 @@ pub struct Bed {
     /// The bed's own vhost, for tests whose faults are scoped by vhost.
     pub vhost: Option<TestVhost>,
     topology: Topology,
+    /// Whether dropping the bed deletes its queues on the machine's broker (not
+    /// for vhosts, whose deletion does it, nor for a cluster's).
+    delete_queues: bool,
 }
 
 /// The retry schedule of every test runtime: millisecond delays, 5 attempts. Tests
@@ -123,7 +126,21 @@ impl Bed {
         Self::build(|q| q, Some(TestVhost::create().await)).await
     }
 
+    /// A bed on a private cluster: `amqp_urls` (every node's URL for a vhost the
+    /// test created there, see `idemq::testing::Cluster`).
+    pub async fn on_cluster(amqp_urls: String, shape: impl FnOnce(Queue) -> Queue) -> Bed {
+        Self::build_at(shape, None, Some(amqp_urls)).await
+    }
+
     async fn build(shape: impl FnOnce(Queue) -> Queue, vhost: Option<TestVhost>) -> Bed {
+        Self::build_at(shape, vhost, None).await
+    }
+
+    async fn build_at(
+        shape: impl FnOnce(Queue) -> Queue,
+        vhost: Option<TestVhost>,
+        urls: Option<String>,
+    ) -> Bed {
         crate::init_tracing();
         let db = TestDb::create().await;
         idemq_example_payments::migrate(&db.url()).await.expect("migrate the test database");
@@ -131,9 +148,10 @@ impl Bed {
         let declared = shape(Queue::new(queue.clone()));
         let dlq = declared.dead_letter_name().to_owned();
         let topology = Topology::new().queue(declared);
-        let amqp_url = vhost.as_ref().map_or_else(amqp_url, TestVhost::amqp_url);
+        let delete_queues = vhost.is_none() && urls.is_none();
+        let amqp_url = urls.unwrap_or_else(|| vhost.as_ref().map_or_else(amqp_url, TestVhost::amqp_url));
         let broker = Broker::connect(&amqp_url).await;
-        let bed = Bed { db, broker, queue, dlq, amqp_url, vhost, topology };
+        let bed = Bed { db, broker, queue, dlq, amqp_url, vhost, topology, delete_queues };
         bed.declare().await;
         bed
     }
@@ -211,7 +229,7 @@ impl Bed {
 
 impl Drop for Bed {
     fn drop(&mut self) {
-        if self.vhost.is_some() {
+        if !self.delete_queues {
             return; // deleting the vhost deletes its queues
         }
         let mut queues = vec![self.queue.clone(), self.dlq.clone()];

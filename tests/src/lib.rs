@@ -384,14 +384,24 @@ pub struct Broker {
 impl Broker {
     /// Connects to `url` and opens a channel in confirm mode. Panics on
     /// failure.
+    ///
+    /// `url` may be a comma-separated list (a cluster's nodes): the first that
+    /// answers is used.
     pub async fn connect(url: &str) -> Broker {
-        let connection = Connection::connect(
-            url,
-            ConnectionProperties::default().with_connection_name("idemq-tests".into()),
-        )
-        .await
-        .unwrap_or_else(|e| {
-            panic!("{}", idemq::redact(&format!("cannot connect to RabbitMQ at {url}: {e}")))
+        let mut failures = Vec::new();
+        let mut connected = None;
+        for url in url.split(',').map(str::trim) {
+            let properties = ConnectionProperties::default().with_connection_name("idemq-tests".into());
+            match Connection::connect(url, properties).await {
+                Ok(connection) => {
+                    connected = Some(connection);
+                    break;
+                }
+                Err(e) => failures.push(format!("{url}: {e}")),
+            }
+        }
+        let connection = connected.unwrap_or_else(|| {
+            panic!("{}", idemq::redact(&format!("cannot connect to RabbitMQ: {}", failures.join("; "))))
         });
         let channel = connection.create_channel().await.expect("cannot open AMQP channel");
         channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select failed");

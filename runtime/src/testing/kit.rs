@@ -1,23 +1,4 @@
-//! A test kit for handlers (feature `testing`, for dev-dependencies only: it turns
-//! on the fault hooks): run a handler in the real runtime against a real PostgreSQL
-//! and RabbitMQ, each test in a throwaway database and queue of its own, and
-//! deliver a message once, twice, concurrently, or with the ack lost after COMMIT.
-//!
-//! ```no_run
-//! # use idemq::testing::TestKit;
-//! # #[derive(serde::Serialize)] struct Payment { payment_id: String }
-//! # async fn example(handler: impl idemq::Handler) {
-//! let kit = TestKit::start(handler).await.expect("the services are up");
-//! let payment = Payment { payment_id: "p-1".into() };
-//! let outcomes = kit.deliver_concurrently(&payment, 4).await;
-//! assert_eq!(outcomes.iter().filter(|o| **o == idemq::Outcome::Applied).count(), 1);
-//! // ... and check the effect with `kit.connect().await`.
-//! kit.finish().await;
-//! # }
-//! ```
-//!
-//! `AMQP_URL` and `DATABASE_URL` say where the services are (the database named
-//! there is only used to create and drop the test's own).
+//! The handler test kit: [`TestKit`].
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -119,7 +100,7 @@ impl TestKit {
             .map_err(|err| Error::Config(format!("the test's setup failed: {err}")))?;
 
         let queue = format!("idemq-kit-{id}");
-        let broker = crate::brokers::Brokers::parse(&amqp_url)?.connect().await?.0;
+        let broker = crate::brokers::Brokers::parse(&amqp_url)?.connect("test kit").await?.0;
         let amqp = |source| Error::Amqp { action: "set up the test's queue".into(), source };
         let publisher = broker.create_channel().await.map_err(amqp)?;
         let topology = Topology::new().queue(Queue::new(queue.clone()));

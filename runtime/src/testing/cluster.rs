@@ -1,0 +1,611 @@
+//! A private RabbitMQ cluster on this host, for tests of what happens when a node
+//! is lost: three (or more) nodes beside the machine's own broker, never joined to it.
+//!
+//! Each node has its own name (`idemq-kit-a@localhost`, …), AMQP port (5701, …),
+//! distribution port (25701, …), configuration file (its own listener on 127.0.0.1,
+//! `guest` allowed from loopback) and data directory under
+//! `/tmp/idemq-kit-cluster`. The nodes run as the `rabbitmq` user when the tests
+//! run as root (they share that user's Erlang cookie, so `rabbitmqctl -n` reaches
+//! them); `b`, `c`, … join `a` with `rabbitmqctl join_cluster`.
+//!
+//! **One cluster per host at a time**: [`Cluster::start`] takes an exclusive lock
+//! (`flock /tmp/idemq-kit-cluster.lock`), so a second test run waits for the first.
+//! Whatever is found under the lock is left over from a run that was killed and is
+//! removed first (nodes killed, data wiped), like stale test databases. **Teardown
+//! even when a test fails**: the lock is held by a watchdog process that kills the
+//! nodes, wipes their data and releases the lock as soon as the process that
+//! started them is gone, so a cluster kept in a `static` (the cheap way to share it
+//! between tests: starting one takes ~25 s here) is torn down however the test
+//! binary ends. Dropping the [`Cluster`] tears it down at once.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), idemq::testing::ClusterError> {
+//! use idemq::testing::Cluster;
+//! let cluster = Cluster::start().await?;
+//! let urls = cluster.amqp_urls("/");          // "amqp://…:5701/%2f,amqp://…:5702/%2f,…"
+//! // ... run consumers with AMQP_URL=urls ...
+//! let leader = cluster.leader("/", "payments").await?.expect("a quorum queue");
+//! cluster.kill(leader).await?;                // SIGKILL, like a machine lost
+//! cluster.restart(leader).await?;             // back, rejoins with its data
+//! # Ok(()) }
+//! ```
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tokio::process::Command;
+
+/// Where the nodes' files live (one directory per node) and the lock beside it.
+const BASE: &str = "/tmp/idemq-kit-cluster";
+/// Node names are `<PREFIX><letter>@localhost`.
+const PREFIX: &str = "idemq-kit-";
+/// The first node's AMQP port; node i listens on `FIRST_PORT + i` and distributes
+/// on `20000 + FIRST_PORT + i`.
+const FIRST_PORT: u16 = 5701;
+/// How long a node may take to start (first boot creates its database).
+const START_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// What went wrong starting, stopping or asking the cluster.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClusterError {
+    /// A file or process operation failed.
+    #[error("{action}: {source}")]
+    Io {
+        /// What was being done.
+        action: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A RabbitMQ command failed; its output says why.
+    #[error("`{command}` failed: {output}")]
+    Command {
+        /// The command line.
+        command: String,
+        /// What it printed.
+        output: String,
+    },
+    /// A node did not start or stop in time.
+    #[error("node {node} did not {what} within {timeout:?}")]
+    Timeout {
+        /// The node's name.
+        node: String,
+        /// `start` or `stop`.
+        what: &'static str,
+        /// How long was waited.
+        timeout: Duration,
+    },
+}
+
+/// One node of a [`Cluster`].
+#[derive(Debug, Clone)]
+pub struct ClusterNode {
+    name: String,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl ClusterNode {
+    /// Its Erlang node name, e.g. `idemq-kit-a@localhost` (for `rabbitmqctl -n`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its AMQP port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:<port>/<vhost>`.
+    pub fn amqp_url(&self, vhost: &str) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/{}", self.port, encode_vhost(vhost))
+    }
+
+    fn dist_port(&self) -> u16 {
+        self.port + 20000
+    }
+}
+
+/// A private RabbitMQ cluster (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Cluster {
+    nodes: Vec<ClusterNode>,
+    /// Holds the host's lock while this process lives, then tears down.
+    watchdog: std::process::Child,
+}
+
+impl Cluster {
+    /// Starts a 3-node cluster.
+    ///
+    /// # Errors
+    /// A node does not start (its log is under `/tmp/idemq-kit-cluster/<letter>/log`)
+    /// or does not join.
+    pub async fn start() -> Result<Self, ClusterError> {
+        Self::start_nodes(3).await
+    }
+
+    /// Starts an `n`-node cluster (1 ≤ n ≤ 26).
+    ///
+    /// # Errors
+    /// As [`Cluster::start`].
+    pub async fn start_nodes(n: usize) -> Result<Self, ClusterError> {
+        let n = n.clamp(1, 26);
+        let watchdog = tokio::task::spawn_blocking(start_watchdog)
+            .await
+            .map_err(|err| io("wait for the cluster lock", std::io::Error::other(err)))??;
+        remove_stale().await?;
+        let nodes: Vec<ClusterNode> = (0..n)
+            .map(|i| {
+                let letter = char::from(b'a' + u8::try_from(i).unwrap_or(0));
+                ClusterNode {
+                    name: format!("{PREFIX}{letter}@localhost"),
+                    port: FIRST_PORT + u16::try_from(i).unwrap_or(0),
+                    dir: Path::new(BASE).join(letter.to_string()),
+                }
+            })
+            .collect();
+        let cluster = Self { nodes, watchdog };
+        for node in &cluster.nodes {
+            prepare_dir(node)?;
+            launch(node).await?;
+        }
+        for node in &cluster.nodes {
+            await_startup(node).await?;
+        }
+        let first = cluster.nodes[0].name.clone();
+        for node in &cluster.nodes[1..] {
+            ctl(&node.name, &["stop_app"]).await?;
+            ctl(&node.name, &["join_cluster", &first]).await?;
+            ctl(&node.name, &["start_app"]).await?;
+            await_startup(node).await?;
+        }
+        tracing::info!(nodes = cluster.nodes.len(), "private RabbitMQ cluster up");
+        Ok(cluster)
+    }
+
+    /// The nodes, in order.
+    pub fn nodes(&self) -> &[ClusterNode] {
+        &self.nodes
+    }
+
+    /// Every node's URL for `vhost`, comma-separated (an `AMQP_URL` list), in order.
+    pub fn amqp_urls(&self, vhost: &str) -> String {
+        self.amqp_urls_from(0, vhost)
+    }
+
+    /// [`Cluster::amqp_urls`] starting at node `first` (then round the ring): give
+    /// each process a different first node to spread connections.
+    pub fn amqp_urls_from(&self, first: usize, vhost: &str) -> String {
+        (0..self.nodes.len())
+            .map(|i| self.nodes[(first + i) % self.nodes.len()].amqp_url(vhost))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Runs `rabbitmqctl args…` against the first node that is up; its stdout.
+    ///
+    /// # Errors
+    /// [`ClusterError::Command`] when every node refuses.
+    pub async fn ctl(&self, args: &[&str]) -> Result<String, ClusterError> {
+        let mut last = None;
+        for node in &self.nodes {
+            if node_pids(&node.name).is_empty() {
+                continue;
+            }
+            match ctl(&node.name, args).await {
+                Ok(out) => return Ok(out),
+                Err(err) => last = Some(err),
+            }
+        }
+        Err(last.unwrap_or_else(|| ClusterError::Command {
+            command: format!("rabbitmqctl {}", args.join(" ")),
+            output: "no node of the cluster is running".into(),
+        }))
+    }
+
+    /// Creates `vhost` with every permission for `guest`.
+    ///
+    /// # Errors
+    /// As [`Cluster::ctl`].
+    pub async fn add_vhost(&self, vhost: &str) -> Result<(), ClusterError> {
+        self.ctl(&["add_vhost", vhost]).await?;
+        self.ctl(&["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"]).await?;
+        Ok(())
+    }
+
+    /// Deletes `vhost` and everything in it.
+    ///
+    /// # Errors
+    /// As [`Cluster::ctl`].
+    pub async fn delete_vhost(&self, vhost: &str) -> Result<(), ClusterError> {
+        self.ctl(&["delete_vhost", vhost]).await.map(drop)
+    }
+
+    /// The index of the node that leads quorum queue `queue` in `vhost` (`None` if
+    /// the queue has no leader now, or is not there).
+    ///
+    /// # Errors
+    /// As [`Cluster::ctl`].
+    pub async fn leader(&self, vhost: &str, queue: &str) -> Result<Option<usize>, ClusterError> {
+        let out =
+            self.ctl(&["-q", "list_queues", "-p", vhost, "--no-table-headers", "name", "leader"]).await?;
+        let leader = out
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .find(|(name, _)| *name == queue)
+            .map(|(_, leader)| leader.trim().to_owned());
+        Ok(leader.and_then(|leader| self.nodes.iter().position(|node| node.name == leader)))
+    }
+
+    /// The members (replicas) of quorum queue `queue` in `vhost`, as node indexes.
+    ///
+    /// # Errors
+    /// As [`Cluster::ctl`].
+    pub async fn members(&self, vhost: &str, queue: &str) -> Result<Vec<usize>, ClusterError> {
+        let out =
+            self.ctl(&["-q", "list_queues", "-p", vhost, "--no-table-headers", "name", "members"]).await?;
+        let members = out
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .find(|(name, _)| *name == queue)
+            .map(|(_, members)| members.to_owned())
+            .unwrap_or_default();
+        Ok(self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, node)| members.contains(&node.name))
+            .map(|(i, _)| i)
+            .collect())
+    }
+
+    /// Messages of `queue` in `vhost` not yet settled: ready plus delivered and
+    /// unacked (`None` if the queue is not there or does not answer).
+    ///
+    /// # Errors
+    /// As [`Cluster::ctl`].
+    pub async fn unsettled(&self, vhost: &str, queue: &str) -> Result<Option<u64>, ClusterError> {
+        let out =
+            self.ctl(&["-q", "list_queues", "-p", vhost, "--no-table-headers", "name", "messages"]).await?;
+        Ok(out
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .find(|(name, _)| *name == queue)
+            .and_then(|(_, messages)| messages.trim().parse().ok()))
+    }
+
+    /// How many client connections to `vhost` node `index` holds.
+    ///
+    /// # Errors
+    /// As [`Cluster::ctl`].
+    pub async fn connections_on(&self, index: usize, vhost: &str) -> Result<usize, ClusterError> {
+        Ok(self.connections(vhost).await?.iter().filter(|(node, _)| *node == index).count())
+    }
+
+    /// Every client connection to `vhost`: the node it is on and its name (the
+    /// `connection_name` client property, empty without one; idemq's are
+    /// `idemq <role> (pid <pid>)`).
+    ///
+    /// # Errors
+    /// As [`Cluster::ctl`].
+    pub async fn connections(&self, vhost: &str) -> Result<Vec<(usize, String)>, ClusterError> {
+        let out = self
+            .ctl(&["-q", "list_connections", "--no-table-headers", "port", "vhost", "client_properties"])
+            .await?;
+        Ok(out
+            .lines()
+            .filter_map(|line| {
+                let mut columns = line.splitn(3, '\t');
+                let (port, in_vhost, properties) =
+                    (columns.next()?, columns.next()?, columns.next().unwrap_or(""));
+                let node = self.nodes.iter().position(|node| node.port.to_string() == port.trim())?;
+                let name = properties
+                    .split_once("{\"connection_name\",\"")
+                    .and_then(|(_, rest)| rest.split_once('"'))
+                    .map_or_else(String::new, |(name, _)| name.to_owned());
+                (in_vhost.trim() == vhost).then_some((node, name))
+            })
+            .collect())
+    }
+
+    /// Whether node `index`'s process is running.
+    pub fn is_running(&self, index: usize) -> bool {
+        !node_pids(&self.nodes[index].name).is_empty()
+    }
+
+    /// SIGKILLs node `index` (a machine lost: no goodbye to clients or peers) and
+    /// waits until its process is gone.
+    ///
+    /// # Errors
+    /// [`ClusterError::Timeout`] if it does not die within 10 s.
+    pub async fn kill(&self, index: usize) -> Result<(), ClusterError> {
+        let node = &self.nodes[index];
+        kill_node(&node.name);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !node_pids(&node.name).is_empty() {
+            if Instant::now() > deadline {
+                return Err(ClusterError::Timeout {
+                    node: node.name.clone(),
+                    what: "stop",
+                    timeout: Duration::from_secs(10),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tracing::info!(node = %node.name, "node killed");
+        Ok(())
+    }
+
+    /// Starts node `index` again (it rejoins the cluster with its data) and waits
+    /// until it is up. Nothing happens if it is running.
+    ///
+    /// # Errors
+    /// As [`Cluster::start`].
+    pub async fn restart(&self, index: usize) -> Result<(), ClusterError> {
+        let node = &self.nodes[index];
+        if node_pids(&node.name).is_empty() {
+            launch(node).await?;
+        }
+        await_startup(node).await?;
+        tracing::info!(node = %node.name, "node back");
+        Ok(())
+    }
+
+    /// Restarts every node that is not running (after a test that failed midway).
+    ///
+    /// # Errors
+    /// As [`Cluster::restart`].
+    pub async fn heal(&self) -> Result<(), ClusterError> {
+        for index in 0..self.nodes.len() {
+            if !self.is_running(index) {
+                self.restart(index).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &self.nodes {
+            kill_node(&node.name);
+        }
+        let _ = std::fs::remove_dir_all(BASE);
+        // The watchdog's process group (`flock` and its shell): the lock is free.
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &format!("-{}", self.watchdog.id())])
+            .stderr(std::process::Stdio::null())
+            .status();
+        let _ = self.watchdog.wait();
+    }
+}
+
+/// Takes the host-wide lock and keeps it in a watchdog: `flock(1)` running a
+/// shell, in a process group of its own (so it outlives this process), that says
+/// when it holds the lock, waits for this process to end however it ends, then
+/// kills every node of ours (found by their environment, as [`node_pids`] does),
+/// wipes their data and so releases the lock. Blocks while another run's cluster
+/// holds it.
+fn start_watchdog() -> Result<std::process::Child, ClusterError> {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let script = format!(
+        "echo locked; \
+         while kill -0 {owner} 2>/dev/null; do sleep 1; done; \
+         for p in /proc/[0-9]*; do \
+           if tr '\\0' '\\n' 2>/dev/null < $p/environ | grep -qx 'RABBITMQ_NODENAME={PREFIX}.*'; then \
+             kill -9 ${{p#/proc/}} 2>/dev/null; \
+           fi; \
+         done; rm -rf {BASE}",
+        owner = std::process::id(),
+    );
+    let lock = format!("{BASE}.lock");
+    let mut child = std::process::Command::new("flock")
+        .args([lock.as_str(), "sh", "-c", &script])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .map_err(|source| io("start the cluster's watchdog (flock)", source))?;
+    let mut line = String::new();
+    let stdout = child.stdout.take().expect("piped");
+    std::io::BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|source| io(&format!("wait for the lock {lock}"), source))?;
+    if line.trim() != "locked" {
+        let _ = child.kill();
+        return Err(ClusterError::Command {
+            command: format!("flock {lock}"),
+            output: "did not take the lock".into(),
+        });
+    }
+    Ok(child)
+}
+
+fn io(action: &str, source: std::io::Error) -> ClusterError {
+    ClusterError::Io { action: action.to_owned(), source }
+}
+
+/// Kills nodes left over by a killed run (found by name) and wipes their data.
+async fn remove_stale() -> Result<(), ClusterError> {
+    let stale = node_pids(PREFIX);
+    if !stale.is_empty() {
+        tracing::warn!(processes = stale.len(), "removing a stale private RabbitMQ cluster of a killed run");
+        for pid in &stale {
+            kill_pid(*pid);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !node_pids(PREFIX).is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    match std::fs::remove_dir_all(BASE) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => Err(io(&format!("remove {BASE}"), err)),
+        _ => Ok(()),
+    }
+}
+
+fn prepare_dir(node: &ClusterNode) -> Result<(), ClusterError> {
+    let write = |path: &Path, text: String| {
+        std::fs::write(path, text).map_err(|source| io(&format!("write {}", path.display()), source))
+    };
+    for dir in [node.dir.join("log"), node.dir.join("mnesia")] {
+        std::fs::create_dir_all(&dir).map_err(|source| io(&format!("create {}", dir.display()), source))?;
+    }
+    write(
+        &node.dir.join("rabbitmq.conf"),
+        format!("listeners.tcp.default = 127.0.0.1:{}\nloopback_users = none\n", node.port),
+    )?;
+    write(&node.dir.join("enabled_plugins"), "[].\n".to_owned())?;
+    if is_root() {
+        // The nodes run as `rabbitmq`: it must own their files.
+        let status = std::process::Command::new("chown")
+            .args(["-R", "rabbitmq:rabbitmq", BASE])
+            .status()
+            .map_err(|source| io("chown the cluster's files", source))?;
+        if !status.success() {
+            return Err(ClusterError::Command {
+                command: format!("chown -R rabbitmq {BASE}"),
+                output: status.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `rabbitmq-server -detached` for `node`, as `rabbitmq` when we are root.
+async fn launch(node: &ClusterNode) -> Result<(), ClusterError> {
+    let dir = node.dir.display().to_string();
+    let env = [
+        ("RABBITMQ_NODENAME", node.name.clone()),
+        ("RABBITMQ_NODE_PORT", node.port.to_string()),
+        ("RABBITMQ_DIST_PORT", node.dist_port().to_string()),
+        ("RABBITMQ_MNESIA_BASE", format!("{dir}/mnesia")),
+        ("RABBITMQ_LOG_BASE", format!("{dir}/log")),
+        ("RABBITMQ_CONFIG_FILE", format!("{dir}/rabbitmq.conf")),
+        ("RABBITMQ_ENABLED_PLUGINS_FILE", format!("{dir}/enabled_plugins")),
+        ("RABBITMQ_PID_FILE", format!("{dir}/pid")),
+        ("ERL_EPMD_ADDRESS", "127.0.0.1".to_owned()),
+    ];
+    let mut command = if is_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "rabbitmq", "--", "env", "HOME=/var/lib/rabbitmq"]);
+        for (name, value) in &env {
+            command.arg(format!("{name}={value}"));
+        }
+        command.args(["rabbitmq-server", "-detached"]);
+        command
+    } else {
+        let mut command = Command::new("rabbitmq-server");
+        command.arg("-detached").envs(env.iter().map(|(name, value)| (name, value)));
+        command
+    };
+    // Not a pipe: the detached node inherits it, and dies of SIGPIPE writing to it
+    // once we have stopped reading.
+    let log_path = node.dir.join("launch.log");
+    let log =
+        File::create(&log_path).map_err(|source| io(&format!("create {}", log_path.display()), source))?;
+    let log_err = log.try_clone().map_err(|source| io("clone a file handle", source))?;
+    let status = command
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log_err)
+        .status()
+        .await
+        .map_err(|source| io("run rabbitmq-server", source))?;
+    if !status.success() {
+        return Err(ClusterError::Command {
+            command: format!("rabbitmq-server -detached ({})", node.name),
+            output: std::fs::read_to_string(&log_path).unwrap_or_default(),
+        });
+    }
+    Ok(())
+}
+
+async fn await_startup(node: &ClusterNode) -> Result<(), ClusterError> {
+    // `await_startup` waits for a node that is booting, but fails at once for one
+    // that has not registered with epmd yet: ask again until the deadline.
+    let deadline = Instant::now() + START_TIMEOUT;
+    let timeout = START_TIMEOUT.as_secs().to_string();
+    loop {
+        match ctl(&node.name, &["await_startup", "-t", &timeout]).await {
+            Ok(_) => return Ok(()),
+            Err(err) if Instant::now() > deadline => {
+                return Err(if node_pids(&node.name).is_empty() {
+                    ClusterError::Timeout { node: node.name.clone(), what: "start", timeout: START_TIMEOUT }
+                } else {
+                    err
+                });
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+}
+
+/// `rabbitmqctl -n node args…`; its stdout.
+async fn ctl(node: &str, args: &[&str]) -> Result<String, ClusterError> {
+    let output = Command::new("rabbitmqctl")
+        .arg("-n")
+        .arg(node)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|source| io("run rabbitmqctl", source))?;
+    if output.status.success() {
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    } else {
+        Err(ClusterError::Command {
+            command: format!("rabbitmqctl -n {node} {}", args.join(" ")),
+            output: format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        })
+    }
+}
+
+/// Processes of a node whose name starts with `name` (the Erlang VM and its
+/// helpers), found by `RABBITMQ_NODENAME` in their environment: RabbitMQ 3.x does
+/// not put the node name on the command line, nor reliably write its pid file
+/// when detached.
+fn node_pids(name: &str) -> Vec<u32> {
+    let needle = format!("RABBITMQ_NODENAME={name}");
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|environ| environ.split(|b| *b == 0).any(|var| var.starts_with(needle.as_bytes())))
+        })
+        .collect()
+}
+
+fn kill_node(name: &str) {
+    for pid in node_pids(name) {
+        kill_pid(pid);
+    }
+}
+
+fn kill_pid(pid: u32) {
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .stderr(std::process::Stdio::null())
+        .status();
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status.lines().any(|line| line.starts_with("Uid:") && line.split_whitespace().nth(1) == Some("0"))
+    })
+}
+
+/// A vhost in a URL path: `/` is `%2f`.
+fn encode_vhost(vhost: &str) -> String {
+    url::form_urlencoded::byte_serialize(vhost.as_bytes()).collect::<String>().replace('+', "%20")
+}

@@ -1,0 +1,34 @@
+//! Test kits.
+//!
+//! [`TestKit`] (feature `testing`, for dev-dependencies only: it turns on the
+//! fault hooks) runs a handler in the real runtime against a real PostgreSQL and
+//! RabbitMQ, each test in a throwaway database and queue of its own, and delivers a
+//! message once, twice, concurrently, or with the ack lost after COMMIT.
+//!
+//! ```no_run
+//! # use idemq::testing::TestKit;
+//! # #[derive(serde::Serialize)] struct Payment { payment_id: String }
+//! # async fn example(handler: impl idemq::Handler) {
+//! let kit = TestKit::start(handler).await.expect("the services are up");
+//! let payment = Payment { payment_id: "p-1".into() };
+//! let outcomes = kit.deliver_concurrently(&payment, 4).await;
+//! assert_eq!(outcomes.iter().filter(|o| **o == idemq::Outcome::Applied).count(), 1);
+//! // ... and check the effect with `kit.connect().await`.
+//! kit.finish().await;
+//! # }
+//! ```
+//!
+//! `AMQP_URL` and `DATABASE_URL` say where the services are (the database named
+//! there is only used to create and drop the test's own).
+//!
+//! [`Cluster`] (feature `test-cluster`, which `testing` includes; no fault hooks,
+//! so a benchmark may use it) starts a private RabbitMQ cluster on this host, for
+//! what happens when a broker node is lost.
+
+mod cluster;
+#[cfg(feature = "testing")]
+mod kit;
+
+pub use cluster::{Cluster, ClusterError, ClusterNode};
+#[cfg(feature = "testing")]
+pub use kit::TestKit;

@@ -1,0 +1,306 @@
+//! On a private 3-node RabbitMQ cluster (`idemq::testing::Cluster`, beside the
+//! machine's own broker, never joined to it): consumers given every node's address
+//! lose the node that leads their quorum queue, a node they are connected to, a
+//! node while a batch's transaction is open and one while a retry copy is being
+//! confirmed — and every payment is still applied exactly once. The tests share one
+//! cluster (starting one takes ~25 s) and run one at a time, since they kill nodes.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+use idemq::testing::Cluster;
+use idemq::{idempotent_handler, HandlerError, Outcome, Queue, Topology};
+use idemq_example_payments::{record_payment, PaymentRequested};
+use idemq_tests::fixture::{next_attempt, payment, publish_stream, Bed, ConsumerProcess, Running};
+use idemq_tests::{eventually, unique, Broker};
+
+const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
+
+static CLUSTER: tokio::sync::OnceCell<Cluster> = tokio::sync::OnceCell::const_new();
+
+/// The cluster, started by the first test that needs it and torn down when the
+/// test binary exits (by the kit's watchdog), with the lock that runs the tests one
+/// at a time.
+async fn cluster() -> (&'static Cluster, tokio::sync::MutexGuard<'static, ()>) {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let serial = SERIAL.lock().await;
+    let cluster = CLUSTER
+        .get_or_init(|| async { Cluster::start().await.expect("start the private RabbitMQ cluster") })
+        .await;
+    // A test that failed midway may have left a node down.
+    cluster.heal().await.expect("every node up");
+    (cluster, serial)
+}
+
+/// A vhost of the test's own on the cluster, and a bed (database, queue) in it
+/// whose broker client is on node 0.
+async fn bed_on(cluster: &Cluster, shape: impl FnOnce(Queue) -> Queue) -> (String, Bed) {
+    let vhost = unique("cluster");
+    cluster.add_vhost(&vhost).await.expect("add the test's vhost");
+    let bed = Bed::on_cluster(cluster.amqp_urls(&vhost), shape).await;
+    (vhost, bed)
+}
+
+async fn applied(bed: &Bed, n: usize) {
+    eventually(&format!("{n} payments applied"), Duration::from_secs(120), || async {
+        bed.ledger_total().await >= n as i64
+    })
+    .await;
+}
+
+/// Every payment applied once, nothing dead-lettered, the queue drained.
+async fn exactly_once(cluster: &Cluster, vhost: &str, bed: &Bed, payments: usize) {
+    applied(bed, payments).await;
+    eventually("the queue drained", Duration::from_secs(90), || async {
+        cluster.unsettled(vhost, &bed.queue).await.ok().flatten() == Some(0)
+    })
+    .await;
+    assert_eq!(bed.doubled().await, Vec::<String>::new(), "no payment applied twice");
+    assert_eq!(bed.ledger_total().await, payments as i64, "every payment applied once");
+    assert_eq!(
+        cluster.unsettled(vhost, &bed.dlq).await.expect("list queues"),
+        Some(0),
+        "nothing dead-lettered"
+    );
+}
+
+/// The node that leads `queue` now (a new one is elected after a loss).
+async fn leader(cluster: &Cluster, vhost: &str, queue: &str) -> usize {
+    let found = AtomicUsize::new(usize::MAX);
+    eventually(&format!("a leader for {queue}"), Duration::from_secs(30), || async {
+        let leader =
+            cluster.leader(vhost, queue).await.ok().flatten().filter(|&node| cluster.is_running(node));
+        found.store(leader.unwrap_or(usize::MAX), Ordering::SeqCst);
+        leader.is_some()
+    })
+    .await;
+    found.load(Ordering::SeqCst)
+}
+
+/// The node an idemq runtime's consuming connection to `vhost` is on (the test's
+/// own client, `idemq-tests`, does not count).
+async fn consumer_node(cluster: &Cluster, vhost: &str) -> usize {
+    let found = AtomicUsize::new(usize::MAX);
+    eventually("a node with an idemq consumer", Duration::from_secs(30), || async {
+        let connections = cluster.connections(vhost).await.unwrap_or_default();
+        match connections.iter().find(|(_, name)| name.starts_with("idemq consumer")) {
+            Some((node, _)) => {
+                found.store(*node, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    })
+    .await;
+    found.load(Ordering::SeqCst)
+}
+
+/// A node other than `except` with an idemq consumer connected to `vhost`.
+async fn consumer_node_other_than(cluster: &Cluster, vhost: &str, except: usize) -> usize {
+    let found = AtomicUsize::new(usize::MAX);
+    eventually("another node with an idemq consumer", Duration::from_secs(30), || async {
+        let connections = cluster.connections(vhost).await.unwrap_or_default();
+        let node =
+            connections.iter().find(|(node, name)| *node != except && name.starts_with("idemq consumer"));
+        node.inspect(|(node, _)| found.store(*node, Ordering::SeqCst)).is_some()
+    })
+    .await;
+    found.load(Ordering::SeqCst)
+}
+
+/// Three consumer processes, each given the three addresses starting at a
+/// different node; a stream of payments with duplicates and racing duplicate
+/// bursts (one payment four times in a row: the prefetch spreads the copies over
+/// the processes). Mid-stream the node leading the queue is SIGKILLed, and after it
+/// is back, a node consumers are connected to. Every payment once, nothing
+/// dead-lettered, the queue drained, every process exits 0 on SIGTERM.
+#[tokio::test(flavor = "multi_thread")]
+async fn three_processes_lose_the_queue_leader_then_a_connected_node_and_apply_every_payment_once() {
+    let (cluster, _serial) = cluster().await;
+    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let mut payments = publish_stream(&bed, 900).await;
+    for _ in 0..60 {
+        let p = payment(1);
+        for _ in 0..4 {
+            bed.publish(&p).await;
+        }
+        payments.push(p);
+    }
+    let n = payments.len();
+    let consumers: Vec<ConsumerProcess> = (0..3)
+        .map(|i| {
+            let urls = cluster.amqp_urls_from(i, &vhost);
+            ConsumerProcess::spawn(CONSUMER, &bed, &[("AMQP_URL", urls.as_str()), ("SLOW_MS", "20")])
+        })
+        .collect();
+
+    applied(&bed, n / 5).await;
+    let lead = leader(cluster, &vhost, &bed.queue).await;
+    cluster.kill(lead).await.expect("kill the queue's leader");
+    applied(&bed, n * 2 / 5).await;
+    cluster.restart(lead).await.expect("the old leader back");
+
+    let connected = consumer_node_other_than(cluster, &vhost, lead).await;
+    cluster.kill(connected).await.expect("kill a node consumers are connected to");
+    applied(&bed, n * 3 / 5).await;
+    cluster.restart(connected).await.expect("the node back");
+
+    exactly_once(cluster, &vhost, &bed, n).await;
+    for consumer in consumers {
+        assert!(consumer.terminate(Duration::from_secs(30)).await.success(), "exit 0 on SIGTERM");
+    }
+    drop(bed);
+    cluster.delete_vhost(&vhost).await.expect("delete the vhost");
+}
+
+/// The payment whose handler kills the runtime's node from inside its batch's
+/// transaction (set by the test).
+static TRIGGER: OnceLock<(String, String)> = OnceLock::new();
+static KILLED_IN_BATCH: AtomicBool = AtomicBool::new(false);
+
+/// Records the payment; the trigger payment first kills the runtime's node, with
+/// the batch's transaction open; every fifth payment fails twice (a retry copy).
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn node_lost_in_batch(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    if let Some((trigger, vhost)) = TRIGGER.get() {
+        if *trigger == msg.payment_id && !KILLED_IN_BATCH.swap(true, Ordering::SeqCst) {
+            let cluster = CLUSTER.get().expect("the cluster");
+            let node = consumer_node(cluster, vhost).await;
+            cluster.kill(node).await.map_err(|err| HandlerError::transient(err.to_string()))?;
+        }
+    }
+    // In a batch the first failure only splits it (no attempt is charged); the
+    // second, run alone, is retried through a copy.
+    if msg.amount_cents % 5 == 0 && next_attempt(&msg.payment_id) <= 2 {
+        return Err(HandlerError::transient("the first two attempts of every fifth payment fail"));
+    }
+    Ok(())
+}
+
+/// Group commit on a cluster: the node the runtime is connected to is lost while a
+/// batch's transaction is open (the batch commits, its acks cannot be sent, its
+/// deliveries come back and are found as duplicates), then, after it is back, the
+/// next one is lost just after a retry copy was confirmed and before the original
+/// was acked. Every payment once, nothing dead-lettered, the queue drained.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doubles_nothing() {
+    let (cluster, _serial) = cluster().await;
+    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let first = publish_stream(&bed, 200).await;
+    let trigger = first[100].payment_id.clone();
+    TRIGGER.set((trigger.clone(), vhost.clone())).expect("one test sets the trigger");
+
+    // The copy hook: once armed with the node the runtime is on, the first
+    // confirmed retry copy loses that node. (Quickly: the signal goes before the
+    // first await, since losing the node may end this task, hook and all.)
+    let armed = Arc::new(AtomicUsize::new(usize::MAX));
+    let killed_at_copy = Arc::new(AtomicUsize::new(usize::MAX));
+    let hook: idemq::fault::FaultHook = {
+        let (armed, killed_at_copy) = (Arc::clone(&armed), Arc::clone(&killed_at_copy));
+        Arc::new(move |ctx: idemq::fault::FaultContext| {
+            let (armed, killed_at_copy) = (Arc::clone(&armed), Arc::clone(&killed_at_copy));
+            Box::pin(async move {
+                if ctx.point != idemq::fault::FaultPoint::AfterCopy {
+                    return;
+                }
+                let node = armed.swap(usize::MAX, Ordering::SeqCst);
+                if node != usize::MAX {
+                    killed_at_copy.store(node, Ordering::SeqCst);
+                    let _ = CLUSTER.get().expect("the cluster").kill(node).await;
+                }
+            })
+        })
+    };
+    let running = Running::start(
+        bed.runtime()
+            .amqp_url(cluster.amqp_urls_from(1, &vhost))
+            .batch_size(16)
+            .reconnect_max_backoff(Duration::from_millis(500))
+            .fault_hook(hook)
+            .consume(&bed.queue, node_lost_in_batch),
+    );
+    applied(&bed, first.len()).await;
+    assert!(KILLED_IN_BATCH.load(Ordering::SeqCst), "a node was lost inside a batch");
+    cluster.heal().await.expect("the node back");
+
+    armed.store(consumer_node(cluster, &vhost).await, Ordering::SeqCst);
+    let second = publish_stream(&bed, 200).await;
+    applied(&bed, first.len() + second.len()).await;
+    let node = killed_at_copy.load(Ordering::SeqCst);
+    assert!(node < 3, "a node was lost after a copy's confirm");
+    cluster.restart(node).await.expect("the node back");
+
+    exactly_once(cluster, &vhost, &bed, first.len() + second.len()).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    let of_trigger: Vec<Outcome> = events
+        .iter()
+        .filter(|s| s.key.as_deref() == Some(trigger.as_str()))
+        .map(|s| s.outcome.clone())
+        .collect();
+    assert_eq!(of_trigger.iter().filter(|o| **o == Outcome::Applied).count(), 1, "{of_trigger:?}");
+    assert!(
+        of_trigger.contains(&Outcome::Duplicate),
+        "the batch committed, its ack was lost with the node, the redelivery found the row: {of_trigger:?}"
+    );
+    drop(bed);
+    cluster.delete_vhost(&vhost).await.expect("delete the vhost");
+}
+
+/// `Queue::replicas` sets how many nodes hold a quorum queue (and its dead-letter
+/// queue); without it the broker's default (every node) applies.
+#[tokio::test(flavor = "multi_thread")]
+async fn quorum_queues_get_the_replica_count_asked_for() {
+    let (cluster, _serial) = cluster().await;
+    let vhost = unique("cluster");
+    cluster.add_vhost(&vhost).await.expect("add the test's vhost");
+    let broker = Broker::connect(&cluster.amqp_urls(&vhost)).await;
+    let channel = broker.connection().create_channel().await.expect("channel");
+    Topology::new()
+        .queue(Queue::new("two").replicas(2))
+        .queue(Queue::new("default"))
+        .declare(&channel)
+        .await
+        .expect("declare");
+    assert_eq!(cluster.members(&vhost, "two").await.expect("members").len(), 2);
+    assert_eq!(cluster.members(&vhost, "two.dlq").await.expect("members").len(), 2);
+    assert_eq!(cluster.members(&vhost, "default").await.expect("members").len(), 3);
+    drop(broker);
+    cluster.delete_vhost(&vhost).await.expect("delete the vhost");
+}
+
+/// A classic queue lives on one node. With that node down, the runtime (on another
+/// node) still starts and consumes its quorum queue: the classic queue it only
+/// publishes to is skipped with a warning instead of failing every (re)connect.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_classic_queue_whose_node_is_down_does_not_stop_consumption() {
+    let (cluster, _serial) = cluster().await;
+    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let events = Queue::new(unique("events")).classic();
+    // Declared through node 2, so it lives there.
+    let on_node_2 = Broker::connect(&cluster.nodes()[2].amqp_url(&vhost)).await;
+    let channel = on_node_2.connection().create_channel().await.expect("channel");
+    Topology::new().queue(events.clone()).declare(&channel).await.expect("declare the classic queue");
+    drop(on_node_2);
+    cluster.kill(2).await.expect("kill node 2");
+
+    let p = payment(100);
+    bed.publish(&p).await;
+    let topology = Topology::new().queue(Queue::new(bed.queue.clone())).queue(events);
+    let settled = Running::settle(
+        bed.runtime()
+            .amqp_url(cluster.amqp_urls_from(0, &vhost))
+            .topology(topology)
+            .consume(&bed.queue, idemq_tests::fixture::ledger_payment),
+        1,
+    )
+    .await;
+    assert_eq!(settled[0].outcome, Outcome::Applied);
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+    cluster.restart(2).await.expect("node 2 back");
+    drop(bed);
+    cluster.delete_vhost(&vhost).await.expect("delete the vhost");
+}
