@@ -11,9 +11,10 @@
 //!    one process on one node. Next to it, **PostgreSQL's commit ceiling**: 1, 4 and
 //!    8 connections committing one-row transactions as fast as they can.
 //! 2. **The dedup table at 10 million rows**: one process on a table holding
-//!    `--dedup-rows` rows (half older than the retention) against the same on an
-//!    empty table; then the same again while `idemq::sweep` deletes the old half,
-//!    with the sweeper's delete rate; bytes per row measured; a sizing rule.
+//!    `--dedup-rows` rows of its own scope (random keys, as the runs' are: inserts
+//!    land all over the index; half older than the retention) against the same on
+//!    an empty table, medians of 3; then one run while `idemq::sweep` deletes the
+//!    old half, with the sweeper's delete rate; bytes per row measured; a sizing rule.
 //!
 //! Each run: fresh queue with the whole backlog (persistent, confirmed) before the
 //! consumers start; the clock runs from spawning the processes until every payment
@@ -40,8 +41,8 @@ use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 type BenchError = Box<dyn std::error::Error + Send + Sync>;
 
 const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/idemq_scale";
-/// The filler rows' handler name: never one a consumer uses.
-const FILLER: &str = "scale_filler";
+/// The dedup scope of `apply` (its name), which the filler rows share.
+const HANDLER: &str = "apply_payment";
 
 /// The demo's effect under the demo's dedup name and lane.
 #[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
@@ -59,8 +60,13 @@ struct Options {
 
 impl Options {
     fn parse(args: &[String]) -> Result<Self, String> {
-        let mut options =
-            Self { messages: 20_000, processes: vec![1, 2, 4], rounds: 2, dedup_rows: 10_000_000, cluster: true };
+        let mut options = Self {
+            messages: 20_000,
+            processes: vec![1, 2, 4],
+            rounds: 2,
+            dedup_rows: 10_000_000,
+            cluster: true,
+        };
         let mut args = args.iter();
         while let Some(flag) = args.next() {
             let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -93,8 +99,10 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("--child") {
-        return child(&args[1..]).await;
+    if let [flag, rest @ ..] = args.as_slice() {
+        if flag == "--child" {
+            return child(rest).await;
+        }
     }
     let options = match Options::parse(&args) {
         Ok(options) => options,
@@ -114,7 +122,7 @@ async fn main() -> ExitCode {
 
 /// A consumer process: `--child <queue>`, `AMQP_URL` and `DATABASE_URL` set.
 async fn child(args: &[String]) -> ExitCode {
-    let Some(queue) = args.first() else { return ExitCode::from(2) };
+    let [queue, ..] = args else { return ExitCode::from(2) };
     let built = Runtime::builder()
         .topology(Topology::new().queue(Queue::new(queue.clone())))
         .consume(queue.clone(), apply)
@@ -136,10 +144,21 @@ async fn child(args: &[String]) -> ExitCode {
 }
 
 /// Where the consumers' broker is: one node, or the cluster's three.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq, Default)]
 enum Target {
+    #[default]
     Node,
     Cluster,
+}
+
+/// One configuration's measurements, a sample per round.
+#[derive(Default)]
+struct Samples {
+    target: Target,
+    processes: usize,
+    rates: Vec<f64>,
+    cpu: Vec<f64>,
+    busy: Vec<f64>,
 }
 
 struct Bench {
@@ -162,7 +181,8 @@ async fn run(options: &Options) -> Result<(), BenchError> {
     } else {
         None
     };
-    let mut bench = Bench { database_url: database_url.clone(), node_url, cluster, messages: options.messages, run: 0 };
+    let mut bench =
+        Bench { database_url: database_url.clone(), node_url, cluster, messages: options.messages, run: 0 };
 
     println!("== PostgreSQL's commit ceiling (one-row transactions, 3 s each)");
     for connections in [1, 4, 8] {
@@ -170,41 +190,45 @@ async fn run(options: &Options) -> Result<(), BenchError> {
         println!("  {connections} connection(s): {rate:>8.0} commits/s");
     }
 
-    println!("\n== Consumer processes × broker ({} payments + {} duplicates per run)", options.messages, options.messages / 10);
+    println!(
+        "\n== Consumer processes × broker ({} payments + {} duplicates per run)",
+        options.messages,
+        options.messages / 10
+    );
     let mut targets = vec![Target::Node];
     if bench.cluster.is_some() {
         targets.push(Target::Cluster);
     }
-    let mut rates: Vec<(Target, usize, Vec<f64>, Vec<f64>)> = Vec::new();
+    let mut rates: Vec<Samples> = Vec::new();
     for &target in &targets {
         for &processes in &options.processes {
-            rates.push((target, processes, Vec::new(), Vec::new()));
+            rates.push(Samples { target, processes, ..Samples::default() });
         }
     }
     for round in 0..options.rounds {
-        for (target, processes, samples, cpu) in &mut rates {
+        for Samples { target, processes, rates: samples, cpu, busy } in &mut rates {
             let measured = bench.measure(*target, *processes).await?;
-            eprintln!(
-                "  round {}: {} × {processes}: {:.0} msg/s",
-                round + 1,
-                name(*target),
-                measured.rate
-            );
+            eprintln!("  round {}: {} × {processes}: {:.0} msg/s", round + 1, name(*target), measured.rate);
             samples.push(measured.rate);
             cpu.push(measured.cpu_per_message_us);
+            busy.push(measured.machine_busy);
         }
     }
-    let reference = median(&rates[0].2);
-    println!("  {:<8} {:>9} {:>10} {:>8} {:>22}", "broker", "processes", "msg/s", "ratio", "consumer CPU µs/msg");
-    for (target, processes, samples, cpu) in &rates {
+    let reference = median(&rates[0].rates);
+    println!(
+        "  {:<8} {:>9} {:>10} {:>8} {:>20} {:>13}",
+        "broker", "processes", "msg/s", "ratio", "consumers µs CPU/msg", "machine busy"
+    );
+    for Samples { target, processes, rates: samples, cpu, busy } in &rates {
         let rate = median(samples);
         println!(
-            "  {:<8} {:>9} {:>10.0} {:>7.2}× {:>22.0}",
+            "  {:<8} {:>9} {:>10.0} {:>7.2}× {:>20.0} {:>12.0}%",
             name(*target),
             processes,
             rate,
             rate / reference,
-            median(cpu)
+            median(cpu),
+            median(busy) * 100.0
         );
     }
 
@@ -236,6 +260,19 @@ fn median(samples: &[f64]) -> f64 {
 struct Measured {
     rate: f64,
     cpu_per_message_us: f64,
+    /// The whole machine's CPU busy during the run, 0..=1 of every core.
+    machine_busy: f64,
+}
+
+/// The machine's (busy, total) CPU ticks so far (`/proc/stat`'s first line).
+fn machine_ticks() -> (u64, u64) {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else { return (0, 0) };
+    let Some(line) = stat.lines().next() else { return (0, 0) };
+    let ticks: Vec<u64> = line.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal: idle and iowait are not busy.
+    let total: u64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    (total - idle, total)
 }
 
 impl Bench {
@@ -253,10 +290,10 @@ impl Bench {
         let queue = format!("idemq-scale-{}-{}", std::process::id(), self.run);
         let prefix = format!("scale-{}-{}-", std::process::id(), self.run);
         let mut db = AsyncPgConnection::establish(&self.database_url).await?;
-        db.batch_execute(&format!(
+        db.batch_execute(
             "TRUNCATE ledger, accounts, idemq_started, idemq_copies, idemq_outbox; \
-             DELETE FROM idemq_dedup WHERE handler <> '{FILLER}'; CHECKPOINT"
-        ))
+             DELETE FROM idemq_dedup WHERE processed_at > now() - interval '30 minutes'; CHECKPOINT",
+        )
         .await?;
         let broker = connect(&self.urls(target, 0)).await?;
         let channel = broker.create_channel().await?;
@@ -264,6 +301,7 @@ impl Bench {
         publish(&channel, &queue, &prefix, self.messages).await?;
 
         let started = Instant::now();
+        let ticks_before = machine_ticks();
         let mut children: Vec<Child> = (0..processes)
             .map(|i| {
                 std::process::Command::new(std::env::current_exe()?)
@@ -286,6 +324,7 @@ impl Bench {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let elapsed = started.elapsed();
+        let ticks_after = machine_ticks();
         let cpu: f64 = children.iter().map(|child| cpu_seconds(child.id())).sum();
         for child in &children {
             let _ = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
@@ -299,7 +338,9 @@ impl Bench {
         let rows = count(&mut db, "SELECT count(*) FROM ledger").await?;
         let ids = count(&mut db, "SELECT count(DISTINCT payment_id) FROM ledger").await?;
         if rows != distinct || ids != distinct {
-            return Err(format!("check failed: {rows} ledger rows, {ids} payments, {distinct} expected").into());
+            return Err(
+                format!("check failed: {rows} ledger rows, {ids} payments, {distinct} expected").into()
+            );
         }
         for name in [queue.clone(), format!("{queue}.dlq")] {
             channel.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await?;
@@ -309,24 +350,33 @@ impl Bench {
         Ok(Measured {
             rate: deliveries as f64 / elapsed.as_secs_f64(),
             cpu_per_message_us: cpu * 1e6 / deliveries as f64,
+            machine_busy: (ticks_after.0 - ticks_before.0) as f64
+                / (ticks_after.1 - ticks_before.1).max(1) as f64,
         })
     }
 
     /// Part 2: the dedup table at `rows` rows.
     async fn dedup_table(&mut self, rows: u64) -> Result<(), BenchError> {
         println!("\n== The dedup table at {rows} rows (one process, one node)");
-        let empty = self.measure(Target::Node, 1).await?.rate;
+        let mut samples = Vec::new();
+        for _ in 0..3 {
+            samples.push(self.measure(Target::Node, 1).await?.rate);
+        }
+        let empty = median(&samples);
         let mut db = AsyncPgConnection::establish(&self.database_url).await?;
         let filled = Instant::now();
         let chunk = 1_000_000u64;
         let mut done = 0;
         while done < rows {
             let upto = (done + chunk).min(rows);
-            // Half the rows are 30 days old (for the sweeper), half fresh.
+            // The consumer's own scope, random keys (the runs' keys are random too,
+            // so their inserts land all over the index, as UUID keys would); half
+            // the rows 30 days old (for the sweeper), half an hour old (kept, and
+            // apart from the runs' rows, which each run deletes).
             db.batch_execute(&format!(
                 "INSERT INTO idemq_dedup (handler, key, fingerprint, processed_at) \
-                 SELECT '{FILLER}', 'filler-payment-' || g, sha256(('filler-payment-' || g)::bytea), \
-                        CASE WHEN g % 2 = 0 THEN now() - interval '30 days' ELSE now() END \
+                 SELECT '{HANDLER}', md5(g::text), sha256(g::text::bytea), \
+                        CASE WHEN g % 2 = 0 THEN now() - interval '30 days' ELSE now() - interval '1 hour' END \
                  FROM generate_series({}, {upto}) AS g",
                 done + 1
             ))
@@ -334,24 +384,34 @@ impl Bench {
             done = upto;
             eprintln!("  filled {done} rows");
         }
-        db.batch_execute("VACUUM ANALYZE idemq_dedup; CHECKPOINT").await?;
+        // One statement each: VACUUM refuses to run inside a transaction block.
+        for statement in ["VACUUM ANALYZE idemq_dedup", "CHECKPOINT"] {
+            db.batch_execute(statement).await?;
+        }
         let fill_rate = rows as f64 / filled.elapsed().as_secs_f64();
         let bytes = count(&mut db, "SELECT pg_total_relation_size('idemq_dedup')").await? as f64;
         let per_row = bytes / rows as f64;
         println!("  bulk fill (SQL, not the consumer path): {fill_rate:.0} rows/s");
         println!("  table + indexes: {:.2} GiB, {per_row:.0} bytes per row", bytes / f64::from(1u32 << 30));
 
-        let full = self.measure(Target::Node, 1).await?.rate;
-        let again_empty_ratio = full / empty;
-        println!("  consumer on an empty table:      {empty:>8.0} msg/s");
-        println!("  consumer beside {rows} rows: {full:>8.0} msg/s ({again_empty_ratio:.2}× empty)");
+        let mut samples = Vec::new();
+        for _ in 0..3 {
+            samples.push(self.measure(Target::Node, 1).await?.rate);
+        }
+        let full = median(&samples);
+        println!("  consumer on an empty table (median of 3): {empty:>8.0} msg/s");
+        println!(
+            "  consumer beside {rows} rows (median of 3): {full:>8.0} msg/s ({:.2}× empty)",
+            full / empty
+        );
 
         // The sweeper deletes the old half while a run goes on.
         let database_url = self.database_url.clone();
         let sweeper = tokio::spawn(async move {
             let mut conn = AsyncPgConnection::establish(&database_url).await?;
             let started = Instant::now();
-            let swept = idemq::sweep(&mut conn, &Retention::keep(Duration::from_secs(15 * 24 * 3600))).await?;
+            let swept =
+                idemq::sweep(&mut conn, &Retention::keep(Duration::from_secs(15 * 24 * 3600))).await?;
             Ok::<_, BenchError>((swept.dedup_rows, started.elapsed()))
         });
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -359,7 +419,7 @@ impl Bench {
         let sweep_running_at_end = !sweeper.is_finished();
         let (deleted, took) = sweeper.await??;
         println!(
-            "  consumer while the sweeper runs: {:>8.0} msg/s ({:.2}× beside the full table; the sweep {} the whole run)",
+            "  consumer while the sweeper runs (one run): {:>8.0} msg/s ({:.2}× beside the full table; the sweep {} the whole run)",
             during.rate,
             during.rate / full,
             if sweep_running_at_end { "lasted" } else { "did not last" }
@@ -422,20 +482,29 @@ async fn connect(urls: &str) -> Result<Connection, BenchError> {
 
 /// `messages` distinct payments over `messages / 4` accounts, every tenth twice,
 /// persistent, confirmed in windows of 1,000.
-async fn publish(channel: &lapin::Channel, queue: &str, prefix: &str, messages: usize) -> Result<(), BenchError> {
+async fn publish(
+    channel: &lapin::Channel,
+    queue: &str,
+    prefix: &str,
+    messages: usize,
+) -> Result<(), BenchError> {
     channel.confirm_select(ConfirmSelectOptions::default()).await?;
-    let properties = BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
+    let properties =
+        BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
     let options = BasicPublishOptions { mandatory: true, immediate: false };
     let mut pending = Vec::new();
     for i in 0..messages {
         let payment = PaymentRequested {
-            payment_id: format!("{prefix}pay-{i}"),
+            // Random-looking keys, as UUIDs are: inserts spread over the index.
+            payment_id: format!("{:016x}-{prefix}pay-{i}", spread(prefix, i)),
             account: format!("{prefix}acct-{}", i % (messages / 4).max(1)),
             amount_cents: 100 + (i as i64 * 37) % 9_900,
         };
         let body = serde_json::to_vec(&payment)?;
         for _ in 0..if i % 10 == 0 { 2 } else { 1 } {
-            pending.push(channel.basic_publish("".into(), queue.into(), options, &body, properties.clone()).await?);
+            pending.push(
+                channel.basic_publish("".into(), queue.into(), options, &body, properties.clone()).await?,
+            );
         }
         if pending.len() >= 1_000 || i + 1 == messages {
             for confirm in pending.drain(..) {
@@ -447,6 +516,14 @@ async fn publish(channel: &lapin::Channel, queue: &str, prefix: &str, messages: 
         }
     }
     Ok(())
+}
+
+/// A well-mixed 64-bit hash of (`prefix`, `i`) (`SplitMix64`'s finaliser).
+fn spread(prefix: &str, i: usize) -> u64 {
+    let mut x = prefix.bytes().fold(i as u64, |h, b| h.rotate_left(5) ^ u64::from(b));
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 async fn ready(channel: &lapin::Channel, queue: &str) -> Result<u32, BenchError> {

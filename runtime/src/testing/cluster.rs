@@ -229,13 +229,7 @@ impl Cluster {
     /// # Errors
     /// As [`Cluster::ctl`].
     pub async fn leader(&self, vhost: &str, queue: &str) -> Result<Option<usize>, ClusterError> {
-        let out =
-            self.ctl(&["-q", "list_queues", "-p", vhost, "--no-table-headers", "name", "leader"]).await?;
-        let leader = out
-            .lines()
-            .filter_map(|line| line.split_once('\t'))
-            .find(|(name, _)| *name == queue)
-            .map(|(_, leader)| leader.trim().to_owned());
+        let leader = self.queue_info(vhost, queue, "leader").await?;
         Ok(leader.and_then(|leader| self.nodes.iter().position(|node| node.name == leader)))
     }
 
@@ -244,21 +238,8 @@ impl Cluster {
     /// # Errors
     /// As [`Cluster::ctl`].
     pub async fn members(&self, vhost: &str, queue: &str) -> Result<Vec<usize>, ClusterError> {
-        let out =
-            self.ctl(&["-q", "list_queues", "-p", vhost, "--no-table-headers", "name", "members"]).await?;
-        let members = out
-            .lines()
-            .filter_map(|line| line.split_once('\t'))
-            .find(|(name, _)| *name == queue)
-            .map(|(_, members)| members.to_owned())
-            .unwrap_or_default();
-        Ok(self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, node)| members.contains(&node.name))
-            .map(|(i, _)| i)
-            .collect())
+        let members = self.queue_info(vhost, queue, "members").await?.unwrap_or_default();
+        Ok((0..self.nodes.len()).filter(|&i| members.contains(&self.nodes[i].name)).collect())
     }
 
     /// Messages of `queue` in `vhost` not yet settled: ready plus delivered and
@@ -267,13 +248,17 @@ impl Cluster {
     /// # Errors
     /// As [`Cluster::ctl`].
     pub async fn unsettled(&self, vhost: &str, queue: &str) -> Result<Option<u64>, ClusterError> {
-        let out =
-            self.ctl(&["-q", "list_queues", "-p", vhost, "--no-table-headers", "name", "messages"]).await?;
+        Ok(self.queue_info(vhost, queue, "messages").await?.and_then(|messages| messages.parse().ok()))
+    }
+
+    /// One `rabbitmqctl list_queues` column of `queue` in `vhost`.
+    async fn queue_info(&self, vhost: &str, queue: &str, item: &str) -> Result<Option<String>, ClusterError> {
+        let out = self.ctl(&["-q", "list_queues", "-p", vhost, "--no-table-headers", "name", item]).await?;
         Ok(out
             .lines()
             .filter_map(|line| line.split_once('\t'))
             .find(|(name, _)| *name == queue)
-            .and_then(|(_, messages)| messages.trim().parse().ok()))
+            .map(|(_, value)| value.trim().to_owned()))
     }
 
     /// How many client connections to `vhost` node `index` holds.
@@ -375,7 +360,7 @@ impl Drop for Cluster {
         let _ = std::fs::remove_dir_all(BASE);
         // The watchdog's process group (`flock` and its shell): the lock is free.
         let _ = std::process::Command::new("kill")
-            .args(["-9", &format!("-{}", self.watchdog.id())])
+            .args(["-9", "--", &format!("-{}", self.watchdog.id())])
             .stderr(std::process::Stdio::null())
             .status();
         let _ = self.watchdog.wait();
