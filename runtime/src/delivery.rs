@@ -1099,6 +1099,19 @@ impl Consumer {
         };
         if let Err(err) = published {
             tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
+            if matches!(err, dead_letter::PublishError::Nacked { .. }) {
+                // A nack is the broker refusing on this channel, and on RabbitMQ 3.10 a
+                // channel that first published to a quorum queue during its leader
+                // election stays refused (seen with the outbox relay on a cluster):
+                // the session ends on the closed publishing channel and reconnects
+                // with fresh ones, instead of nacking this copy until the broker's
+                // own delivery limit dead-letters the original.
+                let _ = tokio::time::timeout(
+                    BOOKKEEPING_TIMEOUT,
+                    self.publisher.close(200, "a copy was nacked: reconnecting".into()),
+                )
+                .await;
+            }
             decision.outcome = Outcome::Requeued { error: err.to_string() };
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}

@@ -9,6 +9,7 @@
 //!        ├─ publish all, pipelined (mandatory unless best effort), await the confirms
 //!        │    ├─ confirmed and routed → DELETE
 //!        │    ├─ returned (unroutable) / nacked → postponed with backoff, error kept
+//!        │    │    (after a nack the next pass publishes on a fresh channel)
 //!        │    └─ channel lost → left as they are (the transaction's end unlocks them)
 //!        └─ COMMIT
 //! ```
@@ -242,6 +243,9 @@ pub(crate) struct Worker {
     pub(crate) observers: Observers,
 }
 
+/// A nacked row's error.
+const NACKED: &str = "the broker refused it (nack)";
+
 /// The relay's broker connection and what it learned on it.
 struct Link {
     connection: Connection,
@@ -252,6 +256,20 @@ struct Link {
     probe: Option<Channel>,
     /// Exchanges known to exist on this connection.
     exchanges: HashSet<String>,
+}
+
+impl Link {
+    /// Replaces the publishing channel with a fresh one in confirm mode; the old one
+    /// is closed (bounded). `Err`: the connection failed.
+    async fn reopen_channel(&mut self) -> Result<(), String> {
+        let channel = self.connection.create_channel().await.map_err(|err| err.to_string())?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
+        let old = std::mem::replace(&mut self.channel, channel);
+        let _ =
+            tokio::time::timeout(Duration::from_secs(2), old.close(200, "nacked: reopening".into())).await;
+        tracing::debug!("outbox relay: publishes were nacked; publishing on a fresh channel");
+        Ok(())
+    }
 }
 
 /// A fault the relay waits out.
@@ -508,7 +526,7 @@ async fn publish_all(
                 "unroutable: no queue is bound to exchange '{}' with routing key '{}' (returned, mandatory)",
                 row.exchange, row.routing_key
             ))),
-            Ok(Ok(Confirmation::Nack(None))) => Some(Err("the broker refused it (nack)".to_owned())),
+            Ok(Ok(Confirmation::Nack(None))) => Some(Err(NACKED.to_owned())),
             Ok(Err(err)) => {
                 lost.get_or_insert_with(|| err.to_string());
                 None
@@ -518,6 +536,17 @@ async fn publish_all(
                 None
             }
         };
+    }
+    // A nack is the broker refusing on *this channel*, and on RabbitMQ 3.10 a channel
+    // that first published to a quorum queue while it was electing a new leader
+    // (a relay that reconnected right after losing the leader's node) is nacked for
+    // good — seen on a cluster: the outbox stopped draining until a restart. The
+    // nacked rows are postponed as usual; the next pass publishes on a fresh channel.
+    let nacked = results.iter().any(|result| matches!(result, Some(Err(error)) if error == NACKED));
+    if nacked && lost.is_none() {
+        if let Err(reason) = link.reopen_channel().await {
+            lost = Some(reason);
+        }
     }
     // The connection or channel failed: the first row left unknown is postponed (it
     // may be what closed the channel — too large, say — and would otherwise come

@@ -166,8 +166,12 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
     ctx.notify(&ConnectionEvent::Connected { session });
     let mut consuming_events = connections.consuming.events_listener();
     let mut publishing_events = connections.publishing.events_listener();
+    // The publishing channel (copies): closed by the broker, or by a consumer after a
+    // nacked copy (see `settle_copy`).
+    let publisher = connections.channels[0].clone();
     let reason = loop {
         tokio::select! {
+            () = closed(&publisher) => break "the publishing channel closed".to_owned(),
             () = stop.cancelled() => {
                 session_stop.cancel();
                 while loops.join_next().await.is_some() {}

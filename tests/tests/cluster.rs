@@ -304,3 +304,73 @@ async fn a_classic_queue_whose_node_is_down_does_not_stop_consumption() {
     drop(bed);
     cluster.delete_vhost(&vhost).await.expect("delete the vhost");
 }
+
+/// The queue the handler below announces each payment to.
+static EVENTS: OnceLock<String> = OnceLock::new();
+
+/// The payment, then its event through the outbox.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn apply_and_announce(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+    ctx: &mut idemq::Context,
+) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    let events = EVENTS.get().expect("set by the test");
+    ctx.publish("", events, &idemq_example_payments::PaymentApplied::from(msg))?;
+    Ok(())
+}
+
+/// The node that leads the events queue — and holds the relay's connection — is
+/// SIGKILLed while the relay publishes. The relay reconnects to the next node while
+/// the queue is still electing its new leader; a publishing channel opened then was
+/// refused (nacked) for good on RabbitMQ 3.10 (seen by hand: the outbox stopped
+/// draining until the process restarted). Every payment's event still goes out, one
+/// message id per payment, and the outbox drains.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_relay_publishes_every_event_after_the_events_queues_leader_is_lost() {
+    let (cluster, _serial) = cluster().await;
+    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let events = Queue::new(unique("events"));
+    EVENTS.set(events.name().to_owned()).expect("one test sets it");
+    // Declared through node 0 (the bed's client), so node 0 leads it.
+    Topology::new()
+        .queue(events.clone())
+        .declare(&bed.broker.connection().create_channel().await.expect("channel"))
+        .await
+        .expect("declare");
+    let payments = publish_stream(&bed, 1500).await;
+    assert_eq!(leader(cluster, &vhost, events.name()).await, 0, "the events queue is led by node 0");
+    let running = Running::start(
+        bed.runtime()
+            .amqp_url(cluster.amqp_urls_from(0, &vhost))
+            .reconnect_max_backoff(Duration::from_millis(500))
+            .consume(&bed.queue, apply_and_announce),
+    );
+    applied(&bed, payments.len() / 3).await;
+    cluster.kill(0).await.expect("kill node 0");
+    applied(&bed, payments.len()).await;
+    let outbox = || async {
+        let mut conn = bed.db.connect().await;
+        diesel_async::RunQueryDsl::get_result::<i64>(
+            diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM idemq_outbox"),
+            &mut conn,
+        )
+        .await
+        .expect("count the outbox")
+    };
+    eventually("the outbox drained", Duration::from_secs(60), || async { outbox().await == 0 }).await;
+    running.stop().await.expect("clean shutdown");
+    cluster.restart(0).await.expect("node 0 back");
+    let client = Broker::connect(&cluster.amqp_urls_from(1, &vhost)).await;
+    let delivered = client.drain(events.name()).await;
+    let ids: std::collections::HashSet<String> = delivered
+        .iter()
+        .map(|m| m.delivery.properties.message_id().as_ref().map(|id| id.to_string()).unwrap_or_default())
+        .collect();
+    assert!(delivered.len() >= payments.len(), "{} events for {} payments", delivered.len(), payments.len());
+    assert_eq!(ids.len(), payments.len(), "one message id per payment (a re-send repeats its id)");
+    exactly_once(cluster, &vhost, &bed, payments.len()).await;
+    drop(bed);
+    cluster.delete_vhost(&vhost).await.expect("delete the vhost");
+}
