@@ -67,6 +67,17 @@ pub enum ClusterError {
         /// What it printed.
         output: String,
     },
+    /// A port a node needs is taken by something the kit did not start (another
+    /// broker, a cluster started by hand).
+    #[error(
+        "port {port} on 127.0.0.1 (node {node}) is in use by something the kit did not start; stop it (`ss -ltnp 'sport = :{port}'` shows what)"
+    )]
+    PortInUse {
+        /// The port.
+        port: u16,
+        /// The node that needs it.
+        node: String,
+    },
     /// A node did not start or stop in time.
     #[error("node {node} did not {what} within {timeout:?}")]
     Timeout {
@@ -132,10 +143,6 @@ impl Cluster {
     /// As [`Cluster::start`].
     pub async fn start_nodes(n: usize) -> Result<Self, ClusterError> {
         let n = n.clamp(1, 26);
-        let watchdog = tokio::task::spawn_blocking(start_watchdog)
-            .await
-            .map_err(|err| io("wait for the cluster lock", std::io::Error::other(err)))??;
-        remove_stale().await?;
         let nodes: Vec<ClusterNode> = (0..n)
             .map(|i| {
                 let letter = char::from(b'a' + u8::try_from(i).unwrap_or(0));
@@ -146,7 +153,20 @@ impl Cluster {
                 }
             })
             .collect();
+        let watchdog = tokio::task::spawn_blocking(start_watchdog)
+            .await
+            .map_err(|err| io("wait for the cluster lock", std::io::Error::other(err)))??;
+        // From here on, an error drops the cluster: its nodes go, and the lock with
+        // the watchdog (a start that fails may be tried again in this process).
         let cluster = Self { nodes, watchdog };
+        remove_stale().await?;
+        for node in &cluster.nodes {
+            for port in [node.port, node.dist_port()] {
+                if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+                    return Err(ClusterError::PortInUse { port, node: node.name.clone() });
+                }
+            }
+        }
         for node in &cluster.nodes {
             prepare_dir(node)?;
             launch(node).await?;
