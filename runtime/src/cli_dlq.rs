@@ -99,15 +99,30 @@ impl Browse {
     ) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
         let channel = connection.create_channel().await?;
         let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-        let count = match channel.queue_declare(dlq.into(), passive, FieldTable::default()).await {
-            Ok(queue) => queue.message_count(),
-            Err(_) => {
-                return Err(format!(
-                    "dead-letter queue '{dlq}' does not exist (`declare --apply` creates it)"
-                )
-                .into())
+        let ready = || async {
+            match channel.queue_declare(dlq.into(), passive, FieldTable::default()).await {
+                Ok(queue) => Ok(queue.message_count()),
+                Err(_) => {
+                    Err(format!("dead-letter queue '{dlq}' does not exist (`declare --apply` creates it)"))
+                }
             }
         };
+        // The count is of ready messages only. Dead letters a previous browse (or
+        // replay) held come back a moment after its channel closed — on a quorum
+        // queue after its close was answered — so `dlq list` twice in a row once
+        // said "no dead letters" (a fresh-clone CI run). Read until two readings
+        // 100 ms apart agree, and give an empty queue a second to fill.
+        let mut count = ready().await?;
+        let settle_by = Instant::now() + Duration::from_secs(1);
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let again = ready().await?;
+            let stable = again == count;
+            count = again;
+            if (stable && count > 0) || Instant::now() >= settle_by {
+                break;
+            }
+        }
         let want = u16::try_from(count).unwrap_or(MAX_BROWSE).min(MAX_BROWSE);
         let mut letters: Vec<Letter> = Vec::new();
         if want > 0 {
