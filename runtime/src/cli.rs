@@ -536,11 +536,7 @@ async fn declare(
         println!("exchange {exchange:<37} (declared with the topology)");
     }
     if apply {
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
-        builder.declare_all(&channel).await?;
+        builder.declare_all(&connection).await?;
         println!("declared ({missing} were missing)");
     } else if missing > 0 {
         println!("{missing} missing; `declare --apply` declares them (`run` does too)");

@@ -243,9 +243,6 @@ pub(crate) struct Worker {
     pub(crate) observers: Observers,
 }
 
-/// A nacked row's error.
-const NACKED: &str = "the broker refused it (nack)";
-
 /// The relay's broker connection and what it learned on it.
 struct Link {
     connection: Connection,
@@ -258,12 +255,18 @@ struct Link {
     exchanges: HashSet<String>,
 }
 
+/// A channel on `connection` in confirm mode, for publishing.
+async fn confirm_channel(connection: &Connection) -> Result<Channel, String> {
+    let channel = connection.create_channel().await.map_err(|err| err.to_string())?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
+    Ok(channel)
+}
+
 impl Link {
     /// Replaces the publishing channel with a fresh one in confirm mode; the old one
     /// is closed (bounded). `Err`: the connection failed.
     async fn reopen_channel(&mut self) -> Result<(), String> {
-        let channel = self.connection.create_channel().await.map_err(|err| err.to_string())?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
+        let channel = confirm_channel(&self.connection).await?;
         let old = std::mem::replace(&mut self.channel, channel);
         let _ =
             tokio::time::timeout(Duration::from_secs(2), old.close(200, "nacked: reopening".into())).await;
@@ -416,8 +419,7 @@ impl Worker {
         let connect = async {
             let (connection, node) =
                 self.brokers.connect("relay").await.map_err(|err| redact(&err.to_string()))?;
-            let channel = connection.create_channel().await.map_err(|err| err.to_string())?;
-            channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|err| err.to_string())?;
+            let channel = confirm_channel(&connection).await?;
             Ok(Link { connection, node, channel, probe: None, exchanges: HashSet::new() })
         };
         tokio::time::timeout(Duration::from_secs(30), connect)
@@ -483,6 +485,7 @@ async fn publish_all(
     let mut results: Vec<Option<Result<(), String>>> = rows.iter().map(|_| None).collect();
     let mut confirms = Vec::with_capacity(rows.len());
     let mut lost = None;
+    let mut nacked = false;
     for (index, row) in rows.iter().enumerate() {
         match exchange_exists(link, &row.exchange).await {
             Ok(true) => {}
@@ -526,7 +529,10 @@ async fn publish_all(
                 "unroutable: no queue is bound to exchange '{}' with routing key '{}' (returned, mandatory)",
                 row.exchange, row.routing_key
             ))),
-            Ok(Ok(Confirmation::Nack(None))) => Some(Err(NACKED.to_owned())),
+            Ok(Ok(Confirmation::Nack(None))) => {
+                nacked = true;
+                Some(Err("the broker refused it (nack)".to_owned()))
+            }
             Ok(Err(err)) => {
                 lost.get_or_insert_with(|| err.to_string());
                 None
@@ -542,7 +548,6 @@ async fn publish_all(
     // (a relay that reconnected right after losing the leader's node) is nacked for
     // good — seen on a cluster: the outbox stopped draining until a restart. The
     // nacked rows are postponed as usual; the next pass publishes on a fresh channel.
-    let nacked = results.iter().any(|result| matches!(result, Some(Err(error)) if error == NACKED));
     if nacked && lost.is_none() {
         if let Err(reason) = link.reopen_channel().await {
             lost = Some(reason);

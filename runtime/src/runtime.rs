@@ -22,7 +22,7 @@ use crate::outcome::{Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits};
 use crate::retry::RetryPolicy;
 use crate::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
-use crate::topology::{Queue, Topology};
+use crate::topology::Topology;
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -399,18 +399,23 @@ impl RuntimeBuilder {
         self.topology.exchange_names().map(str::to_owned).collect()
     }
 
-    /// Declares what `run` declares: the topology and the consumers' wait queues.
+    /// Declares what `run` declares — the topology and the consumers' wait queues —
+    /// through the runtime's own declaration, strictly: a queue that is unavailable
+    /// (its node down) is an error here, not skipped.
     #[cfg(feature = "cli")]
-    pub(crate) async fn declare_all(&self, channel: &lapin::Channel) -> Result<(), Error> {
-        self.topology.declare(channel).await?;
-        for ((queue, _, _), retry) in self.consumers.iter().zip(self.retry_policies()) {
-            let declared =
-                self.topology.find_queue(queue).cloned().unwrap_or_else(|| Queue::new(queue.clone()));
-            for (name, delay) in retry.wait_queues(queue) {
-                declared.declare_wait_queue(channel, &name, delay).await?;
-            }
-        }
-        Ok(())
+    pub(crate) async fn declare_all(&self, connection: &lapin::Connection) -> Result<(), Error> {
+        let declared: Vec<_> =
+            self.consumers.iter().map(|(queue, _, _)| self.topology.queue_or_default(queue)).collect();
+        let waits: Vec<_> = self
+            .consumers
+            .iter()
+            .zip(self.retry_policies())
+            .zip(&declared)
+            .flat_map(|(((queue, _, _), retry), declared)| {
+                retry.wait_queues(queue).into_iter().map(move |(name, delay)| (declared, name, delay))
+            })
+            .collect();
+        self.topology.declare_available(connection, &waits, |_| true).await
     }
 
     /// Every consumed or declared queue with its dead-letter queue.
@@ -424,7 +429,7 @@ impl RuntimeBuilder {
             .collect();
         for (queue, _, _) in &self.consumers {
             if !queues.iter().any(|(name, _)| name == queue) {
-                let declared = Queue::new(queue.clone());
+                let declared = self.topology.queue_or_default(queue);
                 queues.push((queue.clone(), declared.dead_letter_name().to_owned()));
             }
         }
@@ -681,11 +686,7 @@ impl Runtime {
                 // override the runtime's; `consume_with`'s policy overrides both.
                 let size = handler.batch_size().map_or(b.batch_size, |size| size.clamp(1, b.batch_size));
                 ConsumerSpec {
-                    declared: b
-                        .topology
-                        .find_queue(&queue)
-                        .cloned()
-                        .unwrap_or_else(|| Queue::new(queue.clone())),
+                    declared: b.topology.queue_or_default(&queue),
                     retry: effective_retry(retry, &*handler, &b.retry),
                     on_conflict: handler.on_conflict().unwrap_or(b.on_conflict),
                     batch: BatchLimits { size, linger: b.linger, pipelines: b.concurrency },

@@ -66,6 +66,12 @@ impl Topology {
         self.queues.iter().find(|q| q.name == name)
     }
 
+    /// The queue named `name` as declared here, or a default [`Queue::new`] (a
+    /// consumed queue the topology does not name).
+    pub(crate) fn queue_or_default(&self, name: &str) -> Queue {
+        self.find_queue(name).cloned().unwrap_or_else(|| Queue::new(name))
+    }
+
     /// The queues declared here.
     #[cfg(feature = "cli")]
     pub(crate) fn queues(&self) -> &[Queue] {

@@ -79,31 +79,15 @@ async fn leader(cluster: &Cluster, vhost: &str, queue: &str) -> usize {
     found.load(Ordering::SeqCst)
 }
 
-/// The node an idemq runtime's consuming connection to `vhost` is on (the test's
-/// own client, `idemq-tests`, does not count).
-async fn consumer_node(cluster: &Cluster, vhost: &str) -> usize {
+/// The node an idemq runtime's consuming connection to `vhost` is on, other than
+/// `except` (the test's own client, `idemq-tests`, does not count).
+async fn consumer_node(cluster: &Cluster, vhost: &str, except: Option<usize>) -> usize {
     let found = AtomicUsize::new(usize::MAX);
     eventually("a node with an idemq consumer", Duration::from_secs(30), || async {
         let connections = cluster.connections(vhost).await.unwrap_or_default();
-        match connections.iter().find(|(_, name)| name.starts_with("idemq consumer")) {
-            Some((node, _)) => {
-                found.store(*node, Ordering::SeqCst);
-                true
-            }
-            None => false,
-        }
-    })
-    .await;
-    found.load(Ordering::SeqCst)
-}
-
-/// A node other than `except` with an idemq consumer connected to `vhost`.
-async fn consumer_node_other_than(cluster: &Cluster, vhost: &str, except: usize) -> usize {
-    let found = AtomicUsize::new(usize::MAX);
-    eventually("another node with an idemq consumer", Duration::from_secs(30), || async {
-        let connections = cluster.connections(vhost).await.unwrap_or_default();
-        let node =
-            connections.iter().find(|(node, name)| *node != except && name.starts_with("idemq consumer"));
+        let node = connections
+            .iter()
+            .find(|(node, name)| Some(*node) != except && name.starts_with("idemq consumer"));
         node.inspect(|(node, _)| found.store(*node, Ordering::SeqCst)).is_some()
     })
     .await;
@@ -142,7 +126,7 @@ async fn three_processes_lose_the_queue_leader_then_a_connected_node_and_apply_e
     applied(&bed, n * 2 / 5).await;
     cluster.restart(lead).await.expect("the old leader back");
 
-    let connected = consumer_node_other_than(cluster, &vhost, lead).await;
+    let connected = consumer_node(cluster, &vhost, Some(lead)).await;
     cluster.kill(connected).await.expect("kill a node consumers are connected to");
     applied(&bed, n * 3 / 5).await;
     cluster.restart(connected).await.expect("the node back");
@@ -168,7 +152,7 @@ async fn node_lost_in_batch(conn: &mut AsyncPgConnection, msg: PaymentRequested)
     if let Some((trigger, vhost)) = TRIGGER.get() {
         if *trigger == msg.payment_id && !KILLED_IN_BATCH.swap(true, Ordering::SeqCst) {
             let cluster = CLUSTER.get().expect("the cluster");
-            let node = consumer_node(cluster, vhost).await;
+            let node = consumer_node(cluster, vhost, None).await;
             cluster.kill(node).await.map_err(|err| HandlerError::transient(err.to_string()))?;
         }
     }
@@ -226,7 +210,7 @@ async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doub
     assert!(KILLED_IN_BATCH.load(Ordering::SeqCst), "a node was lost inside a batch");
     cluster.heal().await.expect("the node back");
 
-    armed.store(consumer_node(cluster, &vhost).await, Ordering::SeqCst);
+    armed.store(consumer_node(cluster, &vhost, None).await, Ordering::SeqCst);
     let second = publish_stream(&bed, 200).await;
     applied(&bed, first.len() + second.len()).await;
     let node = killed_at_copy.load(Ordering::SeqCst);

@@ -468,12 +468,14 @@ fn prepare_dir(node: &ClusterNode) -> Result<(), ClusterError> {
     if is_root() {
         // The nodes run as `rabbitmq`: it must own their files.
         let status = std::process::Command::new("chown")
-            .args(["-R", "rabbitmq:rabbitmq", BASE])
+            .arg("-R")
+            .arg("rabbitmq:rabbitmq")
+            .arg(&node.dir)
             .status()
-            .map_err(|source| io("chown the cluster's files", source))?;
+            .map_err(|source| io("chown the node's files", source))?;
         if !status.success() {
             return Err(ClusterError::Command {
-                command: format!("chown -R rabbitmq {BASE}"),
+                command: format!("chown -R rabbitmq {}", node.dir.display()),
                 output: status.to_string(),
             });
         }
