@@ -162,9 +162,11 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
 
 /// Every COMMIT of a ledger row takes a while on the server (a deferred trigger
 /// sleeps), so the test can cut the connection while the COMMIT is in progress.
+/// 3 s: with 1.5 s a loaded fresh-clone CI run saw the COMMIT, and its answer got
+/// through before the cut (the outcome was Applied, not Duplicate).
 const SLOW_COMMIT: &str = "
     CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$;
+    BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
     CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ledger
         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();";
 
