@@ -257,7 +257,9 @@ fn run_with_an_unknown_queue_is_refused() {
 
 /// Dead letters after a demo: `dlq list` shows each with its reason and body,
 /// `dlq show` one whole, `dlq replay --kind key --limit 1` sends one back to its
-/// queue, `dlq purge --kind decode` removes those; browsing removes nothing.
+/// queue, `dlq purge --kind decode` removes those (refused without a terminal
+/// unless `--yes`; `--dry-run` only says); browsing removes nothing; each letter
+/// shows its queue.
 #[test]
 fn dlq_lists_shows_replays_and_purges_dead_letters() {
     let env = Isolated::new();
@@ -268,7 +270,8 @@ fn dlq_lists_shows_replays_and_purges_dead_letters() {
     assert!(
         listed.contains("conflict")
             && listed.contains("decode")
-            && listed.contains("body:  this is not json"),
+            && listed.contains("body:  this is not json")
+            && listed.contains("queue=payments "),
         "{listed}"
     );
     let again = stdout(&run_ok(&mut env.payments(&["dlq", "list"])));
@@ -277,7 +280,13 @@ fn dlq_lists_shows_replays_and_purges_dead_letters() {
     assert!(shown.contains("x-idemq-error-kind:") && shown.contains("body:"), "{shown}");
     let replayed = stdout(&run_ok(&mut env.payments(&["dlq", "replay", "--kind", "key", "--limit", "1"])));
     assert!(replayed.contains("replayed 1 dead letters to 'payments'"), "{replayed}");
-    let purged = stdout(&run_ok(&mut env.payments(&["dlq", "purge", "--kind", "decode"])));
+    // Without a terminal to ask on, purge refuses unless told --yes; --dry-run only says.
+    let refused = env.payments(&["dlq", "purge", "--kind", "decode"]).output().expect("run payments");
+    let refusal = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && refusal.contains("--yes"), "{refusal}");
+    let dry = stdout(&run_ok(&mut env.payments(&["dlq", "purge", "--kind", "decode", "--dry-run"])));
+    assert!(dry.contains("would purge 2 dead letters"), "{dry}");
+    let purged = stdout(&run_ok(&mut env.payments(&["dlq", "purge", "--kind", "decode", "--yes"])));
     assert!(purged.contains("purged 2 dead letters"), "{purged}");
     let left = stdout(&run_ok(&mut env.payments(&["dlq", "list"])));
     assert_eq!(count(&left), 3, "{left}");

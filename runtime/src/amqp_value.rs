@@ -9,16 +9,28 @@ pub(crate) fn header<'a>(properties: &'a BasicProperties, name: &str) -> Option<
     properties.headers().as_ref()?.inner().get(name)
 }
 
-/// A string value (long or short), as text; anything else is `None`.
+/// A string value (long or short), as text; anything else — and a long string that
+/// is not valid UTF-8 — is `None`. Never lossy: two different byte strings never
+/// read as one text (see [`bytes`] for the raw bytes).
 pub(crate) fn string(value: &AMQPValue) -> Option<String> {
     match value {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok().map(str::to_owned),
         AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
         _ => None,
     }
 }
 
-/// A string as it is, an integer in decimal; anything else is `None`.
+/// A string value's bytes (a long string may hold any); anything else is `None`.
+pub(crate) fn bytes(value: &AMQPValue) -> Option<&[u8]> {
+    match value {
+        AMQPValue::LongString(s) => Some(s.as_bytes()),
+        AMQPValue::ShortString(s) => Some(s.as_str().as_bytes()),
+        _ => None,
+    }
+}
+
+/// A string as it is, an integer in decimal; anything else (and a string that is
+/// not valid UTF-8) is `None`.
 pub(crate) fn text(value: &AMQPValue) -> Option<String> {
     match *value {
         AMQPValue::LongLongInt(v) => Some(v.to_string()),

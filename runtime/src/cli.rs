@@ -361,6 +361,11 @@ impl Cli {
     }
 }
 
+/// `--dry-run` of `dlq replay` and `dlq purge`.
+fn dry_run() -> Arg {
+    Arg::new("dry-run").long("dry-run").action(ArgAction::SetTrue).help("say what would be done; do nothing")
+}
+
 /// `dlq list | show | replay | purge`.
 fn dlq_command() -> Command {
     let filters = |command: Command| {
@@ -406,10 +411,28 @@ fn dlq_command() -> Command {
                     .help("its number in `dlq list`"),
             ),
         )
-        .subcommand(filters(Command::new("replay").about(
-            "publish dead letters to their queue again (fresh attempts), then remove them from the DLQ",
-        )))
-        .subcommand(filters(Command::new("purge").about("remove dead letters for good")))
+        .subcommand(
+            filters(Command::new("replay").about(
+                "publish dead letters to their queue again (fresh attempts), then remove them from the DLQ",
+            ))
+            .arg(dry_run())
+            .arg(
+                Arg::new("max-replays")
+                    .long("max-replays")
+                    .value_name("N")
+                    .value_parser(value_parser!(u32))
+                    .default_value("5")
+                    .help("leave a dead letter replayed N times already in the DLQ"),
+            ),
+        )
+        .subcommand(
+            filters(Command::new("purge").about("remove dead letters for good")).arg(dry_run()).arg(
+                Arg::new("yes")
+                    .long("yes")
+                    .action(ArgAction::SetTrue)
+                    .help("do not ask (needed without a terminal)"),
+            ),
+        )
 }
 
 /// Installs the `tracing` subscriber the parsed `--log-format` asks for (human by

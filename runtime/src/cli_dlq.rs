@@ -11,9 +11,16 @@
 //! Replay publishes each chosen dead letter to its queue (default exchange,
 //! persistent, `mandatory`, confirmed) without `x-delivery-count`, `x-death`,
 //! `x-idemq-attempts` and `x-idemq-retry-of` — so it starts again at attempt 1 — and
-//! only then acks it in the DLQ. Copies of one lineage (the same copy id before its
-//! `:attempt`) are listed once, with their count, and replayed once (the other
-//! copies are removed).
+//! only then acks it in the DLQ. Each replay adds one to `x-idemq-replay`: a new
+//! lineage generation (a copy of the letter's first life can never settle it), and a
+//! letter replayed `--max-replays` times (default 5) is left in the DLQ with a line
+//! saying so instead of going round for ever. Each letter goes back to the queue it
+//! was consumed from (`x-idemq-queue`; two queues may share a DLQ).
+//!
+//! Only true copies of one message are grouped — the same lineage, `message_id`,
+//! body and publisher headers (see [`same_message`]): listed once with their count,
+//! replayed once, the other copies removed. `replay` and `purge` take `--dry-run`;
+//! `purge` asks on the terminal unless given `--yes`, and refuses without one.
 
 use std::time::{Duration, Instant};
 
@@ -24,10 +31,11 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Confirmation, Connection};
 
 use crate::dead_letter::headers;
+use crate::identity;
 use crate::runtime::RuntimeBuilder;
 
 /// The longest a browse holds dead letters unacked.
@@ -52,11 +60,22 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
             None => "the code declares and consumes no queue".into(),
         });
     }
+    // Each dead-letter queue once, with the queues that dead-letter into it: two
+    // queues may share one, and each letter goes back to its own.
+    let mut dlqs: Vec<(String, Vec<String>)> = Vec::new();
+    for (queue, dlq) in builder.consumed_queues() {
+        match dlqs.iter_mut().find(|(name, _)| *name == dlq) {
+            Some((_, owners)) => owners.push(queue),
+            None => dlqs.push((dlq, vec![queue])),
+        }
+    }
+    dlqs.retain(|(dlq, _)| queues.iter().any(|(_, wanted)| wanted == dlq));
     let connection = crate::cli::connect_broker(builder.configured_amqp_url()).await?;
-    let filter = Filter::of(sub);
+    let filter = Filter::of(sub, only.cloned());
+    let options = Options::of(sub);
     let mut index = 0;
-    for (queue, dlq) in &queues {
-        let browse = Browse::take(&connection, dlq).await?;
+    for (dlq, owners) in &dlqs {
+        let browse = Browse::take(&connection, dlq, owners).await?;
         let result = match action {
             "list" => {
                 list(&browse, &filter, &mut index);
@@ -67,8 +86,8 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
                 show(&browse, wanted, &mut index);
                 Ok(())
             }
-            "replay" => replay(&connection, &browse, &filter, queue).await,
-            "purge" => purge(&browse, &filter, dlq).await,
+            "replay" => replay(&connection, &browse, &filter, &options).await,
+            "purge" => purge(&browse, &filter, &options).await,
             other => Err(format!("unknown dlq command `{other}`").into()),
         };
         browse.end().await;
@@ -80,22 +99,55 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
     Ok(())
 }
 
+/// How `replay` and `purge` act.
+struct Options {
+    dry_run: bool,
+    yes: bool,
+    max_replays: u32,
+}
+
+impl Options {
+    fn of(matches: &ArgMatches) -> Self {
+        let flag = |id: &str| matches.try_get_one::<bool>(id).ok().flatten().copied().unwrap_or(false);
+        Self {
+            dry_run: flag("dry-run"),
+            yes: flag("yes"),
+            max_replays: matches
+                .try_get_one::<u32>("max-replays")
+                .ok()
+                .flatten()
+                .copied()
+                .unwrap_or(DEFAULT_MAX_REPLAYS),
+        }
+    }
+}
+
+/// How often `dlq replay` sends one message back before leaving it in the DLQ (the
+/// `--max-replays` default in `cli.rs` says the same).
+pub(crate) const DEFAULT_MAX_REPLAYS: u32 = 5;
+
 /// The dead letters of one DLQ, taken unacked on a channel of their own.
 struct Browse {
     channel: Channel,
+    dlq: String,
     letters: Vec<Letter>,
 }
 
-/// One lineage's dead letters: the first, and the count of its copies.
+/// One message's dead letters: the first, and the tags of its true copies.
 struct Letter {
     delivery: Delivery,
     copies: Vec<u64>,
+    /// The queue it was consumed from, where a replay sends it: its
+    /// `x-idemq-queue` if that is one of the queues this DLQ serves, else the only
+    /// such queue; `None` when neither tells.
+    queue: Option<String>,
 }
 
 impl Browse {
     async fn take(
         connection: &Connection,
         dlq: &str,
+        owners: &[String],
     ) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
         let channel = connection.create_channel().await?;
         let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
@@ -144,15 +196,16 @@ impl Browse {
                 };
                 let delivery = delivery?;
                 seen += 1;
-                let lineage = lineage(&delivery);
-                match letters.iter_mut().find(|l| lineage.is_some() && self::lineage(&l.delivery) == lineage)
-                {
+                match letters.iter_mut().find(|letter| same_message(&letter.delivery, &delivery)) {
                     Some(letter) => letter.copies.push(delivery.delivery_tag),
-                    None => letters.push(Letter { delivery, copies: Vec::new() }),
+                    None => {
+                        let queue = home_queue(&delivery, owners);
+                        letters.push(Letter { delivery, copies: Vec::new(), queue });
+                    }
                 }
             }
         }
-        Ok(Self { channel, letters })
+        Ok(Self { channel, dlq: dlq.to_owned(), letters })
     }
 
     /// Closes the channel: what was not acked goes back to the queue.
@@ -160,24 +213,81 @@ impl Browse {
         let _ = tokio::time::timeout(Duration::from_secs(5), self.channel.close(200, "browsed".into())).await;
     }
 
-    async fn ack(&self, tag: u64) -> Result<(), lapin::Error> {
-        self.channel.basic_ack(tag, BasicAckOptions::default()).await
+    /// Acks a letter and its copies: they leave the DLQ.
+    async fn remove(&self, letter: &Letter) -> Result<(), lapin::Error> {
+        for tag in std::iter::once(letter.delivery.delivery_tag).chain(letter.copies.iter().copied()) {
+            self.channel.basic_ack(tag, BasicAckOptions::default()).await?;
+        }
+        Ok(())
     }
+}
+
+/// The queue `delivery` was consumed from, among the queues `owners` of its DLQ.
+fn home_queue(delivery: &Delivery, owners: &[String]) -> Option<String> {
+    match header(delivery, headers::QUEUE) {
+        Some(queue) if owners.contains(&queue) => Some(queue),
+        Some(_) => None,
+        None if owners.len() == 1 => Some(owners[0].clone()),
+        None => None,
+    }
+}
+
+/// Whether two dead letters are copies of one message: the same lineage (copy id
+/// before its `:attempt`), and — checked again, since lineages of idemq's first
+/// releases hashed only handler and body — the same `message_id`, body, queue,
+/// replay generation and headers of the publisher's. Anything else is two messages,
+/// each listed, replayed and purged on its own: keeping true copies apart costs a
+/// duplicate at most (its dedup row settles it), merging two messages loses one.
+fn same_message(a: &Delivery, b: &Delivery) -> bool {
+    let lineage = |d: &Delivery| header(d, headers::COPY_ID).map(|id| identity::lineage_of(&id).to_owned());
+    let id = |d: &Delivery| d.properties.message_id().clone();
+    lineage(a).is_some()
+        && lineage(a) == lineage(b)
+        && id(a) == id(b)
+        && a.data == b.data
+        && header(a, headers::QUEUE) == header(b, headers::QUEUE)
+        && header(a, headers::REPLAY) == header(b, headers::REPLAY)
+        && publisher_headers(a) == publisher_headers(b)
+}
+
+/// The headers the publisher set: without idemq's and the broker's (`x-death`,
+/// `x-first-death-*`, `x-last-death-*`, `x-delivery-count`), which differ between
+/// copies of one message.
+fn publisher_headers(delivery: &Delivery) -> Vec<(String, String)> {
+    let broker = |name: &str| {
+        name.starts_with("x-idemq-")
+            || name == "x-death"
+            || name == headers::DELIVERY_COUNT
+            || name.starts_with("x-first-death-")
+            || name.starts_with("x-last-death-")
+    };
+    let mut own: Vec<(String, String)> = delivery
+        .properties
+        .headers()
+        .iter()
+        .flat_map(|table| table.inner().iter())
+        .filter(|(name, _)| !broker(name.as_str()))
+        .map(|(name, value)| (name.to_string(), format!("{value:?}")))
+        .collect();
+    own.sort();
+    own
 }
 
 /// Which dead letters a command applies to.
 struct Filter {
     kind: Option<String>,
     handler: Option<String>,
+    queue: Option<String>,
     limit: Option<usize>,
 }
 
 impl Filter {
-    fn of(matches: &ArgMatches) -> Self {
+    fn of(matches: &ArgMatches, queue: Option<String>) -> Self {
         let get = |id: &str| matches.try_get_one::<String>(id).ok().flatten().cloned();
         Self {
             kind: get("kind"),
             handler: get("handler"),
+            queue,
             limit: matches.try_get_one::<usize>("limit").ok().flatten().copied(),
         }
     }
@@ -186,13 +296,15 @@ impl Filter {
         self.kind.is_none() && self.handler.is_none()
     }
 
-    fn matches(&self, delivery: &Delivery) -> bool {
+    fn matches(&self, letter: &Letter) -> bool {
+        let delivery = &letter.delivery;
         self.kind.as_ref().is_none_or(|kind| header(delivery, headers::ERROR_KIND).as_deref() == Some(kind))
             && self.handler.as_ref().is_none_or(|h| header(delivery, headers::HANDLER).as_deref() == Some(h))
+            && self.queue.as_ref().is_none_or(|queue| letter.queue.as_ref() == Some(queue))
     }
 
     fn chosen<'a>(&self, letters: &'a [Letter]) -> Vec<&'a Letter> {
-        let matching = letters.iter().filter(|letter| self.matches(&letter.delivery));
+        let matching = letters.iter().filter(|letter| self.matches(letter));
         matching.take(self.limit.unwrap_or(usize::MAX)).collect()
     }
 }
@@ -203,10 +315,9 @@ fn header(delivery: &Delivery, name: &str) -> Option<String> {
     Some(crate::amqp_value::text(value).unwrap_or_else(|| format!("{value:?}")))
 }
 
-/// The copy id's lineage (before `:attempt`).
-fn lineage(delivery: &Delivery) -> Option<String> {
-    let id = header(delivery, headers::COPY_ID)?;
-    Some(id.rsplit_once(':').map_or(id.clone(), |(lineage, _)| lineage.to_owned()))
+/// How often the letter was replayed (`x-idemq-replay`).
+fn replays(delivery: &Delivery) -> u32 {
+    header(delivery, headers::REPLAY).and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
 fn preview(bytes: &[u8], max: usize) -> String {
@@ -229,9 +340,14 @@ fn list(browse: &Browse, filter: &Filter, index: &mut usize) {
         } else {
             format!(" (+{} copies)", letter.copies.len())
         };
+        let replayed = match replays(d) {
+            0 => String::new(),
+            n => format!(" replayed={n}"),
+        };
         println!(
-            "#{index} {} handler={} attempts={} at={}{copies}\n    error: {}\n    body:  {}",
+            "#{index} {} queue={} handler={} attempts={}{replayed} at={}{copies}\n    error: {}\n    body:  {}",
             field(headers::ERROR_KIND),
+            letter.queue.as_deref().unwrap_or("?"),
             field(headers::HANDLER),
             field(headers::ATTEMPTS),
             field(headers::LAST_FAILURE),
@@ -248,7 +364,13 @@ fn show(browse: &Browse, wanted: usize, index: &mut usize) {
             continue;
         }
         let d = &letter.delivery;
-        println!("dead letter #{wanted} ({} bytes, {} more copies)", d.data.len(), letter.copies.len());
+        println!(
+            "dead letter #{wanted} in '{}' from queue {} ({} bytes, {} more copies)",
+            browse.dlq,
+            letter.queue.as_deref().unwrap_or("? (unknown)"),
+            d.data.len(),
+            letter.copies.len()
+        );
         let p = &d.properties;
         for (name, value) in [
             ("message_id", p.message_id().as_ref().map(|v| v.to_string())),
@@ -270,14 +392,46 @@ fn show(browse: &Browse, wanted: usize, index: &mut usize) {
 }
 
 /// The headers a replay drops, so the message starts again at attempt 1.
-const STRIPPED: [&str; 4] = [headers::DELIVERY_COUNT, "x-death", headers::ATTEMPTS, headers::RETRY_OF];
+const STRIPPED: [&str; 5] =
+    [headers::DELIVERY_COUNT, "x-death", headers::ATTEMPTS, headers::RETRY_OF, headers::REPLAY];
 
-async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, queue: &str) -> CliResult {
+async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, options: &Options) -> CliResult {
     let publisher = connection.create_channel().await?;
     publisher.confirm_select(ConfirmSelectOptions::default()).await?;
-    let mut replayed = 0;
+    let (mut replayed, mut left) = (std::collections::BTreeMap::<&str, usize>::new(), 0);
+    let dlq = &browse.dlq;
     for letter in filter.chosen(&browse.letters) {
         let d = &letter.delivery;
+        let describe = || {
+            let id = d.properties.message_id().as_ref().map_or("-".to_owned(), ToString::to_string);
+            format!("the dead letter (message_id {id}, {})", preview(&d.data, 60))
+        };
+        let Some(queue) = letter.queue.as_deref() else {
+            println!(
+                "left {} in '{dlq}': its queue is unknown (no {} header it names, and '{dlq}' serves several queues); \
+                 republish it by hand",
+                describe(),
+                headers::QUEUE
+            );
+            left += 1;
+            continue;
+        };
+        let generation = replays(d);
+        if generation >= options.max_replays {
+            println!(
+                "left {} in '{dlq}': replayed {generation} times already (--max-replays {}); fix what fails it, \
+                 or purge it",
+                describe(),
+                options.max_replays
+            );
+            left += 1;
+            continue;
+        }
+        if options.dry_run {
+            println!("would replay {} to '{queue}' (replay {})", describe(), generation + 1);
+            *replayed.entry(queue).or_default() += 1;
+            continue;
+        }
         let mut table = FieldTable::default();
         if let Some(original) = d.properties.headers() {
             for (name, value) in original.inner() {
@@ -286,6 +440,9 @@ async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, queue
                 }
             }
         }
+        // A new generation: a lineage of its own, whose attempt 1 no copy of the
+        // letter's first life can settle.
+        table.insert(headers::REPLAY.into(), AMQPValue::LongLongInt(i64::from(generation + 1)));
         let properties = d.properties.clone().with_headers(table).with_delivery_mode(2);
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
         let confirm =
@@ -300,30 +457,63 @@ async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, queue
             }
         }
         // Published and confirmed: only now out of the DLQ (with its copies).
-        browse.ack(d.delivery_tag).await?;
-        for &copy in &letter.copies {
-            browse.ack(copy).await?;
-        }
-        replayed += 1;
+        browse.remove(letter).await?;
+        *replayed.entry(queue).or_default() += 1;
     }
     let _ = publisher.close(200, "replayed".into()).await;
-    if replayed > 0 || !browse.letters.is_empty() {
-        println!("replayed {replayed} dead letters to '{queue}'");
+    let verb = if options.dry_run { "would replay" } else { "replayed" };
+    for (queue, count) in &replayed {
+        println!("{verb} {count} dead letters to '{queue}'");
+    }
+    if replayed.is_empty() && !browse.letters.is_empty() && left == 0 {
+        println!("{verb} 0 dead letters from '{dlq}'");
     }
     Ok(())
 }
 
-async fn purge(browse: &Browse, filter: &Filter, dlq: &str) -> CliResult {
-    let mut purged = 0;
-    for letter in filter.chosen(&browse.letters) {
-        browse.ack(letter.delivery.delivery_tag).await?;
-        for &copy in &letter.copies {
-            browse.ack(copy).await?;
+async fn purge(browse: &Browse, filter: &Filter, options: &Options) -> CliResult {
+    let chosen = filter.chosen(&browse.letters);
+    let count: usize = chosen.iter().map(|letter| 1 + letter.copies.len()).sum();
+    let dlq = &browse.dlq;
+    if options.dry_run {
+        for letter in &chosen {
+            let copies = letter.copies.len();
+            println!(
+                "would purge the dead letter {} from queue {} (+{copies} copies): {}",
+                header(&letter.delivery, headers::ERROR_KIND).unwrap_or_else(|| "-".to_owned()),
+                letter.queue.as_deref().unwrap_or("?"),
+                preview(&letter.delivery.data, 60)
+            );
         }
-        purged += 1 + letter.copies.len();
+        println!("would purge {count} dead letters from '{dlq}'");
+        return Ok(());
     }
-    if purged > 0 || !browse.letters.is_empty() {
-        println!("purged {purged} dead letters from '{dlq}'");
+    if count > 0 && !options.yes && !confirmed(count, dlq)? {
+        println!("purged nothing from '{dlq}'");
+        return Ok(());
+    }
+    for letter in &chosen {
+        browse.remove(letter).await?;
+    }
+    if count > 0 || !browse.letters.is_empty() {
+        println!("purged {count} dead letters from '{dlq}'");
     }
     Ok(())
+}
+
+/// Asks on the terminal whether to purge; without one, refuses.
+fn confirmed(count: usize, dlq: &str) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
+    use std::io::{BufRead, IsTerminal, Write};
+    if !std::io::stdin().is_terminal() {
+        return Err(format!(
+            "purge would delete {count} dead letters from '{dlq}' for good, and there is no terminal to ask: \
+             look first with `dlq purge --dry-run`, then confirm with `dlq purge --yes`"
+        )
+        .into());
+    }
+    print!("delete {count} dead letters from '{dlq}' for good? [y/N] ");
+    std::io::stdout().flush()?;
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes"))
 }

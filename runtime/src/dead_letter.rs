@@ -39,7 +39,16 @@ pub mod headers {
     pub const DELIVERY_COUNT: &str = "x-delivery-count";
     /// The copy's identity, `<lineage>:<attempt>`: the same for every copy of one
     /// message made at one attempt, so a second one is recognised (set on every copy).
+    /// The lineage hashes what makes the message itself: its handler, dedup key,
+    /// `message_id`, body and [`REPLAY`] generation.
     pub const COPY_ID: &str = "x-idemq-copy-id";
+    /// The queue the message was consumed from (set on every copy): where `dlq
+    /// replay` sends a dead letter back, and what `dlq list` shows.
+    pub const QUEUE: &str = "x-idemq-queue";
+    /// How often `dlq replay` sent this message back to its queue (absent: never).
+    /// Each replay is a new lineage generation, starting again at attempt 1; `dlq
+    /// replay` leaves a letter replayed `--max-replays` times in the DLQ.
+    pub const REPLAY: &str = "x-idemq-replay";
     /// On retry copies only: the queue the copy returns to. With the broker's
     /// `x-death` entry of that queue's wait queue, it is what makes idemq trust the
     /// copy's `x-idemq-attempts`; a dead letter has none, so a replay starts afresh.
@@ -68,6 +77,8 @@ pub(crate) struct Letter<'a> {
     pub(crate) kind: Option<FailureKind>,
     pub(crate) error: &'a str,
     pub(crate) handler: &'a str,
+    /// The queue it was consumed from (see [`headers::QUEUE`]).
+    pub(crate) queue: &'a str,
     pub(crate) attempts: u32,
     /// See [`headers::COPY_ID`].
     pub(crate) copy_id: &'a str,
@@ -136,6 +147,7 @@ fn annotate(delivery: &Delivery, letter: &Letter<'_>, frame_max: u32) -> BasicPr
         set(&mut headers, headers::ERROR_KIND, kind.as_str());
     }
     set(&mut headers, headers::HANDLER, letter.handler);
+    set(&mut headers, headers::QUEUE, letter.queue);
     set(&mut headers, headers::COPY_ID, letter.copy_id);
     if let Some(queue) = letter.retry_of {
         set(&mut headers, headers::RETRY_OF, queue);

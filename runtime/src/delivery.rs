@@ -68,7 +68,10 @@
 //!   its start is committed before its handler runs, so a crash is charged to the
 //!   message that caused it, not to the prefetch window around it.
 //! - Every copy carries a copy id (lineage + attempt); a redelivered original whose
-//!   copy the broker already confirmed is acked without running its handler.
+//!   copy the broker already confirmed is acked without running its handler. A
+//!   recorded copy can only ever settle the message it was made from: the lineage
+//!   hashes the message's scope, key, `message_id`, body and replay generation
+//!   ([`crate::identity`]), so two messages that differ to their handler never share one.
 //! - What handlers publish (through their [`Context`]) and return goes into the
 //!   batch's transaction after the last handler, one statement for the outbox rows
 //!   (with a request's reply) and one for the results: published if and only if the
@@ -89,7 +92,6 @@ use lapin::message::Delivery;
 use lapin::types::AMQPValue;
 use lapin::Acker;
 use lapin::Channel;
-use sha2::{Digest, Sha256};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -102,7 +104,7 @@ use crate::db::{self, CommitFailure};
 use crate::dead_letter::{self, headers, Letter};
 use crate::error::Error;
 use crate::handler::{ErrorClass, HandlerError};
-use crate::key::hex;
+use crate::identity::Identity;
 use crate::observe::{Batch, Commit, InfrastructureRetry, Observers};
 use crate::outbox::{self, Context, HandlerOutput, Outgoing, Request};
 use crate::outcome::{FailureKind, Outcome, Settled};
@@ -616,7 +618,8 @@ impl Consumer {
         let item = &items[index];
         let infra = |err| Fault::Infra(InfraFault::Database(err));
         let decided = |decision: Decision| Ran { decided: vec![(index, decision)], ..Ran::default() };
-        let copy_id = self.copy_id(&item.delivery, item.counts.attempt);
+        let key = prepared.as_ref().map(|prepared| prepared.key.as_str());
+        let copy_id = self.identity(item, key).copy_id(item.counts.attempt);
         if db::copy_recorded(conn, &copy_id).await.map_err(infra)? {
             return Ok(decided(Decision::new(Outcome::AlreadyCopied { copy_id })));
         }
@@ -1079,11 +1082,12 @@ impl Consumer {
             }
             _ => return report(self.acks.ack_one(delivery).await, self, decision),
         };
-        let copy_id = self.copy_id(delivery, counts.attempt);
+        let copy_id = self.identity(item, decision.key.as_deref()).copy_id(counts.attempt);
         let letter = Letter {
             kind,
             error: &error,
             handler: self.handler.name(),
+            queue: &self.queue,
             attempts: counts.attempt,
             copy_id: &copy_id,
             retry_of,
@@ -1159,15 +1163,17 @@ impl Consumer {
         report(self.acks.ack_one(delivery).await, self, decision)
     }
 
-    /// `<sha256(scope, body) in hex, 32 chars>:<attempt>`: the same for every copy
-    /// of one message at one attempt (copies keep the body byte for byte).
-    fn copy_id(&self, delivery: &Delivery, attempt: u32) -> String {
-        let lineage = Sha256::new()
-            .chain_update(self.scope.as_bytes())
-            .chain_update([0])
-            .chain_update(&delivery.data)
-            .finalize();
-        format!("{}:{attempt}", hex(&lineage[..16]))
+    /// What makes `item` itself (see [`crate::identity`]): `key` is its stored dedup key,
+    /// `None` when it could not be decoded.
+    fn identity<'a>(&'a self, item: &'a Delivered, key: Option<&'a str>) -> Identity<'a> {
+        let delivery = &item.delivery;
+        Identity {
+            scope: &self.scope,
+            key,
+            message_id: delivery.properties.message_id().as_ref().map(|id| id.as_str()),
+            body: &delivery.data,
+            replay: item.counts.replay,
+        }
     }
 
     /// Runs a best-effort statement of idemq's own on a pooled connection, bounded;
@@ -1368,6 +1374,10 @@ struct Counts {
     /// This handler attempt's number: 1, or 1 + the `x-idemq-attempts` of a retry
     /// copy that came back through this queue's own wait queue.
     attempt: u32,
+    /// Its replay generation: how often `dlq replay` sent it back (`x-idemq-replay`,
+    /// 0 without). Part of its [`Identity`]; trusting a publisher's value costs
+    /// nothing (another value only makes another lineage).
+    replay: u32,
 }
 
 impl Counts {
@@ -1381,7 +1391,8 @@ impl Counts {
             && header("x-death").is_some_and(|death| came_from_wait_queue(death, queue));
         let attempt =
             if retried_here { header(headers::ATTEMPTS).map_or(0, as_count).saturating_add(1) } else { 1 };
-        Self { redelivered, delivery_count, attempt }
+        let replay = header(headers::REPLAY).map_or(0, as_count);
+        Self { redelivered, delivery_count, attempt, replay }
     }
 }
 

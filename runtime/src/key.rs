@@ -52,6 +52,21 @@ impl Key {
         Ok(Self(raw))
     }
 
+    /// A key given as bytes (a header holding a binary id): valid UTF-8 is the key
+    /// [`Key::new`] makes of that text; any other bytes are stored as `sha256:` and the
+    /// hex SHA-256 of the bytes themselves — never a lossy reading, so two byte strings
+    /// are two keys. It cannot collide with a text key: a hashed text key is the hash
+    /// of valid UTF-8, and these bytes are not.
+    ///
+    /// # Errors
+    /// As [`Key::new`] for UTF-8 bytes (empty, NUL); [`KeyError::Empty`] for none.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, KeyError> {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Self::new(text),
+            Err(_) => Ok(Self(format!("{HASH_PREFIX}{}", hex(&Sha256::digest(bytes))))),
+        }
+    }
+
     /// The key as stored in the dedup table.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -110,7 +125,9 @@ impl<'a> Metadata<'a> {
         self.properties.message_id().as_ref().map(|id| id.as_str())
     }
 
-    /// A header of the delivery: a string as it is, an integer in decimal.
+    /// A header of the delivery: a string as it is, an integer in decimal. A string
+    /// that is not valid UTF-8 is `None` (never replaced by a lossy reading that
+    /// another value could share): [`header_key`](Self::header_key) keys it byte-exact.
     pub fn header(&self, name: &str) -> Option<String> {
         crate::amqp_value::header(self.properties, name).and_then(crate::amqp_value::text)
     }
@@ -132,10 +149,21 @@ impl<'a> Metadata<'a> {
     /// `key = "@header:<name>"`: a delivery without it (or with a value that is
     /// neither a string nor an integer) has a missing key.
     ///
+    /// Byte-exact: a string value that is not valid UTF-8 is keyed by its bytes
+    /// ([`Key::from_bytes`]), so `ff 31` and `fe 31` are two keys. An integer is its
+    /// decimal text: the integer header `7` and the string header `"7"` are one key,
+    /// as an integer key field `7` and a string key field `"7"` are (publishers in
+    /// different languages send one id either way).
+    ///
     /// # Errors
     /// [`KeyError::Missing`], or the value's own.
     pub fn header_key(&self, name: &str) -> Result<Key, KeyError> {
-        self.header(name).ok_or(KeyError::Missing)?.to_key()
+        let value = crate::amqp_value::header(self.properties, name).ok_or(KeyError::Missing)?;
+        if let Some(text) = crate::amqp_value::text(value) {
+            return text.to_key();
+        }
+        let bytes = crate::amqp_value::bytes(value).ok_or(KeyError::Missing)?;
+        Key::from_bytes(bytes)
     }
 
     /// `key = "@hash"`: the payload's fingerprint in hex, for producers that send no
@@ -384,5 +412,42 @@ mod tests {
         let over = "k".repeat(MAX_STORED_KEY_BYTES + 1);
         assert!(over.to_key().unwrap().as_str().starts_with("sha256:"));
         assert_eq!("pay-1".to_key().unwrap().as_str(), "pay-1");
+    }
+
+    fn with_header(value: lapin::types::AMQPValue) -> lapin::BasicProperties {
+        let mut headers = lapin::types::FieldTable::default();
+        headers.insert("x-k".into(), value);
+        lapin::BasicProperties::default().with_headers(headers)
+    }
+
+    fn header_key(value: lapin::types::AMQPValue) -> Result<Key, KeyError> {
+        Metadata::new(&with_header(value), &[]).header_key("x-k")
+    }
+
+    fn bytes(raw: &[u8]) -> lapin::types::AMQPValue {
+        lapin::types::AMQPValue::LongString(raw.to_vec().into())
+    }
+
+    #[test]
+    fn header_keys_that_are_not_utf8_are_byte_exact() {
+        let (a, b) = (header_key(bytes(b"\xff1")).unwrap(), header_key(bytes(b"\xfe1")).unwrap());
+        assert_ne!(a, b, "two byte strings are two keys");
+        assert!(a.as_str().starts_with("sha256:"), "{a:?}");
+        assert_eq!(a, header_key(bytes(b"\xff1")).unwrap(), "the same bytes, the same key");
+        // Not the key of the lossy reading, nor of any text.
+        assert_ne!(a, "\u{fffd}1".to_key().unwrap());
+        assert_eq!(Metadata::new(&with_header(bytes(b"\xff1")), &[]).header("x-k"), None);
+        assert_eq!(header_key(bytes(b"")), Err(KeyError::Empty));
+        assert_eq!(header_key(bytes("pay-1".as_bytes())).unwrap().as_str(), "pay-1");
+    }
+
+    #[test]
+    fn an_integer_header_and_its_decimal_string_are_one_key() {
+        use lapin::types::AMQPValue;
+        let string = header_key(bytes(b"7")).unwrap();
+        assert_eq!(header_key(AMQPValue::LongLongInt(7)).unwrap(), string);
+        assert_eq!(header_key(AMQPValue::ShortInt(7)).unwrap(), string);
+        assert_eq!(string, 7_u32.to_key().unwrap(), "as an integer key field 7 and a string field \"7\" are");
+        assert_eq!(header_key(AMQPValue::Boolean(true)), Err(KeyError::Missing));
     }
 }

@@ -178,6 +178,7 @@ mod error;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod handler;
+mod identity;
 mod key;
 #[cfg(feature = "metrics")]
 mod metrics;

@@ -175,6 +175,40 @@ async fn header_keys_and_key_fns_read_the_delivery() {
     assert_eq!(stored_keys(&bed, "by_fn").await, ["t/eu", "t/us"]);
 }
 
+fn with_raw_header(name: &str, value: AMQPValue) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(name.into(), value);
+    BasicProperties::default().with_headers(headers)
+}
+
+/// A header key is byte-exact: the bytes `ff 31` and `fe 31` (not UTF-8; a lossy
+/// reading made both `"\u{fffd}1"`) are two messages, both applied, each its own
+/// stored key; the same bytes again are a duplicate. The integer header `7` and the
+/// string header `"7"` are one key (documented on `Metadata::header_key`).
+#[tokio::test(flavor = "multi_thread")]
+async fn header_keys_are_byte_exact_and_an_integer_is_its_decimal_text() {
+    let bed = Bed::new().await;
+    let body = order("t", "1");
+    let bytes = |raw: &[u8]| AMQPValue::LongString(raw.to_vec().into());
+    for value in [bytes(b"\xff1"), bytes(b"\xfe1"), bytes(b"\xff1")] {
+        publish(&bed, &body, with_raw_header("x-idempotency-key", value)).await;
+    }
+    publish(&bed, &body, with_raw_header("x-idempotency-key", AMQPValue::LongLongInt(7))).await;
+    publish(&bed, &body, with_raw_header("x-idempotency-key", bytes(b"7"))).await;
+    let events = Running::settle(bed.runtime().consume(&bed.queue, by_header), 5).await;
+    let outcomes = outcomes_of(&events);
+    assert_eq!(
+        (count(&outcomes, &Outcome::Applied), count(&outcomes, &Outcome::Duplicate)),
+        (3, 2),
+        "ff 31, fe 31 and 7 applied; ff 31 again and \"7\" duplicates: {outcomes:?}"
+    );
+    let keys = stored_keys(&bed, "by_header").await;
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    assert!(keys.contains(&"7".to_owned()), "{keys:?}");
+    assert_eq!(keys.iter().filter(|key| key.starts_with("sha256:")).count(), 2, "{keys:?}");
+    assert!(!keys.iter().any(|key| key.contains('\u{fffd}')), "never a lossy reading: {keys:?}");
+}
+
 /// `@hash`: a copy of the same payload (re-serialized: other member order and
 /// spacing) is a duplicate; another payload is another message.
 #[tokio::test(flavor = "multi_thread")]
