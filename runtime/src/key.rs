@@ -120,7 +120,10 @@ impl<'a> Metadata<'a> {
         Self { properties, fingerprint }
     }
 
-    /// The delivery's AMQP `message_id`.
+    /// The delivery's AMQP `message_id`. One that is not valid UTF-8 on the wire
+    /// reads as U+FDD0 followed by the hex of its bytes (idemq's patched AMQP
+    /// parser, see `vendor/README.md`): never a lossy reading, so `@message_id`
+    /// keys stay one-to-one.
     pub fn message_id(&self) -> Option<&'a str> {
         self.properties.message_id().as_ref().map(|id| id.as_str())
     }

@@ -347,3 +347,79 @@ async fn copies_made_by_the_old_code_are_settled_once_after_an_upgrade() {
     let ids: HashSet<_> = replayed.iter().map(|m| m.delivery.properties.message_id().clone()).collect();
     assert_eq!(ids.len(), 2, "two messages, both replayed");
 }
+
+/// A loopback forwarder to the machine's broker that rewrites, inside each AMQP frame
+/// a client sends, every `~~bad-` to the bytes `ff fe bad-` and every `^^bad-` to
+/// `fe ff bad-` (same lengths): a publisher sending short strings that are not
+/// UTF-8, which lapin cannot send itself. Stops with the test's runtime.
+async fn not_utf8_forwarder() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect("127.0.0.1:5672").await.expect("the broker");
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut server_read, &mut client_write).await });
+            tokio::spawn(async move {
+                let mut protocol = [0_u8; 8];
+                client_read.read_exact(&mut protocol).await?;
+                server_write.write_all(&protocol).await?;
+                loop {
+                    let mut header = [0_u8; 7];
+                    client_read.read_exact(&mut header).await?;
+                    let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
+                    let mut payload = vec![0_u8; size + 1];
+                    client_read.read_exact(&mut payload).await?;
+                    for (from, to) in [(b"~~bad-", b"\xff\xfebad-"), (b"^^bad-", b"\xfe\xffbad-")] {
+                        while let Some(at) = payload.windows(from.len()).position(|w| w == from) {
+                            payload[at..at + to.len()].copy_from_slice(to);
+                        }
+                    }
+                    server_write.write_all(&header).await?;
+                    server_write.write_all(&payload).await?;
+                }
+                #[allow(unreachable_code)]
+                Ok::<(), std::io::Error>(())
+            });
+        }
+    });
+    format!("amqp://guest:guest@{address}/%2f")
+}
+
+/// A `message_id` that is not UTF-8 (a pika publisher may send any bytes) used to
+/// fail lapin's frame parser: the connection closed, the message came first again
+/// on every reconnect, and the queue's delivery limit finally dead-lettered it and
+/// the good messages beside it. With the patched parser (vendor/README.md) it reads
+/// one-to-one (U+FDD0 and the hex of its bytes): `ff fe bad-01` and `fe ff bad-01`
+/// — one string under a lossy reading — are two messages, both applied; the first
+/// again is a duplicate; the good message beside them is applied; the connection
+/// never drops.
+#[tokio::test(flavor = "multi_thread")]
+async fn message_ids_that_are_not_utf8_are_keyed_one_to_one_and_break_no_connection() {
+    let bed = Bed::new().await;
+    let publisher = Broker::connect(&not_utf8_forwarder().await).await;
+    let good = unique("good");
+    for id in ["~~bad-01", "^^bad-01", "~~bad-01", good.as_str()] {
+        publisher.publish_bytes(&bed.queue, br#"{"n":7}"#, with_id(id)).await;
+    }
+    let running = Running::start(bed.runtime().consume(&bed.queue, by_message_id));
+    running.wait_settled(4).await;
+    let (events, connections) = (running.events(), running.connection_events());
+    running.stop().await.expect("stop");
+    let applied_ids: Vec<_> = events.iter().filter(|e| e.outcome == Outcome::Applied).collect();
+    assert_eq!(applied_ids.len(), 3, "{events:?}");
+    assert_eq!(events.iter().filter(|e| e.outcome == Outcome::Duplicate).count(), 1, "{events:?}");
+    let keys: HashSet<_> = events.iter().filter_map(|e| e.key.clone()).collect();
+    assert!(
+        keys.contains("\u{FDD0}fffe6261642d3031") && keys.contains("\u{FDD0}feff6261642d3031"),
+        "{keys:?}"
+    );
+    assert_eq!(applied(&good), 1);
+    assert!(
+        !connections.iter().any(|event| matches!(event, idemq::ConnectionEvent::Lost { .. })),
+        "the connection never dropped: {connections:?}"
+    );
+    assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
+}
