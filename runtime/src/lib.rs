@@ -64,6 +64,11 @@
 //!   never left unsettled. Attempt counts are trusted only on copies back from
 //!   idemq's own wait queues; a copy's id (lineage + attempt) is recorded once
 //!   confirmed, so a lost ack never makes a second copy.
+//! - **A message's identity is its own:** a recorded copy can only ever settle the
+//!   message it was made from. Its lineage hashes the handler, the dedup key, the
+//!   `message_id`, the body and the replay generation (`identity.rs`), so two
+//!   messages that differ to their handler never share one, and a replayed dead
+//!   letter starts a new one. Keys are byte-exact, never a lossy reading.
 //! - **Poison is judged by starts:** a redelivered message runs alone, its start
 //!   committed before its handler runs; after `Queue::delivery_limit` starts without
 //!   an outcome it is dead-lettered. The broker's delivery count, which a crash bumps

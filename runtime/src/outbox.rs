@@ -480,7 +480,8 @@ impl Context {
         self.properties.reply_to().as_ref().map(|queue| queue.as_str())
     }
 
-    /// A header of the delivery, if it is a string.
+    /// A header of the delivery, if it is a string (valid UTF-8: a byte string that
+    /// is not is `None`, never a lossy reading).
     pub fn header(&self, name: &str) -> Option<String> {
         crate::amqp_value::header(&self.properties, name).and_then(crate::amqp_value::string)
     }
