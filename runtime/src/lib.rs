@@ -214,7 +214,7 @@ pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, Pub
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use redact::redact;
 pub use relay::{Relay, RelayBuilder};
-pub use retention::{sweep, Retention, Sweep, GC_LOCK};
+pub use retention::{sweep, CheckedRetention, Retention, Sweep, GC_LOCK};
 pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, shutdown_signals, Observer, Runtime, RuntimeBuilder, ShutdownSignals, DEFAULT_AMQP_URL,

@@ -674,7 +674,10 @@ impl Runtime {
                 }
             });
         }
-        let sweeper = b.retention.map(|retention| {
+        // `build` refused a retention too short for the retry policies; the sweep
+        // takes only what that check lets through, so it is made again here.
+        let retention = b.retention.map(|retention| retention.check(&b.retry_policies())).transpose()?;
+        let sweeper = retention.map(|retention| {
             let (shared, stop) = (Arc::clone(&shared), stop.clone());
             tokio::spawn(async move { sweep_every(&shared, retention, stop).await })
         });
@@ -761,7 +764,11 @@ impl Runtime {
 
 /// Sweeps the dedup table every interval until `stop` (a sweep cut off by `stop`
 /// loses nothing: each batch is its own transaction).
-async fn sweep_every(shared: &Shared, retention: crate::retention::Retention, stop: CancellationToken) {
+async fn sweep_every(
+    shared: &Shared,
+    retention: crate::retention::CheckedRetention,
+    stop: CancellationToken,
+) {
     loop {
         let swept = async {
             let mut conn = shared.pool.get().await.map_err(|err| err.to_string())?;
@@ -778,7 +785,7 @@ async fn sweep_every(shared: &Shared, retention: crate::retention::Retention, st
             () = stop.cancelled() => return,
         }
         tokio::select! {
-            () = tokio::time::sleep(retention.interval()) => {}
+            () = tokio::time::sleep(retention.retention().interval()) => {}
             () = stop.cancelled() => return,
         }
     }
