@@ -95,7 +95,10 @@
 //!   deterministic `message_id`, and deletes them (module docs of [`outbox`] and
 //!   `relay.rs`). A handler's result is stored with its dedup row and is the reply
 //!   to a request (`reply_to` + `correlation_id`); a duplicated request gets the
-//!   stored reply again, byte for byte.
+//!   stored reply again, byte for byte. A reply expires — after the reply TTL
+//!   ([`RuntimeBuilder::reply_ttl`], 1 h) or its request's `expiration`, whichever
+//!   comes first — and is then deleted unpublished, so one to a `reply_to` queue that
+//!   is gone does not stay in the outbox for ever; events never expire.
 //!
 //! ## Handlers
 //!

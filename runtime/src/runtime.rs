@@ -299,6 +299,17 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How long the reply to a request may wait in the outbox before this runtime's
+    /// relay deletes it unpublished (default 1 h; a request's own `expiration` ends it
+    /// sooner). See [`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl); relays
+    /// run on their own take theirs.
+    pub fn reply_ttl(mut self, ttl: Duration) -> Self {
+        if let Some(settings) = &mut self.relay {
+            settings.set_reply_ttl(ttl);
+        }
+        self
+    }
+
     /// Each consumer's prefetch (unacked deliveries the broker sends ahead), instead
     /// of `concurrency × batch_size`. Lower it to bound memory and redelivery after a
     /// crash; below the batch size, batches cannot fill. 1..=65535.

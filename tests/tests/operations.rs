@@ -234,7 +234,12 @@ async fn metrics_and_health_are_served_on_the_http_address() {
     })
     .await;
     let idle = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.expect("get");
-    for series in ["idemq_reconnects_total 0", "idemq_outbox_backlog", "idemq_dedup_rows_deleted_total 0"] {
+    for series in [
+        "idemq_reconnects_total 0",
+        "idemq_outbox_backlog",
+        "idemq_outbox_replies_expired_total 0",
+        "idemq_dedup_rows_deleted_total 0",
+    ] {
         assert!(idle.contains(series), "{series} missing:\n{idle}");
     }
     assert!(idle.contains("kind=\"poison\""), "every kind at zero:\n{idle}");
