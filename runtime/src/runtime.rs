@@ -592,6 +592,9 @@ impl Runtime {
     /// instead.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let b = self.builder;
+        // `build` refused a retention too short for the retry policies; the sweep takes
+        // only what that check lets through, so it is made again (before anything starts).
+        let retention = b.retention.map(|retention| retention.check(&b.retry_policies())).transpose()?;
         let connect_error =
             |message: String| Error::DatabaseConnect { url: redact(&b.database_url), message };
         let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
@@ -685,9 +688,6 @@ impl Runtime {
                 }
             });
         }
-        // `build` refused a retention too short for the retry policies; the sweep
-        // takes only what that check lets through, so it is made again here.
-        let retention = b.retention.map(|retention| retention.check(&b.retry_policies())).transpose()?;
         let sweeper = retention.map(|retention| {
             let (shared, stop) = (Arc::clone(&shared), stop.clone());
             tokio::spawn(async move { sweep_every(&shared, retention, stop).await })
