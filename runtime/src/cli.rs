@@ -341,7 +341,7 @@ impl Cli {
                 if let Some(window) = setting::<Duration>(sub, "replay-window").or(file.replay_window) {
                     retention = retention.replay_window(window);
                 }
-                retention.check(&builder.retry_policies())?;
+                let retention = retention.check(&builder.retry_policies())?;
                 let mut conn = connect_db(builder.configured_database_url()).await?;
                 let sweep = crate::retention::sweep(&mut conn, &retention).await?;
                 if sweep.yielded {

@@ -100,7 +100,10 @@
 //!   deterministic `message_id`, and deletes them (module docs of [`outbox`] and
 //!   `relay.rs`). A handler's result is stored with its dedup row and is the reply
 //!   to a request (`reply_to` + `correlation_id`); a duplicated request gets the
-//!   stored reply again, byte for byte.
+//!   stored reply again, byte for byte. A reply expires — after the reply TTL
+//!   ([`RuntimeBuilder::reply_ttl`], 1 h) or its request's `expiration`, whichever
+//!   comes first — and is then deleted unpublished, so one to a `reply_to` queue that
+//!   is gone does not stay in the outbox for ever; events never expire.
 //!
 //! ## Handlers
 //!
@@ -220,7 +223,7 @@ pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, Pub
 pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use redact::redact;
 pub use relay::{Relay, RelayBuilder};
-pub use retention::{sweep, Retention, Sweep, GC_LOCK};
+pub use retention::{sweep, CheckedRetention, Retention, Sweep, GC_LOCK};
 pub use retry::RetryPolicy;
 pub use runtime::{
     shutdown_signal, shutdown_signals, Observer, Runtime, RuntimeBuilder, ShutdownSignals, DEFAULT_AMQP_URL,

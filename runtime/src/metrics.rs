@@ -21,6 +21,7 @@
 //! | `idemq_reconnects_total` | broker connections lost (and re-made) |
 //! | `idemq_connected` | 1 while a session is consuming |
 //! | `idemq_outbox_published_total`, `idemq_outbox_postponed_total` | relay results |
+//! | `idemq_outbox_replies_expired_total` | replies deleted unpublished: past the reply TTL or their request's `expiration` (the requester stopped waiting; most often its `reply_to` queue is gone) |
 //! | `idemq_outbox_backlog` | rows waiting in the outbox (refreshed every 5 s) |
 //! | `idemq_dedup_rows_deleted_total` | rows the retention sweep deleted |
 //!
@@ -70,6 +71,7 @@ pub(crate) struct Metrics {
     connected: Gauge,
     outbox_published: Counter,
     outbox_postponed: Counter,
+    outbox_replies_expired: Counter,
     outbox_backlog: Gauge,
     dedup_deleted: Counter,
     database_ok: AtomicBool,
@@ -90,6 +92,7 @@ impl Metrics {
         let (reconnects, connected) = (Counter::default(), Gauge::default());
         let (outbox_published, outbox_postponed, outbox_backlog) =
             (Counter::default(), Counter::default(), Gauge::default());
+        let outbox_replies_expired = Counter::default();
         let dedup_deleted = Counter::default();
         registry.register(
             "idemq_deliveries",
@@ -127,6 +130,11 @@ impl Metrics {
             "Outbox rows refused and postponed",
             outbox_postponed.clone(),
         );
+        registry.register(
+            "idemq_outbox_replies_expired",
+            "Replies deleted unpublished: past the reply TTL or their request's expiration",
+            outbox_replies_expired.clone(),
+        );
         registry.register("idemq_outbox_backlog", "Rows waiting in the outbox", outbox_backlog.clone());
         registry.register(
             "idemq_dedup_rows_deleted",
@@ -163,6 +171,7 @@ impl Metrics {
             connected,
             outbox_published,
             outbox_postponed,
+            outbox_replies_expired,
             outbox_backlog,
             dedup_deleted,
             database_ok: AtomicBool::new(false),
@@ -253,6 +262,7 @@ impl Observe for Metrics {
     fn relay(&self, pass: &RelayPass) {
         self.outbox_published.inc_by(pass.published as u64);
         self.outbox_postponed.inc_by(pass.postponed as u64);
+        self.outbox_replies_expired.inc_by(pass.expired as u64);
     }
 
     fn swept(&self, sweep: &crate::Sweep) {

@@ -123,6 +123,9 @@ pub struct RelayPass {
     pub published: usize,
     /// Refused (unroutable, missing exchange, nacked): postponed with backoff.
     pub postponed: usize,
+    /// Replies deleted unpublished: older than the reply TTL, or past their request's
+    /// `expiration` (see [`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl)).
+    pub expired: usize,
 }
 
 /// The subscribers, in registration order.

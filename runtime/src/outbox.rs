@@ -14,8 +14,16 @@
 //! the message id applies it once. Outside a handler, [`enqueue`] writes a row in the
 //! caller's transaction with the id the caller gave or a random (v4 UUID) one, stored
 //! with the row — stable across re-sends, which is all the downstream dedup needs.
+//!
+//! Replies expire; events never do. A reply whose requester is gone (an auto-delete or
+//! exclusive `reply_to` queue goes away with its client) is returned as unroutable on
+//! every try, so the relay deletes a reply row unpublished once it is older than the
+//! reply TTL ([`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl), default
+//! 1 h) or its request's own AMQP `expiration` has passed since the request was
+//! consumed, whichever comes first.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use lapin::types::AMQPValue;
@@ -35,6 +43,12 @@ const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
 
 /// The header that tells a reply's requester whether its request succeeded.
 pub const STATUS_HEADER: &str = "x-idemq-status";
+
+/// The shortest a reply is kept: a request's `expiration` below it (RabbitMQ's `0`:
+/// deliver now or drop) says how long the request may wait in its queue, not how long
+/// its requester waits for the answer; and a reply TTL below it would drop replies
+/// before a relay's first try.
+pub(crate) const MIN_REPLY_WINDOW: Duration = Duration::from_secs(1);
 
 /// A message type that knows where it is published: the typed form of
 /// [`Context::publish`], [`Context::send`]. Written by `#[derive(Message)]`
@@ -63,6 +77,15 @@ pub struct Outgoing {
     pub(crate) headers: BTreeMap<String, String>,
     /// `false`: best effort (direct reply-to): published once, without `mandatory`.
     pub(crate) mandatory: bool,
+    /// The reply to a request, which expires (see the module docs); `None`: an event.
+    pub(crate) reply: Option<Expiry>,
+}
+
+/// How a reply row expires, besides the relay's reply TTL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Expiry {
+    /// The request's own window (its `expiration`), from when it was consumed.
+    pub(crate) within: Option<Duration>,
 }
 
 impl Outgoing {
@@ -102,6 +125,7 @@ impl Outgoing {
             correlation_id: None,
             headers: BTreeMap::new(),
             mandatory: true,
+            reply: None,
         })
     }
 
@@ -146,6 +170,7 @@ impl Outgoing {
             correlation_id: Some(request.correlation_id.clone()),
             headers: BTreeMap::from([(STATUS_HEADER.to_owned(), if ok { "ok" } else { "error" }.to_owned())]),
             mandatory: !request.reply_to.starts_with(DIRECT_REPLY_TO),
+            reply: Some(Expiry { within: request.expires_in }),
         }
     }
 }
@@ -326,11 +351,17 @@ pub(crate) fn message_id(scope: &str, key: &str, part: &str) -> String {
     hex(&digest[..16])
 }
 
-/// What a request carries: where its reply goes.
+/// What a request carries: where its reply goes, and for how long it is wanted.
 #[derive(Debug, Clone)]
 pub(crate) struct Request {
     pub(crate) reply_to: String,
     pub(crate) correlation_id: String,
+    /// How long its requester waits, counted from now (its consumption): its AMQP
+    /// `expiration` — or, on a retry copy (which never carries one), the original's
+    /// kept in `x-idemq-original-expiration` — at least [`MIN_REPLY_WINDOW`]. Counted
+    /// from consumption rather than publication (unknown), so it is an upper bound:
+    /// a reply is never dropped while its requester may still wait.
+    pub(crate) expires_in: Option<Duration>,
 }
 
 impl Request {
@@ -346,7 +377,15 @@ impl Request {
             tracing::warn!("a request whose reply_to or correlation_id holds a NUL byte gets no reply");
             return None;
         }
-        Some(Self { reply_to: reply_to.to_owned(), correlation_id: correlation_id.to_owned() })
+        let expiration = properties.expiration().as_ref().map(|e| e.as_str().to_owned()).or_else(|| {
+            crate::amqp_value::header(properties, crate::dead_letter::headers::ORIGINAL_EXPIRATION)
+                .and_then(crate::amqp_value::string)
+        });
+        // RabbitMQ accepts only a count of milliseconds; anything else is ignored.
+        let expires_in = expiration
+            .and_then(|ms| ms.trim().parse::<u64>().ok())
+            .map(|ms| Duration::from_millis(ms).max(MIN_REPLY_WINDOW));
+        Some(Self { reply_to: reply_to.to_owned(), correlation_id: correlation_id.to_owned(), expires_in })
     }
 }
 
@@ -587,10 +626,41 @@ mod tests {
 
     #[test]
     fn replies_to_direct_reply_to_are_best_effort() {
-        let request = Request { reply_to: "amq.rabbitmq.reply-to.g1h2AA".into(), correlation_id: "c".into() };
+        let request = Request {
+            reply_to: "amq.rabbitmq.reply-to.g1h2AA".into(),
+            correlation_id: "c".into(),
+            expires_in: None,
+        };
         assert!(!Outgoing::reply(&request, "id".into(), b"1".to_vec(), true).mandatory);
-        let named = Request { reply_to: "replies".into(), correlation_id: "c".into() };
+        let named = Request { reply_to: "replies".into(), correlation_id: "c".into(), expires_in: None };
         assert!(Outgoing::reply(&named, "id".into(), b"1".to_vec(), true).mandatory);
+    }
+
+    #[test]
+    fn a_reply_expires_within_its_requests_expiration_and_an_event_never() {
+        let request = |properties: BasicProperties| {
+            Request::of(&properties.with_reply_to("r".into()).with_correlation_id("c".into()))
+                .expect("a request")
+        };
+        let within = |properties| request(properties).expires_in;
+        let plain = BasicProperties::default();
+        assert_eq!(within(plain.clone()), None);
+        assert_eq!(within(plain.clone().with_expiration("2500".into())), Some(Duration::from_millis(2500)));
+        // `0` (deliver now or drop) is not how long the requester waits.
+        assert_eq!(within(plain.clone().with_expiration("0".into())), Some(MIN_REPLY_WINDOW));
+        assert_eq!(within(plain.clone().with_expiration("soon".into())), None);
+        // A retry copy carries the original's expiration in a header.
+        let mut headers = lapin::types::FieldTable::default();
+        headers.insert(
+            crate::dead_letter::headers::ORIGINAL_EXPIRATION.into(),
+            AMQPValue::LongString("60000".into()),
+        );
+        assert_eq!(within(plain.clone().with_headers(headers)), Some(Duration::from_secs(60)));
+
+        let reply =
+            Outgoing::reply(&request(plain.with_expiration("2500".into())), "id".into(), vec![], true);
+        assert_eq!(reply.reply, Some(Expiry { within: Some(Duration::from_millis(2500)) }));
+        assert_eq!(Outgoing::json("", "q", &1).unwrap().reply, None, "an event never expires");
     }
 
     #[test]

@@ -4,15 +4,22 @@
 //! ```text
 //! wake (in-process signal | NOTIFY idemq_outbox | poll interval)
 //!   └─ BEGIN ─ SELECT … FOR UPDATE SKIP LOCKED (due rows, oldest first, ≤ batch)
+//!        ├─ an expired reply?  → DELETE, never published (counted, one warning per pass)
 //!        ├─ exchange missing?  → postponed with backoff (never published: a publish to a
 //!        │                        missing exchange would close the channel)
 //!        ├─ publish all, pipelined (mandatory unless best effort), await the confirms
 //!        │    ├─ confirmed and routed → DELETE
 //!        │    ├─ returned (unroutable) / nacked → postponed with backoff, error kept
-//!        │    │    (after a nack the next pass publishes on a fresh channel)
+//!        │    │    (after a nack the next pass publishes on a fresh channel; a reply
+//!        │    │    no later than it expires)
 //!        │    └─ channel lost → left as they are (the transaction's end unlocks them)
 //!        └─ COMMIT
 //! ```
+//!
+//! A reply expires ([`RelayBuilder::reply_ttl`]); an event never does. A reply to a
+//! `reply_to` queue that is gone — auto-delete and exclusive reply queues go away with
+//! their client — is returned (312 NO_ROUTE) on every publish and would otherwise be
+//! retried for ever, every `max_backoff`, with a warning each time.
 //!
 //! A crash after the broker confirmed and before COMMIT publishes the row again: the
 //! downstream dedup (keyed on the message id, or on the body's key) absorbs it.
@@ -59,6 +66,9 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a stopping relay keeps publishing what is due.
 const FINAL_PASS: Duration = Duration::from_secs(5);
 
+/// How long a reply may wait in the outbox by default (see [`RelayBuilder::reply_ttl`]).
+const DEFAULT_REPLY_TTL: Duration = Duration::from_secs(3600);
+
 /// Configures a [`Relay`] run on its own (a runtime runs one by default; see
 /// [`RuntimeBuilder::relay`](crate::RuntimeBuilder::relay)).
 #[derive(Debug, Clone)]
@@ -75,11 +85,25 @@ pub(crate) struct Settings {
     pub(crate) poll_interval: Duration,
     pub(crate) batch_size: usize,
     pub(crate) max_backoff: Duration,
+    /// How long a reply row may wait before it is deleted unpublished.
+    pub(crate) reply_ttl: Duration,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { poll_interval: Duration::from_secs(1), batch_size: 256, max_backoff: Duration::from_secs(60) }
+        Self {
+            poll_interval: Duration::from_secs(1),
+            batch_size: 256,
+            max_backoff: Duration::from_secs(60),
+            reply_ttl: DEFAULT_REPLY_TTL,
+        }
+    }
+}
+
+impl Settings {
+    /// Sets the reply TTL, at least [`MIN_REPLY_WINDOW`](crate::outbox::MIN_REPLY_WINDOW).
+    pub(crate) fn set_reply_ttl(&mut self, ttl: Duration) {
+        self.reply_ttl = ttl.max(crate::outbox::MIN_REPLY_WINDOW);
     }
 }
 
@@ -118,6 +142,28 @@ impl RelayBuilder {
     #[must_use]
     pub fn max_backoff(mut self, max: Duration) -> Self {
         self.settings.max_backoff = max;
+        self
+    }
+
+    /// How long the reply to a request may wait in the outbox before it is deleted
+    /// unpublished (default 1 h; at least 1 s; `Duration::MAX`: never), counted from
+    /// when its transaction wrote it. A request with an AMQP `expiration` expires its
+    /// reply sooner: that long after the request was consumed, when its requester has
+    /// stopped waiting. Events never expire.
+    ///
+    /// A reply that cannot be delivered — its `reply_to` queue is gone, as auto-delete
+    /// and exclusive reply queues go with their client — would otherwise stay in the
+    /// outbox for ever, retried every [`max_backoff`](Self::max_backoff) with a
+    /// warning each time. The default outlasts the timeouts requesters wait with
+    /// (seconds to minutes) and a broker outage or relay restart a reply should ride
+    /// out, and bounds a stuck reply to about 70 tries (the backoff doubles from
+    /// 100 ms to 60 s). Each expired reply is counted ([`RelayPass::expired`], the
+    /// metric `idemq_outbox_replies_expired_total`), and a pass that deletes some logs
+    /// one warning. Several relays on one outbox each apply their own: give them the
+    /// same.
+    #[must_use]
+    pub fn reply_ttl(mut self, ttl: Duration) -> Self {
+        self.settings.set_reply_ttl(ttl);
         self
     }
 
@@ -311,8 +357,26 @@ struct Pass {
     claimed: usize,
     published: usize,
     postponed: usize,
+    /// Replies deleted unpublished, and the first's details (logged once committed).
+    expired: usize,
+    first_expired: Option<Expired>,
     /// The broker connection failed during the pass: reconnect.
     lost: Option<String>,
+}
+
+/// An expired reply, as its warning shows it.
+struct Expired {
+    message_id: String,
+    reply_to: String,
+    correlation_id: Option<String>,
+    attempts: i32,
+    last_error: Option<String>,
+}
+
+impl Pass {
+    fn empty() -> Self {
+        Self { claimed: 0, published: 0, postponed: 0, expired: 0, first_expired: None, lost: None }
+    }
 }
 
 impl Worker {
@@ -360,12 +424,13 @@ impl Worker {
                 // relay's pool closes; its rows stay for the next relay.
                 break;
             };
-            if let Ok(Pass { claimed, published, postponed, .. }) = &pass {
+            if let Ok(Pass { claimed, published, postponed, expired, .. }) = &pass {
                 if *claimed > 0 {
                     self.observers.relay(&RelayPass {
                         claimed: *claimed,
                         published: *published,
                         postponed: *postponed,
+                        expired: *expired,
                     });
                 }
             }
@@ -432,13 +497,17 @@ impl Worker {
     async fn pass(&self, link: &mut Link) -> Result<Pass, String> {
         let mut conn = self.pool.get().await.map_err(|err| err.to_string())?;
         let limit = i64::try_from(self.settings.batch_size).unwrap_or(i64::MAX);
-        let max_backoff = self.settings.max_backoff;
+        let Settings { max_backoff, reply_ttl, .. } = self.settings;
         let result = conn
             .transaction::<Pass, diesel::result::Error, _>(async |conn| {
-                let rows = db::claim_outbox(conn, limit).await?;
-                if rows.is_empty() {
-                    return Ok(Pass { claimed: 0, published: 0, postponed: 0, lost: None });
+                let claimed = db::claim_outbox(conn, limit, reply_ttl).await?;
+                if claimed.is_empty() {
+                    return Ok(Pass::empty());
                 }
+                let claimed_count = claimed.len();
+                // Expired replies go without a publish: their requester stopped waiting.
+                let (expired, rows): (Vec<OutboxRow>, Vec<OutboxRow>) =
+                    claimed.into_iter().partition(|row| row.expired);
                 let (results, lost) = publish_all(link, &rows).await;
                 let (mut sent, mut postponed) = (Vec::new(), 0);
                 let mut first_error: Option<(String, String)> = None;
@@ -457,21 +526,54 @@ impl Worker {
                             if first_error.is_none() {
                                 first_error = Some((row.message_id.clone(), error.clone()));
                             }
-                            db::postpone_outbox(conn, row.id, delay, error).await?;
+                            db::postpone_outbox(conn, row.id, delay, error, reply_ttl).await?;
                             postponed += 1;
                         }
                         // Unknown (the connection went): left for the next pass.
                         None => {}
                     }
                 }
+                let published = sent.len();
+                for row in &expired {
+                    tracing::debug!(message_id = %row.message_id, reply_to = %row.routing_key, correlation_id = ?row.correlation_id, attempts = row.attempts, last_error = ?row.last_error, "outbox relay: a reply expired before it could be delivered; deleted unpublished");
+                }
+                sent.extend(expired.iter().map(|row| row.id));
                 db::delete_outbox(conn, &sent).await?;
                 if let Some((message_id, error)) = first_error {
                     tracing::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::relay=debug lists each)");
                 }
-                Ok(Pass { claimed: rows.len(), published: sent.len(), postponed, lost })
+                let first_expired = expired.first().map(|row| Expired {
+                    message_id: row.message_id.clone(),
+                    reply_to: row.routing_key.clone(),
+                    correlation_id: row.correlation_id.clone(),
+                    attempts: row.attempts,
+                    last_error: row.last_error.clone(),
+                });
+                Ok(Pass {
+                    claimed: claimed_count,
+                    published,
+                    postponed,
+                    expired: expired.len(),
+                    first_expired,
+                    lost,
+                })
             })
             .await;
-        result.map_err(|err| err.to_string())
+        let pass = result.map_err(|err| err.to_string())?;
+        // Once committed: each reply is deleted, and warned of, once.
+        if let Some(first) = &pass.first_expired {
+            tracing::warn!(
+                expired = pass.expired,
+                message_id = %first.message_id,
+                reply_to = %first.reply_to,
+                correlation_id = ?first.correlation_id,
+                attempts = first.attempts,
+                last_error = ?first.last_error,
+                reply_ttl = ?reply_ttl,
+                "outbox relay: replies expired before they could be delivered (older than the reply TTL, or past their request's expiration: the requester stopped waiting); deleted unpublished (the first shown; RUST_LOG=idemq::relay=debug lists each)"
+            );
+        }
+        Ok(pass)
     }
 }
 

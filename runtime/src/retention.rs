@@ -7,7 +7,9 @@
 //! retry copies come back up to the sum of its delays later) *plus* the window in
 //! which a dead letter may be replayed (a `conflict` dead letter replayed after its
 //! key's row is gone would apply a second payment). [`Retention::check`] refuses a
-//! shorter one.
+//! shorter one, and [`sweep`] takes only what that check let through
+//! ([`CheckedRetention`]): there is no way to sweep with a retention `build` would
+//! refuse.
 //!
 //! One sweeper at a time: each batch runs in a transaction that first takes
 //! `pg_try_advisory_xact_lock(`[`GC_LOCK`]`)` — transaction-scoped, so it can never
@@ -32,7 +34,7 @@ pub const GC_LOCK: i64 = 0x6964_656d_715f_6763;
 ///
 /// let retention = Retention::keep(Duration::from_secs(30 * 86_400)).replay_window(Duration::from_secs(7 * 86_400));
 /// assert!(retention.check([&RetryPolicy::default()]).is_ok());
-/// // Shorter than a day of retries plus the replay window: refused.
+/// // Not longer than the retry horizon plus the (default, 7 day) replay window: refused.
 /// assert!(Retention::keep(Duration::from_secs(86_400)).check([&RetryPolicy::default()]).is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,11 +88,19 @@ impl Retention {
     }
 
     /// Refuses a retention no longer than the longest retry horizon of `policies`
-    /// plus the replay window.
+    /// plus the replay window; what it lets through is what [`sweep`] takes. Give it
+    /// the retry policy of every consumer whose dedup rows the sweep deletes (the
+    /// effective ones: a handler's `retry(..)` or `consume_with`'s policy where given,
+    /// else the runtime's): [`RuntimeBuilder::build`](crate::RuntimeBuilder::build)
+    /// runs this same check with them, so both refuse the same retentions with the
+    /// same error.
     ///
     /// # Errors
     /// [`Error::Config`] saying which lower bound and why.
-    pub fn check<'a>(&self, policies: impl IntoIterator<Item = &'a RetryPolicy>) -> Result<(), Error> {
+    pub fn check<'a>(
+        &self,
+        policies: impl IntoIterator<Item = &'a RetryPolicy>,
+    ) -> Result<CheckedRetention, Error> {
         let horizon = policies.into_iter().map(RetryPolicy::horizon).max().unwrap_or_default();
         let floor = horizon + self.replay_window;
         if self.keep <= floor {
@@ -106,7 +116,30 @@ impl Retention {
                 show(floor + Duration::from_secs(1)),
             )));
         }
-        Ok(())
+        Ok(CheckedRetention { retention: *self })
+    }
+}
+
+/// A [`Retention`] that passed [`Retention::check`]: longer than the retry horizon
+/// plus the replay window it was checked against. Only the check makes one, and
+/// [`sweep`] takes nothing else.
+///
+/// ```compile_fail,E0308
+/// # async fn example(conn: &mut diesel_async::AsyncPgConnection) {
+/// use std::time::Duration;
+/// // An unchecked retention does not compile: `sweep` takes a `CheckedRetention`.
+/// idemq::sweep(conn, &idemq::Retention::keep(Duration::from_secs(1))).await;
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckedRetention {
+    retention: Retention,
+}
+
+impl CheckedRetention {
+    /// The retention that was checked.
+    pub fn retention(&self) -> &Retention {
+        &self.retention
     }
 }
 
@@ -125,12 +158,33 @@ pub struct Sweep {
 }
 
 /// Deletes what is older than `retention` on `conn`, batch by batch, until nothing
-/// is left or another sweeper takes over. Does not [`check`](Retention::check) the
-/// retention: callers do (the runtime at build, the CLI at start).
+/// is left or another sweeper takes over. It takes only a [`CheckedRetention`]:
+/// [`Retention::check`] it against the consumers' retry policies first, the check
+/// [`RuntimeBuilder::build`](crate::RuntimeBuilder::build) and the CLI's `gc` make,
+/// so no sweep deletes the rows that late copies still need.
+///
+/// ```no_run
+/// # async fn example(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use idemq::{Retention, RetryPolicy};
+///
+/// // The consumers' retry policies (here: every one on the default).
+/// let retention = Retention::keep(Duration::from_secs(30 * 86_400)).check([&RetryPolicy::default()])?;
+/// let swept = idemq::sweep(conn, &retention).await?;
+/// println!("{} dedup rows deleted", swept.dedup_rows);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Cancel safety
+/// Each batch is its own transaction: a sweep dropped half-way keeps what it deleted
+/// in the batches before (dropping one mid-batch leaves that transaction open on
+/// `conn`: drop the connection too).
 ///
 /// # Errors
 /// The database's.
-pub async fn sweep(conn: &mut AsyncPgConnection, retention: &Retention) -> diesel::QueryResult<Sweep> {
+pub async fn sweep(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -> diesel::QueryResult<Sweep> {
+    let retention = &retention.retention;
     let mut total = Sweep::default();
     let keep_ms = i64::try_from(retention.keep.as_millis()).unwrap_or(i64::MAX);
     for table in [Table::Dedup, Table::Copies, Table::Starts] {

@@ -299,6 +299,17 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How long the reply to a request may wait in the outbox before this runtime's
+    /// relay deletes it unpublished (default 1 h; a request's own `expiration` ends it
+    /// sooner). See [`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl); relays
+    /// run on their own take theirs.
+    pub fn reply_ttl(mut self, ttl: Duration) -> Self {
+        if let Some(settings) = &mut self.relay {
+            settings.set_reply_ttl(ttl);
+        }
+        self
+    }
+
     /// Each consumer's prefetch (unacked deliveries the broker sends ahead), instead
     /// of `concurrency × batch_size`. Lower it to bound memory and redelivery after a
     /// crash; below the batch size, batches cannot fill. 1..=65535.
@@ -581,6 +592,9 @@ impl Runtime {
     /// instead.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let b = self.builder;
+        // `build` refused a retention too short for the retry policies; the sweep takes
+        // only what that check lets through, so it is made again (before anything starts).
+        let retention = b.retention.map(|retention| retention.check(&b.retry_policies())).transpose()?;
         let connect_error =
             |message: String| Error::DatabaseConnect { url: redact(&b.database_url), message };
         let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
@@ -674,7 +688,7 @@ impl Runtime {
                 }
             });
         }
-        let sweeper = b.retention.map(|retention| {
+        let sweeper = retention.map(|retention| {
             let (shared, stop) = (Arc::clone(&shared), stop.clone());
             tokio::spawn(async move { sweep_every(&shared, retention, stop).await })
         });
@@ -761,7 +775,11 @@ impl Runtime {
 
 /// Sweeps the dedup table every interval until `stop` (a sweep cut off by `stop`
 /// loses nothing: each batch is its own transaction).
-async fn sweep_every(shared: &Shared, retention: crate::retention::Retention, stop: CancellationToken) {
+async fn sweep_every(
+    shared: &Shared,
+    retention: crate::retention::CheckedRetention,
+    stop: CancellationToken,
+) {
     loop {
         let swept = async {
             let mut conn = shared.pool.get().await.map_err(|err| err.to_string())?;
@@ -778,7 +796,7 @@ async fn sweep_every(shared: &Shared, retention: crate::retention::Retention, st
             () = stop.cancelled() => return,
         }
         tokio::select! {
-            () = tokio::time::sleep(retention.interval()) => {}
+            () = tokio::time::sleep(retention.retention().interval()) => {}
             () = stop.cancelled() => return,
         }
     }

@@ -68,5 +68,10 @@ diesel::table! {
         last_error -> Nullable<Text>,
         /// When its transaction wrote it.
         created_at -> Timestamptz,
+        /// The reply to a request: deleted unpublished once it expires (events never do).
+        reply -> Bool,
+        /// When a reply's requester stops waiting, from the request's `expiration`
+        /// (`None`: it had none). The relay's reply TTL, from `created_at`, applies too.
+        expires_at -> Nullable<Timestamptz>,
     }
 }

@@ -10,7 +10,7 @@ use diesel::prelude::*;
 use diesel_async::AsyncPgConnection;
 use diesel_async::RunQueryDsl;
 use idemq::idempotent_handler;
-use idemq::{ConnectionEvent, Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
+use idemq::{ConnectionEvent, Outcome, Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
 use idemq_example_payments::{ledger, record_payment, PaymentRequested};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -372,11 +372,64 @@ impl Running {
         .await;
     }
 
+    /// Waits (at most 30 s) until the events so far satisfy `done`; returns them.
+    pub async fn wait_until(&self, what: &str, done: impl Fn(&[Settled]) -> bool) -> Vec<Settled> {
+        crate::eventually(what, Duration::from_secs(30), || async { done(&self.events()) }).await;
+        self.events()
+    }
+
+    /// Waits (at most 30 s) until the message keyed `key` has come to its end (applied,
+    /// a duplicate, already copied or dead-lettered) and each attempt before it was
+    /// reported; returns its events in attempt order.
+    ///
+    /// Wait on this rather than on a number of events read in arrival order: an attempt
+    /// that retries is reported once its copy is confirmed and the original acked, and by
+    /// then the copy may have come back and been settled, and reported, first (seen under
+    /// load: "the first attempt must fail, not end Applied" while attempt 1 had failed).
+    pub async fn wait_for_end(&self, key: &str) -> Vec<Settled> {
+        let what = format!("the message keyed {key} came to its end");
+        attempts_in_order(&self.wait_until(&what, |events| ended(&attempts_in_order(events, key))).await, key)
+    }
+
+    /// Runs `builder` until the message keyed `key` has come to its end, shuts it down
+    /// cleanly and returns that message's events in attempt order (see
+    /// [`Running::wait_for_end`]).
+    pub async fn settle_message(builder: RuntimeBuilder, key: &str) -> Vec<Settled> {
+        let running = Running::start(builder);
+        let events = running.wait_for_end(key).await;
+        running.stop().await.expect("clean shutdown");
+        events
+    }
+
     /// Shuts down and returns the run's result.
     pub async fn stop(self) -> Result<(), idemq::Error> {
         self.shutdown.cancel();
         with_timeout("runtime shutdown", Duration::from_secs(20), self.handle).await.expect("runtime task")
     }
+}
+
+/// The events of the message keyed `key`, in attempt order (in arrival order within an
+/// attempt: a requeued delivery comes back with the same attempt number).
+pub fn attempts_in_order(events: &[Settled], key: &str) -> Vec<Settled> {
+    let mut of_key: Vec<Settled> =
+        events.iter().filter(|event| event.key.as_deref() == Some(key)).cloned().collect();
+    of_key.sort_by_key(|event| event.attempt);
+    of_key
+}
+
+/// Whether `events` (one message's, in attempt order) hold its end, and every attempt
+/// before the end.
+fn ended(events: &[Settled]) -> bool {
+    let last = events.iter().find(|event| {
+        matches!(
+            event.outcome,
+            Outcome::Applied
+                | Outcome::Duplicate
+                | Outcome::AlreadyCopied { .. }
+                | Outcome::DeadLettered { .. }
+        )
+    });
+    last.is_some_and(|last| (1..last.attempt).all(|attempt| events.iter().any(|e| e.attempt == attempt)))
 }
 
 /// A consumer child process (the `consumer` binary of this crate) on a bed's queue

@@ -15,12 +15,15 @@ use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, header_str, unique};
 
 /// Publishes one payment to a runtime with `handler`, whose first attempt must fail
-/// with an error saying `phrase` and whose second must apply it, exactly once.
+/// with an error saying `phrase` and whose second must apply it, exactly once. (The
+/// attempts are read by number once the payment came to its end: the retry can be
+/// settled, and reported, before the attempt that made it.)
 async fn first_attempt_fails_then_applies<H: idemq::Handler>(handler: H, phrase: &str) {
     let bed = Bed::new().await;
     let p = payment(10);
     bed.publish(&p).await;
-    let events = Running::settle(bed.runtime().consume(&bed.queue, handler), 2).await;
+    let events = Running::settle_message(bed.runtime().consume(&bed.queue, handler), &p.payment_id).await;
+    assert_eq!(events.iter().map(|e| e.attempt).collect::<Vec<_>>(), [1, 2], "{events:?}");
     match &events[0].outcome {
         Outcome::Retry { error, .. } => assert!(error.contains(phrase), "{error}"),
         other => panic!("the first attempt must fail (\"{phrase}\"), not end {other:?}"),
@@ -115,16 +118,18 @@ async fn a_panicking_handler_fails_its_attempt_and_frees_its_slot() {
     bed.publish(&good).await;
     let two_attempts = RetryPolicy::new([Duration::from_millis(10)]);
     let builder = bed.runtime().concurrency(1).consume_with(&bed.queue, panics, two_attempts);
-    let events = Running::settle(builder, 3).await;
+    let running = Running::start(builder);
+    let good_events = running.wait_for_end(&good.payment_id).await;
+    let boom_events = running.wait_for_end(&boom.payment_id).await;
+    running.stop().await.expect("clean shutdown");
 
-    let of = |key: &str| events.iter().filter(|e| e.key.as_deref() == Some(key)).collect::<Vec<_>>();
-    assert_eq!(of(&good.payment_id).len(), 1);
-    assert_eq!(of(&good.payment_id)[0].outcome, Outcome::Applied);
-    let boom_events = of(&boom.payment_id);
-    assert!(matches!(boom_events[0].outcome, Outcome::Retry { .. }), "{events:?}");
+    assert_eq!(good_events.len(), 1, "{good_events:?}");
+    assert_eq!(good_events[0].outcome, Outcome::Applied);
+    assert_eq!(boom_events.iter().map(|e| e.attempt).collect::<Vec<_>>(), [1, 2], "{boom_events:?}");
+    assert!(matches!(boom_events[0].outcome, Outcome::Retry { .. }), "{boom_events:?}");
     assert!(
         matches!(boom_events[1].outcome, Outcome::DeadLettered { kind: FailureKind::AttemptsExhausted, .. }),
-        "{events:?}"
+        "{boom_events:?}"
     );
     let dead = bed.broker.drain(&bed.dlq).await;
     assert_eq!(dead.len(), 1);
@@ -161,8 +166,8 @@ async fn a_timed_out_handler_stuck_in_the_database_is_cancelled_and_releases_its
     bed.publish(&p).await;
     let builder = bed.runtime().handler_timeout(Duration::from_millis(300));
     let running = Running::start(builder.consume(&bed.queue, sleeps_in_the_database));
-    running.wait_settled(1).await;
-    match &running.events()[0].outcome {
+    let events = running.wait_until("attempt 1 settled", |events| events.iter().any(|e| e.attempt == 1)).await;
+    match &events.iter().find(|e| e.attempt == 1).expect("attempt 1").outcome {
         Outcome::Retry { error, .. } => assert!(error.contains("did not finish"), "{error}"),
         other => panic!("a timeout is a failed attempt, not {other:?}"),
     }
@@ -173,9 +178,9 @@ async fn a_timed_out_handler_stuck_in_the_database_is_cancelled_and_releases_its
     })
     .await;
     // Had the sleeper kept the dedup row locked, this retry would wait a minute.
-    running.wait_settled(2).await;
-    let events = running.events();
+    let events = running.wait_for_end(&p.payment_id).await;
     running.stop().await.expect("clean shutdown");
+    assert_eq!(events.iter().map(|e| e.attempt).collect::<Vec<_>>(), [1, 2], "{events:?}");
     assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
 }
@@ -202,11 +207,11 @@ async fn a_commit_refused_by_a_deferred_constraint_is_a_failed_attempt_not_an_ou
     bed.publish(&p).await;
     let three_attempts = RetryPolicy::new([10, 20].map(Duration::from_millis));
     let running = Running::start(bed.runtime().consume_with(&bed.queue, ledger_payment, three_attempts));
-    running.wait_settled(3).await;
-    let events = running.events();
+    let events = running.wait_for_end(&p.payment_id).await;
     let stats = running.stats.snapshot();
     running.stop().await.expect("clean shutdown");
 
+    assert_eq!(events.iter().map(|e| e.attempt).collect::<Vec<_>>(), [1, 2, 3], "{events:?}");
     assert!(matches!(events[0].outcome, Outcome::Retry { .. }), "{events:?}");
     assert!(matches!(events[1].outcome, Outcome::Retry { .. }), "{events:?}");
     match &events[2].outcome {

@@ -97,11 +97,53 @@ async fn the_sweep_deletes_what_is_past_the_retention_and_keeps_the_rest() {
     )
     .await
     .expect("seed the rows");
-    let retention = Retention::keep(Duration::from_secs(30 * 86_400)).batch(10);
+    let retention =
+        Retention::keep(Duration::from_secs(30 * 86_400)).batch(10).check([&RetryPolicy::default()]).unwrap();
     let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
     assert_eq!((sweep.dedup_rows, sweep.copy_records, sweep.yielded), (25, 1, false), "{sweep:?}");
     assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 5);
     assert_eq!(count(&bed, "SELECT count(*) FROM idemq_copies").await, 1);
+}
+
+/// The public sweep is the one way besides the runtime to delete dedup rows, and a 1 s
+/// retention beside a retry policy whose copy comes back an hour later would delete the
+/// row that copy needs (it would apply twice). The check refuses that retention with
+/// the very error `build` gives and deletes nothing (`sweep` takes only what the check
+/// let through: an unchecked `Retention` does not compile, see `CheckedRetention`); a
+/// retention longer than the floor sweeps the old rows and keeps the young.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_public_sweep_refuses_a_retention_build_refuses_and_deletes_nothing() {
+    let bed = Bed::new().await;
+    let mut conn = bed.db.connect().await;
+    conn.batch_execute(
+        "INSERT INTO idemq_dedup (handler, key, processed_at)
+             SELECT 'h', 'old-' || i, now() - interval '3 days' FROM generate_series(1, 4) AS i;
+         INSERT INTO idemq_dedup (handler, key, processed_at) VALUES ('h', 'a-minute-old', now() - interval '1 minute');",
+    )
+    .await
+    .expect("seed the rows");
+    let retry = RetryPolicy::new([Duration::from_secs(3600)]);
+    let short = Retention::keep(Duration::from_secs(1));
+
+    let refused = short.check([&retry]).expect_err("a 1 s retention is refused");
+    let built = idemq::Runtime::builder()
+        .retry(retry.clone())
+        .retention(short)
+        .consume("q", ledger_payment)
+        .build()
+        .expect_err("build refuses it too");
+    assert!(matches!(refused, idemq::Error::Config(_)), "{refused:?}");
+    assert_eq!(refused.to_string(), built.to_string(), "the same error as build's");
+    assert!(refused.to_string().contains("too short"), "{refused}");
+    assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 5, "nothing deleted");
+
+    let floor_passed = Retention::keep(Duration::from_secs(2 * 86_400))
+        .replay_window(Duration::from_secs(86_400))
+        .check([&retry])
+        .expect("longer than an hour of retries and a day of replays");
+    let sweep = idemq::sweep(&mut conn, &floor_passed).await.expect("sweep");
+    assert_eq!((sweep.dedup_rows, sweep.yielded), (4, false), "{sweep:?}");
+    assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 1, "the young row is kept");
 }
 
 /// One sweeper at a time: while another holds the lock, a sweep deletes nothing and
@@ -116,7 +158,8 @@ async fn a_sweep_yields_to_one_already_running() {
         .expect("seed");
     AnsiTransactionManager::begin_transaction(&mut holder).await.expect("begin");
     holder.batch_execute(&format!("SELECT pg_advisory_xact_lock({})", idemq::GC_LOCK)).await.expect("lock");
-    let retention = Retention::keep(Duration::from_secs(30 * 86_400));
+    let retention =
+        Retention::keep(Duration::from_secs(30 * 86_400)).check([&RetryPolicy::default()]).unwrap();
     let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
     assert!(sweep.yielded && sweep.dedup_rows == 0, "{sweep:?}");
     AnsiTransactionManager::commit_transaction(&mut holder).await.expect("end the holder's transaction");
@@ -191,7 +234,12 @@ async fn metrics_and_health_are_served_on_the_http_address() {
     })
     .await;
     let idle = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.expect("get");
-    for series in ["idemq_reconnects_total 0", "idemq_outbox_backlog", "idemq_dedup_rows_deleted_total 0"] {
+    for series in [
+        "idemq_reconnects_total 0",
+        "idemq_outbox_backlog",
+        "idemq_outbox_replies_expired_total 0",
+        "idemq_dedup_rows_deleted_total 0",
+    ] {
         assert!(idle.contains(series), "{series} missing:\n{idle}");
     }
     assert!(idle.contains("kind=\"poison\""), "every kind at zero:\n{idle}");

@@ -3,7 +3,8 @@
 //! Each test runs in a vhost of its own, so its target queues go with it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
@@ -270,8 +271,19 @@ async fn answer(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<R
 }
 
 async fn request(bed: &Bed, payment: &PaymentRequested, reply_to: &str, correlation_id: &str) {
+    request_with(bed, payment, reply_to, correlation_id, lapin::BasicProperties::default()).await;
+}
+
+/// A request with more `props` (an `expiration`, say).
+async fn request_with(
+    bed: &Bed,
+    payment: &PaymentRequested,
+    reply_to: &str,
+    correlation_id: &str,
+    props: lapin::BasicProperties,
+) {
     let body = serde_json::to_vec(payment).expect("serialize");
-    let props = lapin::BasicProperties::default()
+    let props = props
         .with_content_type("application/json".into())
         .with_reply_to(reply_to.into())
         .with_correlation_id(correlation_id.into());
@@ -467,4 +479,197 @@ async fn a_row_that_breaks_the_connection_does_not_block_the_others() {
     let rows = outbox_rows(&bed).await;
     assert_eq!(rows.len(), 1, "only the oversized row is left: {rows:?}");
     assert!(rows[0].1 >= 1 && rows[0].2.is_some(), "postponed with its error: {rows:?}");
+}
+
+/// The name of a reply queue whose requester is gone: declared exclusive on a
+/// connection of its own, which is then closed (the queue goes with it, as auto-delete
+/// and exclusive reply queues do when their client leaves).
+async fn gone_reply_queue(bed: &Bed) -> String {
+    let name = idemq_tests::unique("replies");
+    let requester = lapin::Connection::connect(&bed.amqp_url, lapin::ConnectionProperties::default())
+        .await
+        .expect("the requester connects");
+    let channel = requester.create_channel().await.expect("a channel");
+    let exclusive = lapin::options::QueueDeclareOptions { exclusive: true, ..Default::default() };
+    channel
+        .queue_declare(name.as_str().into(), exclusive, lapin::types::FieldTable::default())
+        .await
+        .expect("declare the reply queue");
+    requester.close(200, "the requester leaves".into()).await.expect("close the requester");
+    let vhost = bed.vhost.as_ref().expect("an isolated bed");
+    eventually("the reply queue went with its requester", Duration::from_secs(20), || async {
+        vhost.unsettled(&name).await == u64::MAX
+    })
+    .await;
+    name
+}
+
+/// Counts the replies the relay deleted unpublished.
+#[derive(Default)]
+struct ExpiredReplies(AtomicUsize);
+
+impl idemq::Observe for ExpiredReplies {
+    fn relay(&self, pass: &idemq::RelayPass) {
+        self.0.fetch_add(pass.expired, Ordering::SeqCst);
+    }
+}
+
+impl ExpiredReplies {
+    fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Stages a requester that is gone (its exclusive reply queue went with its
+/// connection) before its request is answered: the reply is returned (312 NO_ROUTE) on
+/// every try, and without an end would stay in the outbox, retried, for ever. It must
+/// be kept and retried while young, deleted unpublished once older than the reply TTL,
+/// and counted once; an event written behind it is published meanwhile, and one
+/// written after its end too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_to_a_requester_that_is_gone_expires_after_the_reply_ttl_and_the_rows_behind_it_publish() {
+    let bed = Bed::isolated().await;
+    let target = idemq_tests::unique("events");
+    bed.broker.declare_queue(&target).await;
+    let reply_queue = gone_reply_queue(&bed).await;
+    let expired = Arc::new(ExpiredReplies::default());
+    let builder = bed
+        .runtime()
+        .reply_ttl(Duration::from_secs(5))
+        .relay_poll_interval(Duration::from_millis(100))
+        .observe(Arc::clone(&expired))
+        .consume(&bed.queue, answer);
+    let running = Running::start(builder);
+    let payment = payment(100);
+    request(&bed, &payment, &reply_queue, "c-gone").await;
+    running.wait_for_end(&payment.payment_id).await;
+    eventually("the reply returned as unroutable, kept and retried", Duration::from_secs(20), || async {
+        outbox_rows(&bed).await.iter().any(|(to, attempts, error)| {
+            *to == reply_queue && *attempts >= 1 && error.as_deref().is_some_and(|e| e.contains("unroutable"))
+        })
+    })
+    .await;
+    let mut conn = bed.db.connect().await;
+    idemq::enqueue(&mut conn, idemq::Outgoing::json("", &target, &1).unwrap()).await.expect("enqueue");
+    eventually("the event behind the stuck reply published", Duration::from_secs(20), || async {
+        bed.broker.message_count(&target).await == 1
+    })
+    .await;
+    eventually("the reply deleted once older than the TTL", Duration::from_secs(30), || async {
+        backlog(&bed).await == 0
+    })
+    .await;
+    assert_eq!(expired.count(), 1, "the expired reply is counted, once");
+    idemq::enqueue(&mut conn, idemq::Outgoing::json("", &target, &2).unwrap()).await.expect("enqueue");
+    eventually("the event after it published", Duration::from_secs(20), || async {
+        bed.broker.message_count(&target).await == 2
+    })
+    .await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(expired.count(), 1, "{:?}", outbox_rows(&bed).await);
+    assert_eq!(bed.ledger_rows(&payment.payment_id).await, 1, "the request itself was applied");
+}
+
+/// Stages two requests carrying an AMQP `expiration` (how long their requester waits)
+/// far shorter than the reply TTL (the default hour): one whose requester is gone, one
+/// whose requester is there. The first's reply must be deleted by its request's own
+/// expiration, not an hour later, and counted; the second's reply must still be
+/// delivered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_expires_by_its_requests_own_expiration_and_one_to_a_present_requester_is_delivered() {
+    let bed = Bed::isolated().await;
+    let gone = gone_reply_queue(&bed).await;
+    let present = idemq_tests::unique("replies");
+    bed.broker.declare_queue(&present).await;
+    let expired = Arc::new(ExpiredReplies::default());
+    let running = Running::start(bed.runtime().observe(Arc::clone(&expired)).consume(&bed.queue, answer));
+    // The requests expire in their queue too: publish them once they are consumed at once.
+    eventually("the runtime consumes", Duration::from_secs(20), || async {
+        bed.broker.consumer_count(&bed.queue).await >= 1
+    })
+    .await;
+    let within = || lapin::BasicProperties::default().with_expiration("5000".into());
+    let (unanswerable, answerable) = (payment(100), payment(200));
+    request_with(&bed, &unanswerable, &gone, "c-gone", within()).await;
+    request_with(&bed, &answerable, &present, "c-present", within()).await;
+    running.wait_for_end(&unanswerable.payment_id).await;
+    running.wait_for_end(&answerable.payment_id).await;
+    let delivered = replies(&bed, &present, 1).await;
+    let receipt: Receipt = serde_json::from_slice(&delivered[0].delivery.data).expect("a receipt");
+    assert_eq!(receipt.payment_id, answerable.payment_id);
+    assert_eq!(
+        delivered[0].delivery.properties.correlation_id().as_ref().map(|c| c.as_str()),
+        Some("c-present")
+    );
+    eventually(
+        "the unanswerable reply deleted by its request's expiration",
+        Duration::from_secs(30),
+        || async { backlog(&bed).await == 0 },
+    )
+    .await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(expired.count(), 1, "only the reply nobody could take expired");
+    assert_eq!(bed.broker.message_count(&present).await, 0, "one reply, delivered once");
+}
+
+/// Stages an upgrade: rows written by the previous version (no expiry columns) wait
+/// in the outbox — a reply two hours old to a requester that is gone, and an event as
+/// old — when the new migration runs. The old reply must be recognised as one and
+/// expire by the reply TTL counted from when it was written (deleted unpublished,
+/// counted); the old event must never expire and be published.
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_written_before_the_upgrade_keep_working_old_replies_expire_by_the_ttl_and_events_never() {
+    use diesel::migration::MigrationSource;
+    let bed = Bed::isolated().await;
+    let target = idemq_tests::unique("events");
+    bed.broker.declare_queue(&target).await;
+    let gone = gone_reply_queue(&bed).await;
+    // Back to the schema before the expiry migration.
+    let migrations = MigrationSource::<diesel::pg::Pg>::migrations(&idemq::MIGRATIONS).expect("migrations");
+    let expiry = migrations
+        .iter()
+        .find(|m| m.name().to_string().ends_with("_idemq_outbox_reply_expiry"))
+        .expect("the expiry migration");
+    let mut conn = bed.db.connect().await;
+    conn.batch_execute(include_str!("../../migrations/2026-12-03-120000_idemq_outbox_reply_expiry/down.sql"))
+        .await
+        .expect("revert the expiry migration");
+    conn.batch_execute(&format!(
+        "DELETE FROM __diesel_schema_migrations WHERE version = '{}'",
+        expiry.name().version()
+    ))
+    .await
+    .expect("forget it was applied");
+    // What the previous version wrote: a reply (default exchange, correlation id, the
+    // status header alone) and an event.
+    conn.batch_execute(&format!(
+        "INSERT INTO idemq_outbox (message_id, exchange, routing_key, body, content_type, correlation_id, headers, created_at) \
+         VALUES ('old-reply', '', '{gone}', '{{}}', 'application/json', 'c-old', '{{\"x-idemq-status\":\"ok\"}}', now() - interval '2 hours'), \
+                ('old-event', '', '{target}', '1', 'application/json', NULL, NULL, now() - interval '2 hours')"
+    ))
+    .await
+    .expect("write the old rows");
+    idemq::migrate(&bed.db.url()).await.expect("the upgrade");
+    assert_eq!(
+        bed.db.count("SELECT count(*) FROM idemq_outbox WHERE reply AND message_id = 'old-reply'").await,
+        1,
+        "the old reply is recognised as a reply"
+    );
+    assert_eq!(bed.db.count("SELECT count(*) FROM idemq_outbox WHERE reply").await, 1, "and only it");
+
+    let expired = Arc::new(ExpiredReplies::default());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let relay = idemq::Relay::builder()
+        .amqp_url(&bed.amqp_url)
+        .database_url(bed.db.url())
+        .observe(Arc::clone(&expired))
+        .build();
+    let relay = tokio::spawn(relay.run(shutdown.clone()));
+    eventually("the outbox drained", Duration::from_secs(20), || async { backlog(&bed).await == 0 }).await;
+    shutdown.cancel();
+    relay.await.expect("relay task").expect("relay run");
+    assert_eq!(expired.count(), 1, "the old reply expired (an hour's TTL, two hours old)");
+    let events = bed.broker.drain(&target).await;
+    assert_eq!(events.len(), 1, "the old event, as old, was published");
+    assert_eq!(message_id(&events[0]), "old-event");
 }

@@ -410,8 +410,10 @@ impl Bench {
         let sweeper = tokio::spawn(async move {
             let mut conn = AsyncPgConnection::establish(&database_url).await?;
             let started = Instant::now();
-            let swept =
-                idemq::sweep(&mut conn, &Retention::keep(Duration::from_secs(15 * 24 * 3600))).await?;
+            // The children's retry policy: the default.
+            let retention = Retention::keep(Duration::from_secs(15 * 24 * 3600))
+                .check([&idemq::RetryPolicy::default()])?;
+            let swept = idemq::sweep(&mut conn, &retention).await?;
             Ok::<_, BenchError>((swept.dedup_rows, started.elapsed()))
         });
         tokio::time::sleep(Duration::from_secs(1)).await;
