@@ -193,6 +193,7 @@ mod retry;
 mod runtime;
 pub mod schema;
 mod session;
+mod startup;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub mod testing;
 mod topology;
@@ -201,7 +202,7 @@ mod width;
 
 pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
 pub use delivery::OnConflict;
-pub use error::Error;
+pub use error::{Dependency, Error};
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::{idempotent_handler, Message};
 pub use key::{

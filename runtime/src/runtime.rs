@@ -15,13 +15,14 @@ use tokio_util::task::TaskTracker;
 use crate::backoff::Backoff;
 use crate::db::{self, SessionLimits};
 use crate::delivery::{BatchLimits, Fatal, OnConflict, Shared};
-use crate::error::{redact, Error};
+use crate::error::{redact, Dependency, Error};
 use crate::handler::Handler;
 use crate::observe::{Observe, Observers, OnConnection, OnSettled};
 use crate::outcome::{Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits};
 use crate::retry::RetryPolicy;
 use crate::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
+use crate::startup::Startup;
 use crate::topology::Topology;
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
@@ -56,6 +57,7 @@ pub struct RuntimeBuilder {
     shutdown_deadline: Duration,
     heartbeat: Duration,
     reconnect_max: Duration,
+    startup_timeout: Option<Duration>,
     observers: Observers,
     relay: Option<crate::relay::Settings>,
     retention: Option<crate::retention::Retention>,
@@ -97,6 +99,7 @@ impl RuntimeBuilder {
             shutdown_deadline: Duration::from_secs(10),
             heartbeat: Duration::from_secs(20),
             reconnect_max: Duration::from_secs(30),
+            startup_timeout: None,
             observers: Observers::default(),
             relay: Some(crate::relay::Settings::default()),
             retention: None,
@@ -249,9 +252,30 @@ impl RuntimeBuilder {
     }
 
     /// The longest wait between reconnect attempts (the backoff starts at 100 ms and
-    /// doubles, with jitter). Default 30 s.
+    /// doubles, with jitter), after a loss and at start-up. Default 30 s.
     pub fn reconnect_max_backoff(mut self, max: Duration) -> Self {
         self.reconnect_max = max;
+        self
+    }
+
+    /// How long start-up may wait for an unreachable broker or database (connection
+    /// refused or reset, no answer) before [`Runtime::run`] fails with
+    /// [`Error::StartupTimeout`], naming which. Default: no limit.
+    ///
+    /// Without one, a consumer started during an outage waits: each attempt is
+    /// logged with the delay to the next (the reconnect backoff, see
+    /// [`reconnect_max_backoff`](Self::reconnect_max_backoff)) and reported as
+    /// [`ConnectionEvent::Unreachable`]; `/readyz` answers 503 with the reason and
+    /// `/healthz` 200 meanwhile; it starts consuming once both answer, and cancelling
+    /// the shutdown token ends the wait (`run` returns `Ok`). Set one where an
+    /// orchestrator should restart the process instead; zero is one attempt at each.
+    /// The budget covers the database check and the first broker connection
+    /// together, from the start of `run`; an attempt under way is cut at the
+    /// deadline, except the first at each. What waiting cannot mend fails at once
+    /// whatever this says: a refused login, a missing vhost or database, a URL that
+    /// does not parse, idemq's tables missing.
+    pub fn startup_timeout(mut self, timeout: Duration) -> Self {
+        self.startup_timeout = Some(timeout);
         self
     }
 
@@ -343,6 +367,13 @@ impl RuntimeBuilder {
     #[cfg(feature = "cli")]
     pub(crate) fn configured_database_url(&self) -> &str {
         &self.database_url
+    }
+
+    /// A start-up wait with this builder's timeout and backoff, for what the CLI
+    /// does before `run` (its set-up and migrations need the database).
+    #[cfg(feature = "cli")]
+    pub(crate) fn startup(&self) -> Startup {
+        Startup::new(self.startup_timeout, self.reconnect_max, Observers::default())
     }
 
     /// Keeps only the consumers of `queues`; a queue nobody consumes is an error.
@@ -443,6 +474,16 @@ impl RuntimeBuilder {
     pub fn build(self) -> Result<Runtime, Error> {
         if self.consumers.is_empty() {
             return Err(Error::Config("no consumers: add one with `.consume(queue, handler)`".into()));
+        }
+        // Unreadable URLs fail every attempt alike: refused here, never waited on.
+        crate::brokers::Brokers::parse(&self.amqp_url)?;
+        if let Err(err) = self.database_url.parse::<tokio_postgres::Config>() {
+            return Err(Error::Config(format!(
+                "DATABASE_URL: {} is not a PostgreSQL connection string ({}); \
+                 write postgres://user:password@host:5432/database",
+                redact(&self.database_url),
+                redact(&err.to_string())
+            )));
         }
         if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
             return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
@@ -554,6 +595,15 @@ impl Runtime {
         RuntimeBuilder::new()
     }
 
+    /// `spent` of the startup timeout went before `run` (the CLI's wait for the
+    /// database before its migrations): `run` waits only for what is left.
+    #[cfg(feature = "cli")]
+    pub(crate) fn startup_spent(&mut self, spent: Duration) {
+        if let Some(timeout) = &mut self.builder.startup_timeout {
+            *timeout = timeout.saturating_sub(spent);
+        }
+    }
+
     /// The outcome counters, live while the runtime runs.
     pub fn stats(&self) -> Arc<Stats> {
         Arc::clone(&self.stats)
@@ -571,9 +621,17 @@ impl Runtime {
     /// cannot be acked any more; the broker redelivers them and their dedup rows make
     /// that harmless.
     ///
+    /// Starting during an outage is waited out: an unreachable database or broker
+    /// (refused, reset, silent) is tried again with the reconnect backoff, each
+    /// attempt logged and reported as [`ConnectionEvent::Unreachable`], until it
+    /// answers, `shutdown` is cancelled (then `Ok`), or the
+    /// [startup timeout](RuntimeBuilder::startup_timeout) is spent.
+    ///
     /// # Errors
-    /// Start-up failures (the first connection, declaration or database check), and
-    /// a topology mismatch found on a later reconnect.
+    /// At start-up, what waiting cannot mend (a refused login, a missing vhost,
+    /// database or queue, a topology that differs, idemq's tables missing) and
+    /// [`Error::StartupTimeout`]; while running, a topology mismatch found on a
+    /// reconnect and faults no retry fixes (idemq's tables dropped).
     ///
     /// # Cancel safety
     /// Not cancel safe: dropping the future drops the connections, so the broker
@@ -581,47 +639,45 @@ impl Runtime {
     /// instead.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let b = self.builder;
-        let connect_error =
-            |message: String| Error::DatabaseConnect { url: redact(&b.database_url), message };
-        let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
-        let pool = db::build_pool(&b.database_url, b.concurrency, limits)
-            .map_err(|err| connect_error(err.to_string()))?;
-        {
-            // Fail fast, with the fix, on what no retry can mend: without idemq's
-            // tables every delivery would fail until someone runs the migrations.
-            let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
-            match db::check_schema(&mut conn).await {
-                Ok(None) => {}
-                Ok(Some(problem)) => return Err(problem.into()),
-                Err(err) => return Err(connect_error(format!("checking idemq's tables failed: {err}"))),
-            }
-        }
-
-        let relay_wake = b.relay.map(|_| Arc::new(tokio::sync::Notify::new()));
         #[cfg(feature = "metrics")]
         let metrics = b.http_addr.map(|addr| {
             let queues: Vec<String> = b.consumers.iter().map(|(queue, _, _)| queue.clone()).collect();
             (addr, crate::metrics::Metrics::new(&queues))
         });
+        // The built-in stats are a subscriber like any other, heard first.
+        let mut observers = Observers::default();
+        observers.push(Arc::clone(&self.stats) as Arc<dyn Observe>);
+        for observer in b.observers.0.iter() {
+            observers.push(Arc::clone(observer));
+        }
+        #[cfg(feature = "metrics")]
+        if let Some((_, metrics)) = &metrics {
+            observers.push(Arc::clone(metrics) as Arc<dyn Observe>);
+        }
+        // Served from the start: `/healthz` answers while start-up waits, and
+        // `/readyz` says what for. Stopped when `serving` is dropped.
+        #[cfg(feature = "metrics")]
+        let serving = match &metrics {
+            Some((addr, metrics)) => Some(crate::metrics::serve(*addr, Arc::clone(metrics))?),
+            None => None,
+        };
+
+        let mut startup = Startup::new(b.startup_timeout, b.reconnect_max, observers.clone());
+        let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
+        let pool = db::build_pool(&b.database_url, b.concurrency, limits).map_err(|err| {
+            Error::DatabaseConnect { url: redact(&b.database_url), message: err.to_string() }
+        })?;
+        if !startup.database(&pool, &b.database_url, &shutdown).await? {
+            return Ok(());
+        }
+
+        let relay_wake = b.relay.map(|_| Arc::new(tokio::sync::Notify::new()));
         let shared = Arc::new(Shared {
             pool,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
             database_retry_limit: b.database_retry_limit,
-
-            observers: {
-                // The built-in stats are a subscriber like any other, heard first.
-                let mut observers = Observers::default();
-                observers.push(Arc::clone(&self.stats) as Arc<dyn Observe>);
-                for observer in b.observers.0.iter() {
-                    observers.push(Arc::clone(observer));
-                }
-                #[cfg(feature = "metrics")]
-                if let Some((_, metrics)) = &metrics {
-                    observers.push(Arc::clone(metrics) as Arc<dyn Observe>);
-                }
-                observers
-            },
+            observers,
             outbox: crate::relay::OutboxSignal::new(relay_wake.clone()),
             turns: tokio::sync::RwLock::new(()),
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
@@ -653,10 +709,7 @@ impl Runtime {
             }
         };
         #[cfg(feature = "metrics")]
-        let http_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        #[cfg(feature = "metrics")]
-        if let Some((addr, metrics)) = &metrics {
-            crate::metrics::serve(*addr, Arc::clone(metrics), Arc::clone(&http_stop))?;
+        if let Some((_, metrics)) = &metrics {
             let (metrics, pool, stop) = (Arc::clone(metrics), shared.pool.clone(), stop.clone());
             tokio::spawn(async move {
                 // The outbox backlog, and a sign of life from the database for /readyz.
@@ -709,13 +762,28 @@ impl Runtime {
             hard_stop: CancellationToken::new(),
         };
 
-        // Numbered per session that connected: failed attempts keep the number.
+        // Numbered per session that connected: failed attempts keep the number, so
+        // session 1 is start-up, when an unreachable broker is waited for as above.
         let mut session = 1;
         let mut backoff = Backoff::new(Duration::from_millis(100), b.reconnect_max);
         let (result, connections) = loop {
-            match session::run(&ctx, session, &stop).await {
+            let starting = session == 1;
+            if starting {
+                if let Err(err) = startup.check_deadline(Dependency::Broker, &b.amqp_url) {
+                    break (Err(err), None);
+                }
+            }
+            let cut_at = if starting { startup.cut_at(Dependency::Broker) } else { None };
+            match session::run(&ctx, session, &stop, cut_at).await {
                 SessionEnd::Shutdown(connections) => break (Ok(()), connections),
                 SessionEnd::Fatal(err) => break (Err(err), None),
+                SessionEnd::Lost { reason, connected: false } if starting => {
+                    match startup.wait(Dependency::Broker, &b.amqp_url, &reason, &stop).await {
+                        Ok(true) => {}
+                        Ok(false) => break (Ok(()), None),
+                        Err(err) => break (Err(err), None),
+                    }
+                }
                 SessionEnd::Lost { reason, connected } => {
                     if connected {
                         // Logged once per loss, not once per attempt.
@@ -747,7 +815,7 @@ impl Runtime {
             sweeper.abort();
         }
         #[cfg(feature = "metrics")]
-        http_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(serving);
         relay_stop.cancel();
         if let Err(err) = relay.await {
             tracing::error!(error = %err, "the outbox relay task failed");
