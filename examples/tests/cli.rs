@@ -349,3 +349,16 @@ fn run_waits_for_an_unreachable_database_and_sigterm_exits_zero() {
     let status = wait_with_timeout(&mut child, Duration::from_secs(20));
     assert!(status.success(), "exit status {status:?}");
 }
+
+/// Stages a broker whose consumer_timeout is shorter than idemq's settings allow
+/// for (told by `IDEMQ_CONSUMER_TIMEOUT`, the setting's contract name): `run` must
+/// refuse before connecting, exit 1, naming the settings and the fix.
+#[test]
+fn run_refuses_settings_that_outlast_idemq_consumer_timeout() {
+    let stderr = run_fails(
+        Command::new(env!("CARGO_BIN_EXE_payments")).arg("run").env("IDEMQ_CONSUMER_TIMEOUT", "10m"),
+    );
+    for words in ["database_retry_limit (25m)", "consumer_timeout (10m)", "Fix: "] {
+        assert!(stderr.contains(words), "{words}: {stderr}");
+    }
+}

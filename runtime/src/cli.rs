@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! <app> run      [--concurrency N] [--batch-size N] [--prefetch N] [--queue Q]... [--http-addr ADDR]
-//!                [--retention 30d [--replay-window 7d]] [--startup-timeout 2m]
+//!                [--retention 30d [--replay-window 7d]] [--startup-timeout 2m] [--consumer-timeout 30m]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply]                                            the topology: what exists, what would be declared
@@ -16,10 +16,10 @@
 //! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
-//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`), then a TOML file (`--config`, or
-//! `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`, `database_url`,
-//! `concurrency`, `batch_size`, `prefetch`, `http_addr`, `retention`,
-//! `replay_window`, `startup_timeout`), then the
+//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`), then a
+//! TOML file (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case
+//! (`amqp_url`, `database_url`, `concurrency`, `batch_size`, `prefetch`, `http_addr`,
+//! `retention`, `replay_window`, `startup_timeout`, `consumer_timeout`), then the
 //! code's builder. They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
 //!
@@ -197,6 +197,15 @@ impl Cli {
                          at start-up (e.g. 2m; default: wait for as long as it takes)",
                     ))
                     .arg(
+                        duration(
+                            "consumer-timeout",
+                            "IDEMQ_CONSUMER_TIMEOUT",
+                            "the broker's consumer_timeout, if not RabbitMQ's 30m (`off` if turned off): \
+                             settings that can hold a delivery longer are refused",
+                        )
+                        .value_parser(parse_consumer_timeout),
+                    )
+                    .arg(
                         Arg::new("prefetch")
                             .long("prefetch")
                             .env("IDEMQ_PREFETCH")
@@ -327,6 +336,10 @@ impl Cli {
                 }
                 if let Some(timeout) = setting::<Duration>(sub, "startup-timeout").or(file.startup_timeout) {
                     builder = builder.startup_timeout(timeout);
+                }
+                if let Some(timeout) = setting::<Duration>(sub, "consumer-timeout").or(file.consumer_timeout)
+                {
+                    builder = builder.consumer_timeout(timeout);
                 }
                 // Checked before anything connects.
                 let url = builder.configured_database_url().to_owned();
@@ -462,6 +475,14 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         .map_err(|err| format!("`{text}` is not a duration ({err}); write e.g. 30d, 12h, 90m"))
 }
 
+/// A duration, or `off` for a broker whose consumer timeout is turned off.
+fn parse_consumer_timeout(text: &str) -> Result<Duration, String> {
+    if text.trim().eq_ignore_ascii_case("off") {
+        return Ok(Duration::MAX);
+    }
+    parse_duration(text).map_err(|err| format!("{err}, or `off`"))
+}
+
 /// The TOML file's settings.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -478,11 +499,18 @@ struct Settings {
     replay_window: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
     startup_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "consumer_timeout")]
+    consumer_timeout: Option<Duration>,
 }
 
 fn duration<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
     let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
     text.map(|text| parse_duration(&text).map_err(serde::de::Error::custom)).transpose()
+}
+
+fn consumer_timeout<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
+    text.map(|text| parse_consumer_timeout(&text).map_err(serde::de::Error::custom)).transpose()
 }
 
 impl Settings {
@@ -493,8 +521,8 @@ impl Settings {
         toml::from_str(&text).map_err(|err| {
             Error::Config(format!(
                 "the config file {} is not valid: {}; its settings are amqp_url, database_url, concurrency, \
-                 batch_size, prefetch, http_addr, retention, replay_window and startup_timeout \
-                 (durations as \"30d\")",
+                 batch_size, prefetch, http_addr, retention, replay_window, startup_timeout and \
+                 consumer_timeout (durations as \"30d\")",
                 path.display(),
                 redact(&err.to_string())
             ))

@@ -171,6 +171,7 @@ mod brokers;
 pub mod cli;
 #[cfg(feature = "cli")]
 mod cli_dlq;
+mod consumer_timeout;
 mod db;
 mod dead_letter;
 mod delivery;

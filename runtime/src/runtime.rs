@@ -58,6 +58,7 @@ pub struct RuntimeBuilder {
     heartbeat: Duration,
     reconnect_max: Duration,
     startup_timeout: Option<Duration>,
+    consumer_timeout: Duration,
     observers: Observers,
     relay: Option<crate::relay::Settings>,
     retention: Option<crate::retention::Retention>,
@@ -100,6 +101,7 @@ impl RuntimeBuilder {
             heartbeat: Duration::from_secs(20),
             reconnect_max: Duration::from_secs(30),
             startup_timeout: None,
+            consumer_timeout: crate::consumer_timeout::DEFAULT,
             observers: Observers::default(),
             relay: Some(crate::relay::Settings::default()),
             retention: None,
@@ -197,7 +199,8 @@ impl RuntimeBuilder {
     }
 
     /// How long a handler may run; past it the attempt fails (transient) and its
-    /// connection is dropped. Default 60 s.
+    /// connection is dropped. Default 60 s. Counted twice against the broker's
+    /// [`consumer_timeout`](Self::consumer_timeout).
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.handler_timeout = timeout;
         self
@@ -205,8 +208,10 @@ impl RuntimeBuilder {
 
     /// How long a delivery is held, retrying its transaction on fresh connections,
     /// while the database is unreachable; after that it is returned to the queue.
-    /// Keep it under the broker's `consumer_timeout` (30 min by default), which would
-    /// otherwise close the channel. Default 25 min.
+    /// Counted from the delivery's receipt (time waiting for its turn counts too).
+    /// It must fit the broker's `consumer_timeout` with two handler timeouts and a
+    /// minute to spare, which `build` checks (see
+    /// [`consumer_timeout`](Self::consumer_timeout)). Default 25 min.
     pub fn database_retry_limit(mut self, limit: Duration) -> Self {
         self.database_retry_limit = limit;
         self
@@ -237,7 +242,8 @@ impl RuntimeBuilder {
     }
 
     /// How long shutdown waits for in-flight deliveries before returning them to the
-    /// queue. Default 10 s.
+    /// queue. Default 10 s; with a minute to spare it must fit the broker's
+    /// [`consumer_timeout`](Self::consumer_timeout).
     pub fn shutdown_deadline(mut self, deadline: Duration) -> Self {
         self.shutdown_deadline = deadline;
         self
@@ -276,6 +282,40 @@ impl RuntimeBuilder {
     /// does not parse, idemq's tables missing.
     pub fn startup_timeout(mut self, timeout: Duration) -> Self {
         self.startup_timeout = Some(timeout);
+        self
+    }
+
+    /// The broker's `consumer_timeout`: how long RabbitMQ lets a delivery stay
+    /// unacknowledged before it closes the channel and redelivers everything on it
+    /// (default 30 min, RabbitMQ's; on 3.10 a node setting in `rabbitmq.conf`,
+    /// checked on each channel's tick, about once a minute). Give the value your
+    /// broker has; `Duration::MAX` for one with the timeout turned off.
+    ///
+    /// `build` refuses settings that can hold a delivery longer, naming them:
+    ///
+    /// - **while running**: `database_retry_limit + 2 × handler_timeout + 1 min`.
+    ///   During a database outage a delivery is retried until
+    ///   [`database_retry_limit`](Self::database_retry_limit) after its receipt,
+    ///   and the last retry may run its handler for a whole
+    ///   [`handler_timeout`](Self::handler_timeout); before its first run it may
+    ///   wait about one handler's time for its turn (a redelivered message runs
+    ///   alone, once the transactions running when it came have finished; a lane's
+    ///   delivery waits for its pipeline's batch). The minute covers the rest of an
+    ///   attempt (pool checkout, BEGIN, dedup insert, COMMIT, ack).
+    /// - **at shutdown**: `shutdown_deadline + 1 min`: a delivery taken just before
+    ///   shutdown may run for the whole [`shutdown_deadline`](Self::shutdown_deadline).
+    ///
+    /// The defaults fit RabbitMQ's: 25 min + 2 × 60 s + 1 min = 28 min. What the
+    /// check cannot know is how long your handlers really take: a batch's handlers
+    /// run one after another, so handlers that take close to their timeout belong
+    /// in small batches (`batch = N` on the handler, or
+    /// [`batch_size`](Self::batch_size)), and a copy whose confirm waits on a
+    /// broker resource alarm stays unacked meanwhile. If the broker closes a channel
+    /// for a delivery timeout anyway, the runtime logs it as that (naming these
+    /// settings), reconnects, and an effect that committed late is acked as a
+    /// duplicate when its message comes back.
+    pub fn consumer_timeout(mut self, timeout: Duration) -> Self {
+        self.consumer_timeout = timeout;
         self
     }
 
@@ -522,6 +562,12 @@ impl RuntimeBuilder {
         if let Some(retention) = &self.retention {
             retention.check(&self.retry_policies())?;
         }
+        let holding = crate::consumer_timeout::Holding {
+            handler_timeout: self.handler_timeout,
+            database_retry_limit: self.database_retry_limit,
+            shutdown_deadline: self.shutdown_deadline,
+        };
+        crate::consumer_timeout::check(holding, self.consumer_timeout)?;
         let mut seen = std::collections::HashSet::new();
         for (queue, _, _) in &self.consumers {
             if !seen.insert(queue.as_str()) {

@@ -207,8 +207,11 @@ pub(crate) async fn run(
                 };
             }
             Some(event) = consuming_events.next() => {
+                // A channel the broker closes is reported here too, maybe before its
+                // consumer hears of it.
                 if let lapin::Event::Error(err) = event {
-                    break format!("the consuming connection failed: {err}");
+                    break crate::consumer_timeout::describe(&err)
+                        .unwrap_or_else(|| format!("the consuming connection failed: {err}"));
                 }
             }
             Some(event) = publishing_events.next() => match event {
@@ -225,6 +228,9 @@ pub(crate) async fn run(
             },
         }
     };
+    if crate::consumer_timeout::is_described(&reason) {
+        tracing::error!(session, %reason, "{}", crate::consumer_timeout::EXPLAINED);
+    }
     session_stop.cancel();
     while loops.join_next().await.is_some() {}
     // The next attempt starts with the next address: this one was just lost.
@@ -392,11 +398,38 @@ async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) 
             consumer.acks.received(&delivery);
             Next::Delivery(delivery)
         }
-        Some(Err(err)) => Next::Ended(format!("queue '{}': {err}", consumer.queue)),
+        Some(Err(err)) => Next::Ended(ended_by(consumer, &err)),
         None => Next::Ended(format!(
             "queue '{}': the broker cancelled the consumer (queue deleted?) or the channel closed",
             consumer.queue
         )),
+    }
+}
+
+/// Why a consumer's stream ended with `err`: the broker's words — and, when it
+/// closed the channel for a delivery not acknowledged within its
+/// `consumer_timeout`, that said plainly (see [`run`], which logs it once).
+fn ended_by(consumer: &Consumer, err: &lapin::Error) -> String {
+    let said = crate::consumer_timeout::describe(err).unwrap_or_else(|| err.to_string());
+    format!("queue '{}': {said}", consumer.queue)
+}
+
+/// Why `consumer`'s channel closed, from its stream: lapin hands the broker's close
+/// to the consumer after the deliveries still buffered (dropped here: the broker
+/// requeues them). Waits a moment for it; else a plain "the channel closed".
+async fn closing_reason(consumer: &Consumer, stream: &mut lapin::Consumer) -> String {
+    let told = async {
+        loop {
+            match stream.next().await {
+                Some(Ok(_buffered)) => {}
+                Some(Err(err)) => return Some(ended_by(consumer, &err)),
+                None => return None,
+            }
+        }
+    };
+    match tokio::time::timeout(Duration::from_secs(1), told).await {
+        Ok(Some(reason)) => reason,
+        _ => format!("queue '{}': the channel closed", consumer.queue),
     }
 }
 
@@ -452,7 +485,7 @@ async fn consume(
             // Waiting for a slot must not hide a dead channel: its deliveries can no
             // longer be settled (the broker requeues them), and the session must end.
             () = closed(&consumer.channel) => {
-                break Some(format!("queue '{}': the channel closed", consumer.queue));
+                break Some(closing_reason(&consumer, &mut stream).await);
             }
         };
         // Whatever arrived meanwhile.
