@@ -848,6 +848,8 @@ impl Runtime {
             }
         };
 
+        // Whether a session ever connected and consumed.
+        let started = session > 1 || connections.is_some();
         ctx.tracker.close();
         if tokio::time::timeout(b.shutdown_deadline, ctx.tracker.wait()).await.is_err() {
             tracing::warn!(deadline = ?b.shutdown_deadline, "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
@@ -863,8 +865,16 @@ impl Runtime {
         #[cfg(feature = "metrics")]
         drop(serving);
         relay_stop.cancel();
-        if let Err(err) = relay.await {
-            tracing::error!(error = %err, "the outbox relay task failed");
+        if !started {
+            // Stopped (or failed) before ever consuming: nothing was committed here
+            // for the relay to publish, and it may be in the middle of an attempt at
+            // the unreachable broker that would hold the shutdown for seconds. Its
+            // rows, if any, wait in the outbox for the next relay.
+            relay.abort();
+        }
+        match relay.await {
+            Err(err) if !err.is_cancelled() => tracing::error!(error = %err, "the outbox relay task failed"),
+            _ => {}
         }
         match ctx.shared.fatal.take() {
             Some(fatal) => Err(fatal),
