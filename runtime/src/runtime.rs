@@ -320,7 +320,8 @@ impl RuntimeBuilder {
     }
 
     /// Calls `on_event` when the runtime connects, loses its connection, or the
-    /// broker blocks or unblocks publishing.
+    /// broker blocks or unblocks publishing, and for every start-up attempt that
+    /// finds the broker or the database unreachable.
     /// Each call adds one (see [`observe`](Self::observe)).
     pub fn on_connection_event(
         mut self,

@@ -40,7 +40,8 @@ async fn bounded<T>(handshake: impl std::future::Future<Output = T>) {
     let _ = tokio::time::timeout(CLOSE_TIMEOUT, handshake).await;
 }
 
-/// A change in the runtime's connection to the broker, for an
+/// A change in the runtime's connection to the broker — or, at start-up, an attempt
+/// that found the broker or the database unreachable — for an
 /// [observer](crate::RuntimeBuilder::on_connection_event).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
