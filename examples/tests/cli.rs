@@ -304,3 +304,70 @@ fn dlq_lists_shows_replays_and_purges_dead_letters() {
         listed = queues();
     }
 }
+
+/// A loopback port nothing listens on: connecting there is refused.
+fn refusing_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Stages `payments run` started while the broker refuses connections, bounded by
+/// `IDEMQ_STARTUP_TIMEOUT` (the setting's contract name): it must give up with exit 1
+/// and a message naming RabbitMQ and the startup timeout, not at the first refusal.
+#[test]
+fn run_gives_up_after_idemq_startup_timeout_naming_the_unreachable_broker() {
+    let env = Isolated::new();
+    let stderr = run_fails(
+        env.payments(&["run"])
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:{}/{}", refusing_port(), env.vhost))
+            .env("IDEMQ_STARTUP_TIMEOUT", "2s"),
+    );
+    assert!(stderr.contains("cannot connect to RabbitMQ") && stderr.contains("startup timeout"), "{stderr}");
+    assert!(stderr.contains("RabbitMQ is unreachable at start-up"), "each attempt is logged: {stderr}");
+}
+
+/// Stages `payments run` started while PostgreSQL refuses connections, with no
+/// startup timeout: it must wait (logging each attempt), not exit, and SIGTERM then
+/// ends it with exit 0.
+#[test]
+fn run_waits_for_an_unreachable_database_and_sigterm_exits_zero() {
+    use std::io::BufRead;
+    let env = Isolated::new();
+    let mut child = env
+        .payments(&["run"])
+        .env("DATABASE_URL", format!("postgres://postgres@127.0.0.1:{}/{}", refusing_port(), env.database))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn run");
+    let stderr = child.stderr.take().expect("piped");
+    let (lines, logged) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut waits = 0;
+    while waits < 2 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = logged.recv_timeout(left).expect("the start-up wait is logged");
+        waits += usize::from(line.contains("PostgreSQL is unreachable at start-up"));
+    }
+    assert!(child.try_wait().expect("wait").is_none(), "payments run exited instead of waiting");
+    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    assert!(status.success(), "exit status {status:?}");
+}
+
+/// Stages a broker whose consumer_timeout is shorter than idemq's settings allow
+/// for (told by `IDEMQ_CONSUMER_TIMEOUT`, the setting's contract name): `run` must
+/// refuse before connecting, exit 1, naming the settings and the fix.
+#[test]
+fn run_refuses_settings_that_outlast_idemq_consumer_timeout() {
+    let stderr = run_fails(
+        Command::new(env!("CARGO_BIN_EXE_payments")).arg("run").env("IDEMQ_CONSUMER_TIMEOUT", "10m"),
+    );
+    for words in ["database_retry_limit (25m)", "consumer_timeout (10m)", "Fix: "] {
+        assert!(stderr.contains(words), "{words}: {stderr}");
+    }
+}

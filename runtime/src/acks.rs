@@ -14,6 +14,11 @@
 //! This relies on every delivery of the channel being [`Acks::received`] in delivery
 //! order before any later one is settled: one consumer per channel, whose intake
 //! registers each delivery as it takes it from the stream.
+//!
+//! Deliveries that go back to the queue go one by one, as [`REQUEUE`] says: never a
+//! `multiple` nack (it would return every unacked tag below, in flight elsewhere or
+//! not), and a `basic.nack`, not a `basic.reject`, so that on RabbitMQ 4.3+ a requeue
+//! does not count towards a quorum queue's delivery limit.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -31,6 +36,32 @@ pub(crate) struct Acks {
     /// after its frame was sent, so the watermark never passes a frame in flight.
     unsettled: Mutex<BTreeSet<u64>>,
 }
+
+/// How a delivery goes back to its queue: one `basic.nack` of its own tag, with
+/// `requeue`.
+///
+/// - **Never `multiple`.** A multiple nack settles *every* unacked delivery of the
+///   channel up to its tag, including ones still running elsewhere, whose own
+///   settlement would then be a 406 that closes the channel. Acks may go as one
+///   `multiple` below the watermark because every tag there is settled already;
+///   requeues are rare and go one by one, so a requeue only ever returns the
+///   delivery it names. (Invariant, checked when compiling: see below.)
+/// - **`nack`, not `reject`.** From RabbitMQ 4.3 on, a quorum queue counts a
+///   `basic.reject` with requeue as a failed delivery (`x-delivery-count` + 1; the
+///   queue's `x-delivery-limit`, RabbitMQ's default 20 or idemq's
+///   `delivery_limit + BROKER_LIMIT_MARGIN`, dead-letters at it), and a
+///   `basic.nack` with requeue as "not processed", which it does not count (its
+///   `x-acquired-count` still goes up). idemq requeues only what it has not
+///   finished — a database outage past `database_retry_limit`, a fault that stops
+///   the runtime, a shutdown, a retry or dead-letter copy it could not publish, a
+///   delivery its batch left undecided — none of them the message's fault, so none
+///   brings it nearer the broker's limit. Handler failures are counted by idemq
+///   itself: retry copies carry the attempt, and poison is judged by the handler
+///   starts it records (`idemq_started`).
+pub(crate) const REQUEUE: BasicNackOptions = BasicNackOptions { multiple: false, requeue: true };
+
+// One tag, never the run below it; back to the queue, not dropped or dead-lettered.
+const _: () = assert!(!REQUEUE.multiple && REQUEUE.requeue, "a requeue returns only the delivery it names");
 
 /// Whether each frame was sent (`false`: the channel is gone, the broker redelivers).
 pub(crate) type Sent = lapin::Result<bool>;
@@ -95,7 +126,7 @@ impl Acks {
 
     /// Like [`requeue`](Self::requeue), for a delivery known by its tag and acker.
     pub(crate) async fn requeue_tag(&self, tag: u64, acker: &Acker) -> Sent {
-        let sent = bounded(acker.nack(BasicNackOptions { requeue: true, ..Default::default() })).await;
+        let sent = bounded(acker.nack(REQUEUE)).await;
         self.settled([tag]);
         sent
     }

@@ -25,9 +25,22 @@ impl Backoff {
     /// except for the attempt count.
     pub(crate) async fn wait(&mut self) {
         self.attempts += 1;
-        let delay = self.next.mul_f64(0.5 + jitter_fraction()).min(self.max);
+        let delay = self.jittered();
         tokio::time::sleep(delay).await;
         self.next = (self.next * 2).min(self.max);
+    }
+
+    /// The next jittered interval, taken now (the schedule moves on), for a caller
+    /// that says how long it will wait before it waits (see [`Backoff::wait`]).
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        self.attempts += 1;
+        let delay = self.jittered();
+        self.next = (self.next * 2).min(self.max);
+        delay
+    }
+
+    fn jittered(&self) -> Duration {
+        self.next.mul_f64(0.5 + jitter_fraction()).min(self.max)
     }
 }
 
@@ -52,5 +65,18 @@ mod tests {
         assert!(waits[0] >= Duration::from_millis(50) && waits[0] <= Duration::from_millis(150), "{waits:?}");
         assert!(waits.iter().all(|w| *w <= Duration::from_millis(300)), "{waits:?}");
         assert_eq!(backoff.attempts, 5);
+    }
+
+    #[test]
+    fn a_delay_taken_ahead_moves_the_schedule_like_a_wait() {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_millis(300));
+        let delays: Vec<Duration> = (0..4).map(|_| backoff.next_delay()).collect();
+        assert!(
+            delays[0] >= Duration::from_millis(50) && delays[0] <= Duration::from_millis(150),
+            "{delays:?}"
+        );
+        assert!(delays[1] >= Duration::from_millis(100), "doubled: {delays:?}");
+        assert!(delays.iter().all(|d| *d <= Duration::from_millis(300)), "{delays:?}");
+        assert_eq!(backoff.attempts, 4);
     }
 }

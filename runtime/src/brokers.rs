@@ -34,6 +34,19 @@ impl Brokers {
                 "AMQP_URL is empty: give one amqp:// URL, or several separated by commas".into(),
             ));
         }
+        // A URL the client cannot read fails every attempt the same way (and lapin
+        // reports it as an I/O error, like a refused connection): refuse it here, so
+        // that start-up never waits on it.
+        for url in &urls {
+            if let Err(reason) = url.parse::<lapin::uri::AMQPUri>() {
+                return Err(Error::Config(format!(
+                    "AMQP_URL: {} is not a broker URL ({}); write amqp://user:password@host:5672/vhost \
+                     (the vhost `/` is %2f, a comma in a password %2C)",
+                    redact(url),
+                    redact(&reason)
+                )));
+            }
+        }
         Ok(Self { urls, next: AtomicUsize::new(0) })
     }
 
@@ -98,6 +111,46 @@ impl Brokers {
     }
 }
 
+/// Whether `err`, met connecting to the broker or declaring the topology, is the
+/// broker being out of reach for now — refused, reset, silent, a name that does not
+/// resolve yet, a broker stopping or restarting, a queue whose node is down — which
+/// waiting mends. The rest is a refusal no retry changes (login refused, vhost
+/// missing, a queue that is missing or declared otherwise, permissions): start-up
+/// fails at once with it.
+pub(crate) fn unreachable(err: &Error) -> bool {
+    match err {
+        Error::AmqpConnect { cause, .. } => out_of_reach(cause),
+        Error::Amqp { source, .. } => out_of_reach(source),
+        Error::StartTimeout { .. } | Error::QueueUnavailable { .. } => true,
+        _ => false,
+    }
+}
+
+fn out_of_reach(err: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError};
+    use lapin::ErrorKind;
+    match err.kind() {
+        // Refused, reset, aborted, timed out, no such host (yet: DNS in an
+        // orchestrator comes up with the service), a connection or channel that died
+        // under us. (An unreadable URL is an I/O error too: `parse` refuses those.)
+        ErrorKind::IOError(_)
+        | ErrorKind::MissingHeartbeatError
+        | ErrorKind::InvalidConnectionState(_)
+        | ErrorKind::InvalidChannelState(..)
+        | ErrorKind::InvalidChannel(_) => true,
+        // 320 as a node stops or restarts, 506/541 for a shortage or fault inside it.
+        // ACCESS_REFUSED (login), NOT_ALLOWED (vhost), NOT_FOUND, PRECONDITION_FAILED
+        // and the rest are answers, not outages.
+        ErrorKind::ProtocolError(amqp) => matches!(
+            amqp.kind(),
+            AMQPErrorKind::Hard(
+                AMQPHardError::CONNECTIONFORCED | AMQPHardError::RESOURCEERROR | AMQPHardError::INTERNALERROR
+            )
+        ),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +160,40 @@ mod tests {
         let brokers = Brokers::parse("amqp://a:p%2Cw@h1/v, amqp://h2/v ,").unwrap();
         assert_eq!(brokers.urls, ["amqp://a:p%2Cw@h1/v", "amqp://h2/v"]);
         assert!(Brokers::parse(" , ").is_err());
+    }
+
+    #[test]
+    fn a_url_the_client_cannot_read_is_refused_redacted() {
+        for list in
+            ["amqp:guest:s3cret@127.0.0.1:5672", "http://guest:s3cret@h/v", "amqp://h/v,amqp://u:s3cret@:x"]
+        {
+            let err = Brokers::parse(list).expect_err(list).to_string();
+            assert!(err.contains("not a broker URL") && !err.contains("s3cret"), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn refused_and_silent_are_out_of_reach_but_a_refused_login_is_not() {
+        let refused =
+            lapin::Connection::connect("amqp://127.0.0.1:1/%2f", lapin::ConnectionProperties::default())
+                .await
+                .expect_err("nothing listens on port 1");
+        let connect = |cause| Error::AmqpConnect { url: "amqp://h".into(), cause };
+        assert!(unreachable(&connect(refused)));
+        let timed_out = lapin::Error::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+        assert!(unreachable(&connect(timed_out)));
+        assert!(unreachable(&Error::StartTimeout { after: Duration::from_secs(1) }));
+        let answer = |kind| {
+            lapin::Error::from(lapin::ErrorKind::ProtocolError(lapin::protocol::AMQPError::new(
+                kind,
+                "no".into(),
+            )))
+        };
+        use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+        assert!(!unreachable(&connect(answer(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)))));
+        assert!(!unreachable(&connect(answer(AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)))));
+        assert!(unreachable(&connect(answer(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED)))));
+        assert!(!unreachable(&Error::Config("x".into())));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! <app> run      [--concurrency N] [--batch-size N] [--prefetch N] [--queue Q]... [--http-addr ADDR]
-//!                [--retention 30d [--replay-window 7d]]
+//!                [--retention 30d [--replay-window 7d]] [--startup-timeout 2m] [--consumer-timeout 30m]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply]                                            the topology: what exists, what would be declared
@@ -16,12 +16,17 @@
 //! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
-//! `IDEMQ_REPLAY_WINDOW`), then a TOML file (`--config`, or `IDEMQ_CONFIG`) with the
-//! same names in snake case (`amqp_url`, `database_url`, `concurrency`, `batch_size`,
-//! `prefetch`, `http_addr`, `retention`,
-//! `replay_window`), then the
+//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`), then a
+//! TOML file (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case
+//! (`amqp_url`, `database_url`, `concurrency`, `batch_size`, `prefetch`, `http_addr`,
+//! `retention`, `replay_window`, `startup_timeout`, `consumer_timeout`), then the
 //! code's builder. They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
+//!
+//! `run` started while the database or the broker is unreachable waits for it (see
+//! [`RuntimeBuilder::startup_timeout`]): the database before the set-up and the
+//! migrations, then both as `Runtime::run` does; SIGTERM meanwhile exits 0, and
+//! `--startup-timeout` bounds the whole wait (exit 1 naming what was unreachable).
 //!
 //! ```no_run
 //! # use idemq::{Queue, Runtime, Topology};
@@ -185,6 +190,21 @@ impl Cli {
                         "IDEMQ_REPLAY_WINDOW",
                         "with --retention: how long a dead letter may still be replayed (default 7d)",
                     ))
+                    .arg(duration(
+                        "startup-timeout",
+                        "IDEMQ_STARTUP_TIMEOUT",
+                        "give up (exit 1) if the broker or the database is still unreachable after this \
+                         at start-up (e.g. 2m; default: wait for as long as it takes)",
+                    ))
+                    .arg(
+                        duration(
+                            "consumer-timeout",
+                            "IDEMQ_CONSUMER_TIMEOUT",
+                            "the broker's consumer_timeout, if not RabbitMQ's 30m (`off` if turned off): \
+                             settings that can hold a delivery longer are refused",
+                        )
+                        .value_parser(parse_consumer_timeout),
+                    )
                     .arg(
                         Arg::new("prefetch")
                             .long("prefetch")
@@ -314,11 +334,25 @@ impl Cli {
                     }
                     builder = builder.retention(retention);
                 }
+                if let Some(timeout) = setting::<Duration>(sub, "startup-timeout").or(file.startup_timeout) {
+                    builder = builder.startup_timeout(timeout);
+                }
+                if let Some(timeout) = setting::<Duration>(sub, "consumer-timeout").or(file.consumer_timeout)
+                {
+                    builder = builder.consumer_timeout(timeout);
+                }
                 // Checked before anything connects.
                 let url = builder.configured_database_url().to_owned();
-                let runtime = builder.build()?;
-                migrate(&url, self.setup.as_ref()).await?;
+                let mut startup = builder.startup();
+                let mut runtime = builder.build()?;
                 let signals = crate::shutdown_signals();
+                // The set-up and the migrations need the server: wait for it as `run`
+                // would (any answer will do: the set-up may create the database).
+                if !startup.database_server(&url, &signals.graceful).await? {
+                    return Ok(());
+                }
+                runtime.startup_spent(startup.elapsed());
+                migrate(&url, self.setup.as_ref()).await?;
                 tokio::select! {
                     result = runtime.run(signals.graceful.clone()) => Ok(result?),
                     () = signals.immediate.cancelled() => Err(Box::new(Interrupted)),
@@ -464,6 +498,14 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         .map_err(|err| format!("`{text}` is not a duration ({err}); write e.g. 30d, 12h, 90m"))
 }
 
+/// A duration, or `off` for a broker whose consumer timeout is turned off.
+fn parse_consumer_timeout(text: &str) -> Result<Duration, String> {
+    if text.trim().eq_ignore_ascii_case("off") {
+        return Ok(Duration::MAX);
+    }
+    parse_duration(text).map_err(|err| format!("{err}, or `off`"))
+}
+
 /// The TOML file's settings.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -478,11 +520,20 @@ struct Settings {
     retention: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
     replay_window: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    startup_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "consumer_timeout")]
+    consumer_timeout: Option<Duration>,
 }
 
 fn duration<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
     let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
     text.map(|text| parse_duration(&text).map_err(serde::de::Error::custom)).transpose()
+}
+
+fn consumer_timeout<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
+    text.map(|text| parse_consumer_timeout(&text).map_err(serde::de::Error::custom)).transpose()
 }
 
 impl Settings {
@@ -493,7 +544,8 @@ impl Settings {
         toml::from_str(&text).map_err(|err| {
             Error::Config(format!(
                 "the config file {} is not valid: {}; its settings are amqp_url, database_url, concurrency, \
-                 batch_size, prefetch, http_addr, retention and replay_window (durations as \"30d\")",
+                 batch_size, prefetch, http_addr, retention, replay_window, startup_timeout and \
+                 consumer_timeout (durations as \"30d\")",
                 path.display(),
                 redact(&err.to_string())
             ))

@@ -491,7 +491,11 @@ impl Consumer {
         let mut contention = 0;
         let mut marked: Option<i32> = None;
         let mut last_logged: Option<String> = None;
-        let first_try = Instant::now();
+        // Held since the oldest of them was received, not since this run: waiting
+        // for a turn (behind a redelivered message, an earlier part of its batch)
+        // keeps a delivery unacked too, and the broker's consumer_timeout counts it.
+        let held_since =
+            part.iter().map(|&index| items[index].received_at).min().unwrap_or_else(Instant::now);
         let all = |outcome: Outcome| Ran {
             decided: part.iter().map(|&index| (index, Decision::new(outcome.clone()))).collect(),
             ..Ran::default()
@@ -531,7 +535,7 @@ impl Consumer {
                     return all(outcome);
                 }
             };
-            if first_try.elapsed() >= self.shared.database_retry_limit {
+            if held_since.elapsed() >= self.shared.database_retry_limit {
                 // Held longer, the broker's consumer_timeout (30 min by default) would
                 // close the channel and return every delivery on it.
                 let error = format!(

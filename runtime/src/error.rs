@@ -95,11 +95,35 @@ pub enum Error {
         /// What to do.
         fix: String,
     },
-    /// Connecting to the broker and declaring the topology did not finish in time.
+    /// One attempt at connecting to the broker and declaring the topology did not
+    /// finish in time. The runtime tries again, so it is the reason of a retry (in the
+    /// log and in [`ConnectionEvent`](crate::ConnectionEvent)s) rather than what
+    /// `run` returns; at start-up it counts as the broker being unreachable
+    /// ([`Error::StartupTimeout`] once the startup timeout is spent).
     #[error("connecting to RabbitMQ and declaring the topology took longer than {after:?}; is the broker at AMQP_URL healthy (not still starting, not under an alarm)?")]
     StartTimeout {
         /// How long the runtime waited.
         after: std::time::Duration,
+    },
+    /// At start-up, the broker or the database stayed unreachable (connection
+    /// refused, reset, no answer) for the whole
+    /// [`startup_timeout`](crate::RuntimeBuilder::startup_timeout). Without one the
+    /// runtime waits for ever and this error never happens.
+    #[error(
+        "cannot connect to {dependency} at {url}: still unreachable after {waited:?} (the startup timeout); \
+         the last attempt said: {}. Fix: make {dependency} reachable from here, or let the runtime wait \
+         longer (`startup_timeout`, `--startup-timeout`, IDEMQ_STARTUP_TIMEOUT; unset, it waits for ever)",
+        redact(last_error)
+    )]
+    StartupTimeout {
+        /// What was unreachable.
+        dependency: Dependency,
+        /// Its URL (or list of URLs), passwords redacted.
+        url: String,
+        /// How long the runtime waited.
+        waited: std::time::Duration,
+        /// The last attempt's error, in the driver's words (shown redacted).
+        last_error: String,
     },
     /// The embedded migrations failed.
     #[error("running idemq's migrations failed: {}", redact(.0))]
@@ -107,6 +131,27 @@ pub enum Error {
     /// The builder was given an unusable setting.
     #[error("invalid idemq configuration: {0}")]
     Config(String),
+}
+
+/// A service the runtime needs, named in start-up waits
+/// ([`ConnectionEvent::Unreachable`](crate::ConnectionEvent::Unreachable)) and
+/// errors ([`Error::StartupTimeout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Dependency {
+    /// RabbitMQ (`AMQP_URL`).
+    Broker,
+    /// PostgreSQL (`DATABASE_URL`).
+    Database,
+}
+
+impl fmt::Display for Dependency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Broker => "RabbitMQ",
+            Self::Database => "PostgreSQL",
+        })
+    }
 }
 
 /// The one redaction rule (see [`crate::redact`]), under the name the runtime uses.
@@ -147,6 +192,13 @@ impl fmt::Debug for Error {
                 f.debug_struct("Schema").field("problem", problem).field("fix", fix).finish()
             }
             Self::StartTimeout { after } => f.debug_struct("StartTimeout").field("after", after).finish(),
+            Self::StartupTimeout { dependency, url, waited, last_error } => f
+                .debug_struct("StartupTimeout")
+                .field("dependency", dependency)
+                .field("url", url)
+                .field("waited", waited)
+                .field("last_error", &Redacted(last_error))
+                .finish(),
             Self::Migration(message) => f.debug_tuple("Migration").field(&Redacted(message)).finish(),
             Self::Config(message) => f.debug_tuple("Config").field(message).finish(),
         }

@@ -71,8 +71,10 @@
 //!   letter starts a new one. Keys are byte-exact, never a lossy reading.
 //! - **Poison is judged by starts:** a redelivered message runs alone, its start
 //!   committed before its handler runs; after `Queue::delivery_limit` starts without
-//!   an outcome it is dead-lettered. The broker's delivery count, which a crash bumps
-//!   for the whole prefetch window, only backs it up (`x-delivery-limit`).
+//!   an outcome it is dead-lettered. The broker's delivery count only backs it up
+//!   (`x-delivery-limit`): before RabbitMQ 4.3 a crash bumps it for the whole
+//!   prefetch window, and from 4.3 a requeue by `basic.nack` (idemq's, always one
+//!   tag, never `multiple`) does not count at all.
 //! - **Database faults are not handler failures:** the delivery stays unacked and its
 //!   transaction is retried in-process on a fresh connection. A COMMIT the server
 //!   answered with an error is a rollback, a failed attempt; only a lost connection
@@ -81,8 +83,14 @@
 //! - **Faults are ordinary:** a lost connection or channel, a broker restart, a
 //!   silent broker (heartbeats) or a consumer cancelled by the broker ends a
 //!   *session*; the runtime reconnects with backoff, declares again and resumes.
+//!   Starting during an outage is waited out the same way (an unreachable broker or
+//!   database, each attempt logged; [`RuntimeBuilder::startup_timeout`] bounds it),
+//!   while a refused login, a missing vhost or database fails at once.
 //!   Copies are published on a connection of their own, so a broker memory alarm
-//!   never stalls consumption. SIGTERM drains within a deadline.
+//!   never stalls consumption. SIGTERM drains within a deadline. Settings that could
+//!   hold a delivery past the broker's `consumer_timeout` are refused by `build`
+//!   ([`RuntimeBuilder::consumer_timeout`]); a channel the broker closes for it
+//!   anyway is reported as that, and the late effect is acked as a duplicate.
 //! - **Group commit, same guarantees:** up to [`RuntimeBuilder::batch_size`]
 //!   deliveries that have arrived run in one transaction and are acked together (one
 //!   `multiple` ack, only below the channel's watermark of unsettled deliveries); a
@@ -179,6 +187,7 @@ mod brokers;
 pub mod cli;
 #[cfg(feature = "cli")]
 mod cli_dlq;
+mod consumer_timeout;
 mod db;
 mod dead_letter;
 mod delivery;
@@ -202,6 +211,7 @@ mod retry;
 mod runtime;
 pub mod schema;
 mod session;
+mod startup;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub mod testing;
 mod topology;
@@ -210,7 +220,7 @@ mod width;
 
 pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
 pub use delivery::OnConflict;
-pub use error::Error;
+pub use error::{Dependency, Error};
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::{idempotent_handler, Message};
 pub use key::{

@@ -6,7 +6,8 @@
 //!   process already exposes them);
 //! - `GET /healthz`: 200 while the process is up;
 //! - `GET /readyz`: 200 while connected to the broker (consuming) and the database
-//!   answered within the last refresh, else 503 with the reason.
+//!   answered within the last refresh, else 503 with the reason — at start-up, while
+//!   the runtime waits for an unreachable broker or database, which one and why.
 //!
 //! | series | |
 //! |---|---|
@@ -75,6 +76,8 @@ pub(crate) struct Metrics {
     outbox_backlog: Gauge,
     dedup_deleted: Counter,
     database_ok: AtomicBool,
+    /// At start-up, what the runtime waits for and why (until it is connected).
+    waiting: std::sync::Mutex<Option<String>>,
 }
 
 const OUTCOMES: [&str; 6] = ["applied", "duplicate", "already_copied", "retried", "requeued", "abandoned"];
@@ -175,6 +178,7 @@ impl Metrics {
             outbox_backlog,
             dedup_deleted,
             database_ok: AtomicBool::new(false),
+            waiting: std::sync::Mutex::new(None),
         })
     }
 
@@ -186,14 +190,22 @@ impl Metrics {
     }
 
     /// `None` when ready, else why not.
-    pub(crate) fn not_ready(&self) -> Option<&'static str> {
+    pub(crate) fn not_ready(&self) -> Option<String> {
         if self.connected.get() == 0 {
-            Some("not connected to the broker")
+            Some(self.waiting().unwrap_or_else(|| "not connected to the broker".to_owned()))
         } else if !self.database_ok.load(Ordering::Relaxed) {
-            Some("the database did not answer")
+            Some("the database did not answer".to_owned())
         } else {
             None
         }
+    }
+
+    fn waiting(&self) -> Option<String> {
+        self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn set_waiting(&self, waiting: Option<String>) {
+        *self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = waiting;
     }
 
     pub(crate) fn set_backlog(&self, backlog: Option<i64>) {
@@ -241,7 +253,13 @@ impl Observe for Metrics {
     fn connection(&self, event: &ConnectionEvent) {
         match event {
             ConnectionEvent::Connected { .. } => {
+                self.set_waiting(None);
                 self.connected.set(1);
+            }
+            ConnectionEvent::Unreachable { dependency, attempt, error, .. } => {
+                self.set_waiting(Some(format!(
+                    "starting: waiting for {dependency}, unreachable (attempt {attempt}): {error}"
+                )));
             }
             ConnectionEvent::Lost { .. } => {
                 self.connected.set(0);
@@ -270,16 +288,24 @@ impl Observe for Metrics {
     }
 }
 
+/// The HTTP thread of [`serve`]: it stops (within 200 ms) when this is dropped.
+#[derive(Debug)]
+pub(crate) struct Serving(Arc<AtomicBool>);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr` from a thread of its own
-/// until `stop` is set.
+/// until the returned [`Serving`] is dropped.
 ///
 /// # Errors
 /// The address cannot be bound (in use, not local).
-pub(crate) fn serve(
-    addr: SocketAddr,
-    metrics: Arc<Metrics>,
-    stop: Arc<AtomicBool>,
-) -> Result<(), crate::Error> {
+pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, crate::Error> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let serving = Serving(Arc::clone(&stop));
     let server = tiny_http::Server::http(addr).map_err(|err| {
         crate::Error::Config(format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR): {err}"))
     })?;
@@ -310,5 +336,5 @@ pub(crate) fn serve(
             }
         })
         .map_err(|err| crate::Error::Config(format!("cannot start the metrics thread: {err}")))?;
-    Ok(())
+    Ok(serving)
 }

@@ -46,7 +46,8 @@ pub trait Observe: Send + Sync + 'static {
         let _ = retry;
     }
 
-    /// The connection to the broker changed.
+    /// The connection to the broker changed (or start-up found the broker or the
+    /// database unreachable: [`ConnectionEvent::Unreachable`]).
     fn connection(&self, event: &ConnectionEvent) {
         let _ = event;
     }

@@ -15,13 +15,14 @@ use tokio_util::task::TaskTracker;
 use crate::backoff::Backoff;
 use crate::db::{self, SessionLimits};
 use crate::delivery::{BatchLimits, Fatal, OnConflict, Shared};
-use crate::error::{redact, Error};
+use crate::error::{redact, Dependency, Error};
 use crate::handler::Handler;
 use crate::observe::{Observe, Observers, OnConnection, OnSettled};
 use crate::outcome::{Settled, Stats};
 use crate::prepare::{ErasedHandler, InputLimits};
 use crate::retry::RetryPolicy;
 use crate::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
+use crate::startup::Startup;
 use crate::topology::Topology;
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
@@ -56,6 +57,8 @@ pub struct RuntimeBuilder {
     shutdown_deadline: Duration,
     heartbeat: Duration,
     reconnect_max: Duration,
+    startup_timeout: Option<Duration>,
+    consumer_timeout: Duration,
     observers: Observers,
     relay: Option<crate::relay::Settings>,
     retention: Option<crate::retention::Retention>,
@@ -97,6 +100,8 @@ impl RuntimeBuilder {
             shutdown_deadline: Duration::from_secs(10),
             heartbeat: Duration::from_secs(20),
             reconnect_max: Duration::from_secs(30),
+            startup_timeout: None,
+            consumer_timeout: crate::consumer_timeout::DEFAULT,
             observers: Observers::default(),
             relay: Some(crate::relay::Settings::default()),
             retention: None,
@@ -194,7 +199,8 @@ impl RuntimeBuilder {
     }
 
     /// How long a handler may run; past it the attempt fails (transient) and its
-    /// connection is dropped. Default 60 s.
+    /// connection is dropped. Default 60 s. Counted twice against the broker's
+    /// [`consumer_timeout`](Self::consumer_timeout).
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.handler_timeout = timeout;
         self
@@ -202,8 +208,10 @@ impl RuntimeBuilder {
 
     /// How long a delivery is held, retrying its transaction on fresh connections,
     /// while the database is unreachable; after that it is returned to the queue.
-    /// Keep it under the broker's `consumer_timeout` (30 min by default), which would
-    /// otherwise close the channel. Default 25 min.
+    /// Counted from the delivery's receipt (time waiting for its turn counts too).
+    /// It must fit the broker's `consumer_timeout` with two handler timeouts and a
+    /// minute to spare, which `build` checks (see
+    /// [`consumer_timeout`](Self::consumer_timeout)). Default 25 min.
     pub fn database_retry_limit(mut self, limit: Duration) -> Self {
         self.database_retry_limit = limit;
         self
@@ -234,7 +242,8 @@ impl RuntimeBuilder {
     }
 
     /// How long shutdown waits for in-flight deliveries before returning them to the
-    /// queue. Default 10 s.
+    /// queue. Default 10 s; with a minute to spare it must fit the broker's
+    /// [`consumer_timeout`](Self::consumer_timeout).
     pub fn shutdown_deadline(mut self, deadline: Duration) -> Self {
         self.shutdown_deadline = deadline;
         self
@@ -249,14 +258,70 @@ impl RuntimeBuilder {
     }
 
     /// The longest wait between reconnect attempts (the backoff starts at 100 ms and
-    /// doubles, with jitter). Default 30 s.
+    /// doubles, with jitter), after a loss and at start-up. Default 30 s.
     pub fn reconnect_max_backoff(mut self, max: Duration) -> Self {
         self.reconnect_max = max;
         self
     }
 
+    /// How long start-up may wait for an unreachable broker or database (connection
+    /// refused or reset, no answer) before [`Runtime::run`] fails with
+    /// [`Error::StartupTimeout`], naming which. Default: no limit.
+    ///
+    /// Without one, a consumer started during an outage waits: each attempt is
+    /// logged with the delay to the next (the reconnect backoff, see
+    /// [`reconnect_max_backoff`](Self::reconnect_max_backoff)) and reported as
+    /// [`ConnectionEvent::Unreachable`]; `/readyz` answers 503 with the reason and
+    /// `/healthz` 200 meanwhile; it starts consuming once both answer, and cancelling
+    /// the shutdown token ends the wait (`run` returns `Ok`). Set one where an
+    /// orchestrator should restart the process instead; zero is one attempt at each.
+    /// The budget covers the database check and the first broker connection
+    /// together, from the start of `run`; an attempt under way is cut at the
+    /// deadline, except the first at each. What waiting cannot mend fails at once
+    /// whatever this says: a refused login, a missing vhost or database, a URL that
+    /// does not parse, idemq's tables missing.
+    pub fn startup_timeout(mut self, timeout: Duration) -> Self {
+        self.startup_timeout = Some(timeout);
+        self
+    }
+
+    /// The broker's `consumer_timeout`: how long RabbitMQ lets a delivery stay
+    /// unacknowledged before it closes the channel and redelivers everything on it
+    /// (default 30 min, RabbitMQ's; on 3.10 a node setting in `rabbitmq.conf`,
+    /// checked on each channel's tick, about once a minute). Give the value your
+    /// broker has; `Duration::MAX` for one with the timeout turned off.
+    ///
+    /// `build` refuses settings that can hold a delivery longer, naming them:
+    ///
+    /// - **while running**: `database_retry_limit + 2 × handler_timeout + 1 min`.
+    ///   During a database outage a delivery is retried until
+    ///   [`database_retry_limit`](Self::database_retry_limit) after its receipt,
+    ///   and the last retry may run its handler for a whole
+    ///   [`handler_timeout`](Self::handler_timeout); before its first run it may
+    ///   wait about one handler's time for its turn (a redelivered message runs
+    ///   alone, once the transactions running when it came have finished; a lane's
+    ///   delivery waits for its pipeline's batch). The minute covers the rest of an
+    ///   attempt (pool checkout, BEGIN, dedup insert, COMMIT, ack).
+    /// - **at shutdown**: `shutdown_deadline + 1 min`: a delivery taken just before
+    ///   shutdown may run for the whole [`shutdown_deadline`](Self::shutdown_deadline).
+    ///
+    /// The defaults fit RabbitMQ's: 25 min + 2 × 60 s + 1 min = 28 min. What the
+    /// check cannot know is how long your handlers really take: a batch's handlers
+    /// run one after another, so handlers that take close to their timeout belong
+    /// in small batches (`batch = N` on the handler, or
+    /// [`batch_size`](Self::batch_size)), and a copy whose confirm waits on a
+    /// broker resource alarm stays unacked meanwhile. If the broker closes a channel
+    /// for a delivery timeout anyway, the runtime logs it as that (naming these
+    /// settings), reconnects, and an effect that committed late is acked as a
+    /// duplicate when its message comes back.
+    pub fn consumer_timeout(mut self, timeout: Duration) -> Self {
+        self.consumer_timeout = timeout;
+        self
+    }
+
     /// Calls `on_event` when the runtime connects, loses its connection, or the
-    /// broker blocks or unblocks publishing.
+    /// broker blocks or unblocks publishing, and for every start-up attempt that
+    /// finds the broker or the database unreachable.
     /// Each call adds one (see [`observe`](Self::observe)).
     pub fn on_connection_event(
         mut self,
@@ -354,6 +419,13 @@ impl RuntimeBuilder {
     #[cfg(feature = "cli")]
     pub(crate) fn configured_database_url(&self) -> &str {
         &self.database_url
+    }
+
+    /// A start-up wait with this builder's timeout and backoff, for what the CLI
+    /// does before `run` (its set-up and migrations need the database).
+    #[cfg(feature = "cli")]
+    pub(crate) fn startup(&self) -> Startup {
+        Startup::new(self.startup_timeout, self.reconnect_max, Observers::default())
     }
 
     /// Keeps only the consumers of `queues`; a queue nobody consumes is an error.
@@ -455,6 +527,16 @@ impl RuntimeBuilder {
         if self.consumers.is_empty() {
             return Err(Error::Config("no consumers: add one with `.consume(queue, handler)`".into()));
         }
+        // Unreadable URLs fail every attempt alike: refused here, never waited on.
+        crate::brokers::Brokers::parse(&self.amqp_url)?;
+        if let Err(err) = self.database_url.parse::<tokio_postgres::Config>() {
+            return Err(Error::Config(format!(
+                "DATABASE_URL: {} is not a PostgreSQL connection string ({}); \
+                 write postgres://user:password@host:5432/database",
+                redact(&self.database_url),
+                redact(&err.to_string())
+            )));
+        }
         if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
             return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
         }
@@ -492,6 +574,12 @@ impl RuntimeBuilder {
         if let Some(retention) = &self.retention {
             retention.check(&self.retry_policies())?;
         }
+        let holding = crate::consumer_timeout::Holding {
+            handler_timeout: self.handler_timeout,
+            database_retry_limit: self.database_retry_limit,
+            shutdown_deadline: self.shutdown_deadline,
+        };
+        crate::consumer_timeout::check(holding, self.consumer_timeout)?;
         let mut seen = std::collections::HashSet::new();
         for (queue, _, _) in &self.consumers {
             if !seen.insert(queue.as_str()) {
@@ -565,6 +653,15 @@ impl Runtime {
         RuntimeBuilder::new()
     }
 
+    /// `spent` of the startup timeout went before `run` (the CLI's wait for the
+    /// database before its migrations): `run` waits only for what is left.
+    #[cfg(feature = "cli")]
+    pub(crate) fn startup_spent(&mut self, spent: Duration) {
+        if let Some(timeout) = &mut self.builder.startup_timeout {
+            *timeout = timeout.saturating_sub(spent);
+        }
+    }
+
     /// The outcome counters, live while the runtime runs.
     pub fn stats(&self) -> Arc<Stats> {
         Arc::clone(&self.stats)
@@ -582,9 +679,17 @@ impl Runtime {
     /// cannot be acked any more; the broker redelivers them and their dedup rows make
     /// that harmless.
     ///
+    /// Starting during an outage is waited out: an unreachable database or broker
+    /// (refused, reset, silent) is tried again with the reconnect backoff, each
+    /// attempt logged and reported as [`ConnectionEvent::Unreachable`], until it
+    /// answers, `shutdown` is cancelled (then `Ok`), or the
+    /// [startup timeout](RuntimeBuilder::startup_timeout) is spent.
+    ///
     /// # Errors
-    /// Start-up failures (the first connection, declaration or database check), and
-    /// a topology mismatch found on a later reconnect.
+    /// At start-up, what waiting cannot mend (a refused login, a missing vhost,
+    /// database or queue, a topology that differs, idemq's tables missing) and
+    /// [`Error::StartupTimeout`]; while running, a topology mismatch found on a
+    /// reconnect and faults no retry fixes (idemq's tables dropped).
     ///
     /// # Cancel safety
     /// Not cancel safe: dropping the future drops the connections, so the broker
@@ -595,47 +700,45 @@ impl Runtime {
         // `build` refused a retention too short for the retry policies; the sweep takes
         // only what that check lets through, so it is made again (before anything starts).
         let retention = b.retention.map(|retention| retention.check(&b.retry_policies())).transpose()?;
-        let connect_error =
-            |message: String| Error::DatabaseConnect { url: redact(&b.database_url), message };
-        let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
-        let pool = db::build_pool(&b.database_url, b.concurrency, limits)
-            .map_err(|err| connect_error(err.to_string()))?;
-        {
-            // Fail fast, with the fix, on what no retry can mend: without idemq's
-            // tables every delivery would fail until someone runs the migrations.
-            let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
-            match db::check_schema(&mut conn).await {
-                Ok(None) => {}
-                Ok(Some(problem)) => return Err(problem.into()),
-                Err(err) => return Err(connect_error(format!("checking idemq's tables failed: {err}"))),
-            }
-        }
-
-        let relay_wake = b.relay.map(|_| Arc::new(tokio::sync::Notify::new()));
         #[cfg(feature = "metrics")]
         let metrics = b.http_addr.map(|addr| {
             let queues: Vec<String> = b.consumers.iter().map(|(queue, _, _)| queue.clone()).collect();
             (addr, crate::metrics::Metrics::new(&queues))
         });
+        // The built-in stats are a subscriber like any other, heard first.
+        let mut observers = Observers::default();
+        observers.push(Arc::clone(&self.stats) as Arc<dyn Observe>);
+        for observer in b.observers.0.iter() {
+            observers.push(Arc::clone(observer));
+        }
+        #[cfg(feature = "metrics")]
+        if let Some((_, metrics)) = &metrics {
+            observers.push(Arc::clone(metrics) as Arc<dyn Observe>);
+        }
+        // Served from the start: `/healthz` answers while start-up waits, and
+        // `/readyz` says what for. Stopped when `serving` is dropped.
+        #[cfg(feature = "metrics")]
+        let serving = match &metrics {
+            Some((addr, metrics)) => Some(crate::metrics::serve(*addr, Arc::clone(metrics))?),
+            None => None,
+        };
+
+        let mut startup = Startup::new(b.startup_timeout, b.reconnect_max, observers.clone());
+        let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
+        let pool = db::build_pool(&b.database_url, b.concurrency, limits).map_err(|err| {
+            Error::DatabaseConnect { url: redact(&b.database_url), message: err.to_string() }
+        })?;
+        if !startup.database(&pool, &b.database_url, &shutdown).await? {
+            return Ok(());
+        }
+
+        let relay_wake = b.relay.map(|_| Arc::new(tokio::sync::Notify::new()));
         let shared = Arc::new(Shared {
             pool,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
             database_retry_limit: b.database_retry_limit,
-
-            observers: {
-                // The built-in stats are a subscriber like any other, heard first.
-                let mut observers = Observers::default();
-                observers.push(Arc::clone(&self.stats) as Arc<dyn Observe>);
-                for observer in b.observers.0.iter() {
-                    observers.push(Arc::clone(observer));
-                }
-                #[cfg(feature = "metrics")]
-                if let Some((_, metrics)) = &metrics {
-                    observers.push(Arc::clone(metrics) as Arc<dyn Observe>);
-                }
-                observers
-            },
+            observers,
             outbox: crate::relay::OutboxSignal::new(relay_wake.clone()),
             turns: tokio::sync::RwLock::new(()),
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
@@ -667,10 +770,7 @@ impl Runtime {
             }
         };
         #[cfg(feature = "metrics")]
-        let http_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        #[cfg(feature = "metrics")]
-        if let Some((addr, metrics)) = &metrics {
-            crate::metrics::serve(*addr, Arc::clone(metrics), Arc::clone(&http_stop))?;
+        if let Some((_, metrics)) = &metrics {
             let (metrics, pool, stop) = (Arc::clone(metrics), shared.pool.clone(), stop.clone());
             tokio::spawn(async move {
                 // The outbox backlog, and a sign of life from the database for /readyz.
@@ -723,13 +823,28 @@ impl Runtime {
             hard_stop: CancellationToken::new(),
         };
 
-        // Numbered per session that connected: failed attempts keep the number.
+        // Numbered per session that connected: failed attempts keep the number, so
+        // session 1 is start-up, when an unreachable broker is waited for as above.
         let mut session = 1;
         let mut backoff = Backoff::new(Duration::from_millis(100), b.reconnect_max);
         let (result, connections) = loop {
-            match session::run(&ctx, session, &stop).await {
+            let starting = session == 1;
+            if starting {
+                if let Err(err) = startup.check_deadline(Dependency::Broker, &b.amqp_url) {
+                    break (Err(err), None);
+                }
+            }
+            let cut_at = if starting { startup.cut_at(Dependency::Broker) } else { None };
+            match session::run(&ctx, session, &stop, cut_at).await {
                 SessionEnd::Shutdown(connections) => break (Ok(()), connections),
                 SessionEnd::Fatal(err) => break (Err(err), None),
+                SessionEnd::Lost { reason, connected: false } if starting => {
+                    match startup.wait(Dependency::Broker, &b.amqp_url, &reason, &stop).await {
+                        Ok(true) => {}
+                        Ok(false) => break (Ok(()), None),
+                        Err(err) => break (Err(err), None),
+                    }
+                }
                 SessionEnd::Lost { reason, connected } => {
                     if connected {
                         // Logged once per loss, not once per attempt.
@@ -748,6 +863,8 @@ impl Runtime {
             }
         };
 
+        // Whether a session ever connected and consumed.
+        let started = session > 1 || connections.is_some();
         ctx.tracker.close();
         if tokio::time::timeout(b.shutdown_deadline, ctx.tracker.wait()).await.is_err() {
             tracing::warn!(deadline = ?b.shutdown_deadline, "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
@@ -761,10 +878,18 @@ impl Runtime {
             sweeper.abort();
         }
         #[cfg(feature = "metrics")]
-        http_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(serving);
         relay_stop.cancel();
-        if let Err(err) = relay.await {
-            tracing::error!(error = %err, "the outbox relay task failed");
+        if !started {
+            // Stopped (or failed) before ever consuming: nothing was committed here
+            // for the relay to publish, and it may be in the middle of an attempt at
+            // the unreachable broker that would hold the shutdown for seconds. Its
+            // rows, if any, wait in the outbox for the next relay.
+            relay.abort();
+        }
+        match relay.await {
+            Err(err) if !err.is_cancelled() => tracing::error!(error = %err, "the outbox relay task failed"),
+            _ => {}
         }
         match ctx.shared.fatal.take() {
             Some(fatal) => Err(fatal),

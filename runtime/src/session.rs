@@ -40,7 +40,8 @@ async fn bounded<T>(handshake: impl std::future::Future<Output = T>) {
     let _ = tokio::time::timeout(CLOSE_TIMEOUT, handshake).await;
 }
 
-/// A change in the runtime's connection to the broker, for an
+/// A change in the runtime's connection to the broker — or, at start-up, an attempt
+/// that found the broker or the database unreachable — for an
 /// [observer](crate::RuntimeBuilder::on_connection_event).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -65,6 +66,20 @@ pub enum ConnectionEvent {
     },
     /// The broker unblocked the publishing connection.
     Unblocked,
+    /// At start-up, `dependency` could not be reached (refused, reset, no answer):
+    /// the runtime tries again in `retry_in`, until it answers or the
+    /// [startup timeout](crate::RuntimeBuilder::startup_timeout) is spent. Once per
+    /// failed attempt; the broker's `Connected { session: 1 }` ends the wait.
+    Unreachable {
+        /// What could not be reached.
+        dependency: crate::Dependency,
+        /// Failed attempts so far (1 for the first).
+        attempt: u32,
+        /// When the next attempt is made.
+        retry_in: Duration,
+        /// The attempt's error, passwords redacted.
+        error: String,
+    },
 }
 
 /// A callback told of every [`ConnectionEvent`].
@@ -135,29 +150,38 @@ pub(crate) enum SessionEnd {
     /// The connection or a channel was lost (both connections are closed), or
     /// could not be made: reconnect. `connected` tells which.
     Lost { reason: String, connected: bool },
-    /// A failure that reconnecting cannot fix (a topology mismatch, refused
-    /// credentials at start-up).
+    /// A failure that reconnecting cannot fix (a topology mismatch; at start-up,
+    /// refused credentials, a missing vhost or queue: see [`brokers::unreachable`]).
+    ///
+    /// [`brokers::unreachable`]: crate::brokers::unreachable
     Fatal(Error),
 }
 
-/// Runs session number `session` until shutdown or loss.
-pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationToken) -> SessionEnd {
+/// Runs session number `session` until shutdown or loss. Connecting and declaring
+/// may take [`START_TIMEOUT`], or until `cut_at` if that comes first (the startup
+/// timeout's deadline).
+pub(crate) async fn run(
+    ctx: &SessionContext,
+    session: u64,
+    stop: &CancellationToken,
+    cut_at: Option<tokio::time::Instant>,
+) -> SessionEnd {
     // Connecting and declaring are bounded, and give way to shutdown: a broker that
-    // accepts TCP but never answers (still booting) must not hold the runtime.
+    // accepts TCP but never answers (still booting, or a black hole) must not hold
+    // the runtime. Running out of time is an outage like any other: try again.
+    let limit = cut_at.map_or(START_TIMEOUT, |cut_at| {
+        cut_at.saturating_duration_since(tokio::time::Instant::now()).min(START_TIMEOUT)
+    });
     let started = tokio::select! {
         () = stop.cancelled() => return SessionEnd::Shutdown(None),
-        started = tokio::time::timeout(START_TIMEOUT, start(ctx, session)) => started,
+        started = tokio::time::timeout(limit, start(ctx, session)) => started,
     };
     let (connections, mut loops, session_stop) = match started {
         Ok(Ok(started)) => started,
         Ok(Err(end)) => return end,
         Err(_elapsed) => {
-            let err = Error::StartTimeout { after: START_TIMEOUT };
-            return if session == 1 {
-                SessionEnd::Fatal(err)
-            } else {
-                SessionEnd::Lost { reason: err.to_string(), connected: false }
-            };
+            let reason = Error::StartTimeout { after: limit }.to_string();
+            return SessionEnd::Lost { reason, connected: false };
         }
     };
     if session > 1 {
@@ -184,8 +208,11 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
                 };
             }
             Some(event) = consuming_events.next() => {
+                // A channel the broker closes is reported here too, maybe before its
+                // consumer hears of it.
                 if let lapin::Event::Error(err) = event {
-                    break format!("the consuming connection failed: {err}");
+                    break crate::consumer_timeout::describe(&err)
+                        .unwrap_or_else(|| format!("the consuming connection failed: {err}"));
                 }
             }
             Some(event) = publishing_events.next() => match event {
@@ -202,6 +229,9 @@ pub(crate) async fn run(ctx: &SessionContext, session: u64, stop: &CancellationT
             },
         }
     };
+    if crate::consumer_timeout::is_described(&reason) {
+        tracing::error!(session, %reason, "{}", crate::consumer_timeout::EXPLAINED);
+    }
     session_stop.cancel();
     while loops.join_next().await.is_some() {}
     // The next attempt starts with the next address: this one was just lost.
@@ -217,12 +247,13 @@ type Started = (Connections, tokio::task::JoinSet<String>, CancellationToken);
 
 /// Connects both connections, declares the topology and starts every consumer.
 async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd> {
+    // Until a session has connected (session 1 is every attempt before that: the
+    // number grows once one has), what waiting cannot mend is reported at once, with
+    // the fix; an unreachable broker is waited for. Later, everything is retried.
     let first = session == 1;
-    // At start-up any failure is reported (fail fast, with the reason); later ones
-    // are retried by the supervisor. (Session 1 is only ever the first attempt: the
-    // number grows once a session has connected.)
+    let fatal = |err: &Error| first && !crate::brokers::unreachable(err);
     let fail = |err: Error| {
-        if first {
+        if fatal(&err) {
             SessionEnd::Fatal(err)
         } else {
             SessionEnd::Lost { reason: err.to_string(), connected: false }
@@ -316,7 +347,8 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
             bounded(publishing.close(200, "start-up failed".into())).await;
             ctx.brokers.lost(node);
             // A topology mismatch cannot be fixed by reconnecting.
-            let fatal = first || matches!(err, Error::QueueMismatch { .. } | Error::ExchangeMismatch { .. });
+            let fatal =
+                fatal(&err) || matches!(err, Error::QueueMismatch { .. } | Error::ExchangeMismatch { .. });
             Err(if fatal {
                 SessionEnd::Fatal(err)
             } else {
@@ -367,11 +399,38 @@ async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) 
             consumer.acks.received(&delivery);
             Next::Delivery(delivery)
         }
-        Some(Err(err)) => Next::Ended(format!("queue '{}': {err}", consumer.queue)),
+        Some(Err(err)) => Next::Ended(ended_by(consumer, &err)),
         None => Next::Ended(format!(
             "queue '{}': the broker cancelled the consumer (queue deleted?) or the channel closed",
             consumer.queue
         )),
+    }
+}
+
+/// Why a consumer's stream ended with `err`: the broker's words — and, when it
+/// closed the channel for a delivery not acknowledged within its
+/// `consumer_timeout`, that said plainly (see [`run`], which logs it once).
+fn ended_by(consumer: &Consumer, err: &lapin::Error) -> String {
+    let said = crate::consumer_timeout::describe(err).unwrap_or_else(|| err.to_string());
+    format!("queue '{}': {said}", consumer.queue)
+}
+
+/// Why `consumer`'s channel closed, from its stream: lapin hands the broker's close
+/// to the consumer after the deliveries still buffered (dropped here: the broker
+/// requeues them). Waits a moment for it; else a plain "the channel closed".
+async fn closing_reason(consumer: &Consumer, stream: &mut lapin::Consumer) -> String {
+    let told = async {
+        loop {
+            match stream.next().await {
+                Some(Ok(_buffered)) => {}
+                Some(Err(err)) => return Some(ended_by(consumer, &err)),
+                None => return None,
+            }
+        }
+    };
+    match tokio::time::timeout(Duration::from_secs(1), told).await {
+        Ok(Some(reason)) => reason,
+        _ => format!("queue '{}': the channel closed", consumer.queue),
     }
 }
 
@@ -427,7 +486,7 @@ async fn consume(
             // Waiting for a slot must not hide a dead channel: its deliveries can no
             // longer be settled (the broker requeues them), and the session must end.
             () = closed(&consumer.channel) => {
-                break Some(format!("queue '{}': the channel closed", consumer.queue));
+                break Some(closing_reason(&consumer, &mut stream).await);
             }
         };
         // Whatever arrived meanwhile.

@@ -632,6 +632,28 @@ pub async fn with_timeout<T>(what: &str, d: Duration, fut: impl Future<Output = 
 }
 
 // ---------------------------------------------------------------------------
+// HTTP (the runtime's metrics and health endpoints)
+// ---------------------------------------------------------------------------
+
+/// `GET path` on `addr` (HTTP/1.0, the whole answer; empty if nothing listens).
+/// Blocking: call it from `spawn_blocking`.
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    // Not listening yet (the runtime is starting): nothing.
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else { return String::new() };
+    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("send");
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+/// A free local port (bound, then let go).
+pub fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr")
+}
+
+// ---------------------------------------------------------------------------
 // Tracing
 // ---------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
 use idemq::{Observe, Retention, RetryPolicy, Settled};
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
+use idemq_tests::{free_addr, http_get};
 
 #[derive(Default)]
 struct Counter {
@@ -195,23 +196,6 @@ async fn a_runtime_with_a_retention_sweeps_in_the_background() {
     .await;
     running.stop().await.expect("clean shutdown");
     assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 0);
-}
-
-/// `GET path` on `addr` (HTTP/1.0, the whole answer; empty if nothing listens).
-fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
-    use std::io::{Read, Write};
-    // Not listening yet (the runtime is starting): nothing.
-    let Ok(mut stream) = std::net::TcpStream::connect(addr) else { return String::new() };
-    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("send");
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    answer
-}
-
-/// A free local port (bound, then let go).
-fn free_addr() -> std::net::SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr")
 }
 
 /// With an HTTP address, the runtime serves Prometheus metrics — every series at zero

@@ -1,14 +1,22 @@
-//! What the runtime refuses at start-up or stops for, and how it shares its slots:
-//! missing schema is not an outage, and an idle queue starves nobody.
+//! Start-up: an outage is waited out (a broker or database that refuses or never
+//! answers), what waiting cannot mend is refused at once with the fix (missing
+//! schema, a refused login, a missing vhost or database), and how the runtime shares
+//! its slots (an idle queue starves nobody).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use diesel_async::SimpleAsyncConnection;
-use idemq::{idempotent_handler, Error, HandlerError, Outcome, Queue, Runtime, Topology};
+use idemq::{
+    idempotent_handler, ConnectionEvent, Dependency, Error, HandlerError, Outcome, Queue, Runtime, Topology,
+};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{ledger_payment, payment, test_retry_policy, Bed, Running};
-use idemq_tests::{unique, with_timeout, TestDb};
+use idemq_tests::{eventually, free_addr, http_get, unique, with_timeout, TestDb};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 /// Without idemq's tables every delivery would fail until someone ran the
@@ -82,4 +90,317 @@ async fn an_idle_queue_does_not_starve_a_busy_one() {
     for queue in [idle.clone(), format!("{idle}.dlq")].into_iter().chain(wait_queues) {
         bed.broker.delete_queue(&queue).await;
     }
+}
+
+/// A local address standing for a service in an outage. Shut, it refuses (nothing
+/// listens on its port) or, as a black hole, accepts connections and never answers
+/// (a network that swallows packets); opened, it forwards each new connection to
+/// the real service. Stops when dropped.
+struct Gate {
+    port: u16,
+    /// `Some(upstream)` once open.
+    upstream: watch::Sender<Option<String>>,
+    /// Whether a task listens on the port already (a black hole).
+    listening: bool,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl Gate {
+    /// A port nothing listens on: connections are refused.
+    fn refusing() -> Gate {
+        let port = free_addr().port();
+        Gate {
+            port,
+            upstream: watch::channel(None).0,
+            listening: false,
+            accepted: Arc::default(),
+            stop: CancellationToken::new(),
+        }
+    }
+
+    /// A port that accepts connections and never answers them.
+    async fn black_hole() -> Gate {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the gate");
+        let port = listener.local_addr().expect("gate address").port();
+        let gate = Gate {
+            port,
+            upstream: watch::channel(None).0,
+            listening: true,
+            accepted: Arc::default(),
+            stop: CancellationToken::new(),
+        };
+        tokio::spawn(serve(
+            listener,
+            gate.upstream.subscribe(),
+            Arc::clone(&gate.accepted),
+            gate.stop.clone(),
+        ));
+        gate
+    }
+
+    /// `host:port` of the gate.
+    fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// From now on, connections are forwarded to `upstream` (`host:port`); the
+    /// black hole's swallowed ones are closed.
+    async fn open(&mut self, upstream: &str) {
+        self.upstream.send_replace(Some(upstream.to_owned()));
+        if !self.listening {
+            let listener = TcpListener::bind(("127.0.0.1", self.port)).await.expect("bind the gate's port");
+            tokio::spawn(serve(
+                listener,
+                self.upstream.subscribe(),
+                Arc::clone(&self.accepted),
+                self.stop.clone(),
+            ));
+            self.listening = true;
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Accepts on `listener` until `stop`: holds each connection silently while
+/// `upstream` is `None`, forwards it once it is set.
+async fn serve(
+    listener: TcpListener,
+    mut upstream: watch::Receiver<Option<String>>,
+    accepted: Arc<AtomicUsize>,
+    stop: CancellationToken,
+) {
+    let mut swallowed = Vec::new();
+    loop {
+        let client = tokio::select! {
+            () = stop.cancelled() => return,
+            Ok(()) = upstream.changed() => {
+                swallowed.clear();
+                continue;
+            }
+            client = listener.accept() => match client {
+                Ok((client, _)) => client,
+                Err(_) => continue,
+            },
+        };
+        accepted.fetch_add(1, Ordering::Relaxed);
+        let Some(to) = upstream.borrow().clone() else {
+            swallowed.push(client);
+            continue;
+        };
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let Ok(mut server) = TcpStream::connect(&to).await else { return };
+            let mut client = client;
+            tokio::select! {
+                () = stop.cancelled() => {}
+                _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+            }
+        });
+    }
+}
+
+/// `url` with its `host:port` replaced by `address`.
+fn via(url: &str, address: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let userinfo = authority.rsplit_once('@').map_or(String::new(), |(userinfo, _)| format!("{userinfo}@"));
+    format!("{scheme}://{userinfo}{address}/{path}")
+}
+
+/// The `host:port` of `url`.
+fn address_of(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    authority.rsplit_once('@').map_or(authority, |(_, address)| address).to_owned()
+}
+
+/// Whether `event` is a start-up wait for `dependency`.
+fn waits_for(event: &ConnectionEvent, dependency: Dependency) -> bool {
+    matches!(event, ConnectionEvent::Unreachable { dependency: d, .. } if *d == dependency)
+}
+
+/// The HTTP status line of `GET path` on `addr`.
+async fn status_of(addr: std::net::SocketAddr, path: &'static str) -> String {
+    let answer = tokio::task::spawn_blocking(move || http_get(addr, path)).await.expect("get");
+    answer.lines().next().unwrap_or_default().to_owned()
+}
+
+/// Stages a consumer restarted while the network swallows every packet to the
+/// broker (a black hole: connections accepted, never answered). The runtime must
+/// not exit: it tries again with backoff, `/healthz` answers 200 and `/readyz` 503
+/// naming the broker meanwhile; once the broker is reachable it connects and
+/// applies the payment that waited, exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_unreachable_at_start_up_is_waited_for_then_consumed() {
+    let bed = Bed::new().await;
+    let p = payment(100);
+    bed.publish(&p).await;
+    let mut gate = Gate::black_hole().await;
+    let addr = free_addr();
+    let running = Running::start(
+        bed.runtime()
+            .amqp_url(via(&bed.amqp_url, &gate.address()))
+            .reconnect_max_backoff(Duration::from_millis(500))
+            .http_addr(addr)
+            .consume(&bed.queue, ledger_payment),
+    );
+    eventually("a start-up wait for the broker", Duration::from_secs(30), || async {
+        running.connection_events().iter().any(|e| waits_for(e, Dependency::Broker))
+    })
+    .await;
+    assert!(!running.handle.is_finished(), "the runtime exited instead of waiting");
+    assert!(status_of(addr, "/healthz").await.contains(" 200"), "/healthz while waiting");
+    let ready = tokio::task::spawn_blocking(move || http_get(addr, "/readyz")).await.expect("get");
+    assert!(ready.contains(" 503") && ready.contains("RabbitMQ"), "/readyz while waiting: {ready}");
+
+    gate.open(&address_of(&bed.amqp_url)).await;
+    running.wait_settled(1).await;
+    eventually("/readyz 200", Duration::from_secs(20), || async {
+        status_of(addr, "/readyz").await.contains(" 200")
+    })
+    .await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events[0].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+}
+
+/// Stages a consumer started while PostgreSQL refuses connections (the server is
+/// down). The runtime must wait for it (the start-up check at the top of `run`),
+/// then connect to the broker and apply the payment that waited, exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_unreachable_at_start_up_is_waited_for_then_consumed() {
+    let bed = Bed::new().await;
+    let p = payment(200);
+    bed.publish(&p).await;
+    let mut gate = Gate::refusing();
+    let running = Running::start(
+        bed.runtime()
+            .database_url(via(&bed.db.url(), &gate.address()))
+            .reconnect_max_backoff(Duration::from_millis(500))
+            .consume(&bed.queue, ledger_payment),
+    );
+    eventually("start-up waits for the database", Duration::from_secs(30), || async {
+        running.connection_events().iter().filter(|e| waits_for(e, Dependency::Database)).count() >= 2
+    })
+    .await;
+    assert!(!running.handle.is_finished(), "the runtime exited instead of waiting");
+    assert!(
+        !running.connection_events().iter().any(|e| matches!(e, ConnectionEvent::Connected { .. })),
+        "consuming before the database answered"
+    );
+
+    gate.open(&address_of(&bed.db.url())).await;
+    running.wait_settled(1).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events[0].outcome, Outcome::Applied, "{events:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 1);
+}
+
+/// Stages a broker, then a database, that stay unreachable (refused) past
+/// `startup_timeout`: `run` must give up with `Error::StartupTimeout` naming what
+/// was unreachable and quoting the last attempt, passwords hidden.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_startup_timeout_ends_the_wait_naming_what_was_unreachable() {
+    let bed = Bed::new().await;
+    let gate = Gate::refusing();
+    let broker = format!("amqp://guest:s3cret@{}/%2f", gate.address());
+    let database = via(&bed.db.url(), &gate.address());
+    for (dependency, builder) in [
+        (Dependency::Broker, bed.runtime().amqp_url(broker)),
+        (Dependency::Database, bed.runtime().database_url(database)),
+    ] {
+        let runtime = builder
+            .startup_timeout(Duration::from_secs(1))
+            .reconnect_max_backoff(Duration::from_millis(200))
+            .consume(&bed.queue, ledger_payment)
+            .build()
+            .expect("build");
+        let result = with_timeout(
+            "the startup timeout",
+            Duration::from_secs(30),
+            runtime.run(CancellationToken::new()),
+        )
+        .await;
+        let Err(err @ Error::StartupTimeout { dependency: d, .. }) = result else {
+            panic!("expected a startup timeout for {dependency}, got {result:?}")
+        };
+        assert_eq!(d, dependency);
+        let shown = err.to_string();
+        assert!(shown.contains(&dependency.to_string()) && shown.contains("startup timeout"), "{shown}");
+        assert!(shown.to_lowercase().contains("refused") && !shown.contains("s3cret"), "{shown}");
+    }
+}
+
+/// Stages what no wait mends — a wrong broker password, a vhost that does not
+/// exist, a database that does not exist, a URL that cannot be read — with no
+/// startup timeout: each must still fail at once (a wait would never end), with
+/// words that say what to fix.
+#[tokio::test(flavor = "multi_thread")]
+async fn what_waiting_cannot_mend_still_fails_at_once() {
+    let bed = Bed::new().await;
+    let (server, _) =
+        bed.db.url().rsplit_once('/').map(|(a, b)| (a.to_owned(), b.to_owned())).expect("a path");
+    let missing_db = format!("{server}/{}", unique("idemq_missing"));
+    let cases = [
+        (
+            "a wrong password",
+            bed.runtime().amqp_url("amqp://guest:wrong@127.0.0.1:5672/%2f"),
+            "ACCESS_REFUSED",
+        ),
+        (
+            "a missing vhost",
+            bed.runtime().amqp_url(format!("amqp://guest:guest@127.0.0.1:5672/{}", unique("nv"))),
+            "not found",
+        ),
+        ("a missing database", bed.runtime().database_url(missing_db), "does not exist"),
+    ];
+    for (what, builder, words) in cases {
+        let runtime = builder.consume(&bed.queue, ledger_payment).build().expect("build");
+        let result = with_timeout(what, Duration::from_secs(30), runtime.run(CancellationToken::new())).await;
+        let err = result.expect_err(what).to_string();
+        assert!(err.contains(words), "{what}: {err}");
+    }
+    let unreadable =
+        bed.runtime().amqp_url("amqp:guest:guest@127.0.0.1:5672").consume(&bed.queue, ledger_payment).build();
+    let Err(err @ Error::Config(_)) = unreadable else {
+        panic!("an unreadable URL was accepted: {unreadable:?}")
+    };
+    assert!(err.to_string().contains("amqp://user:password@host"), "{err}");
+}
+
+/// Stages a shutdown (the token cancelled, as SIGTERM does) while start-up waits
+/// for a broker behind a black hole, in the middle of an attempt that would take
+/// 10 s to give up (the runtime's and its outbox relay's): `run` must return `Ok`
+/// promptly, not finish the attempt first.
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_during_the_start_up_wait_returns_ok_promptly() {
+    let bed = Bed::new().await;
+    let gate = Gate::black_hole().await;
+    let runtime = bed
+        .runtime()
+        .amqp_url(via(&bed.amqp_url, &gate.address()))
+        .consume(&bed.queue, ledger_payment)
+        .build()
+        .expect("build");
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(runtime.run(shutdown.clone()));
+    // Both the runtime and its relay are trying to connect.
+    eventually("attempts under way", Duration::from_secs(30), || async {
+        gate.accepted.load(Ordering::Relaxed) >= 2
+    })
+    .await;
+    shutdown.cancel();
+    let result = with_timeout("run returns promptly after the shutdown", Duration::from_secs(3), run)
+        .await
+        .expect("task");
+    assert!(result.is_ok(), "{result:?}");
 }

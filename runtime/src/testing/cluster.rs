@@ -29,6 +29,20 @@
 //! cluster.restart(leader).await?;             // back, rejoins with its data
 //! # Ok(()) }
 //! ```
+//!
+//! [`Cluster::builder`] starts other shapes: one node, or nodes with settings the
+//! machine's broker must not get (`consumer_timeout` is a node setting on 3.10):
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), idemq::testing::ClusterError> {
+//! let node = idemq::testing::Cluster::builder()
+//!     .nodes(1)
+//!     .conf("consumer_timeout = 5000")
+//!     .rabbit_env("channel_tick_interval", "1000") // channels check it on their tick
+//!     .start()
+//!     .await?;
+//! # Ok(()) }
+//! ```
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -119,7 +133,10 @@ impl ClusterNode {
     }
 }
 
-/// A private RabbitMQ cluster (see the [module docs](self)).
+/// A private RabbitMQ cluster on this host, beside the machine's broker: its own
+/// node names, ports and data, one cluster per host at a time (a lock), torn down
+/// when dropped or when the process that started it ends. Start one with
+/// [`Cluster::start`] or [`Cluster::builder`].
 #[derive(Debug)]
 pub struct Cluster {
     nodes: Vec<ClusterNode>,
@@ -134,7 +151,7 @@ impl Cluster {
     /// A node does not start (its log is under `/tmp/idemq-kit-cluster/<letter>/log`)
     /// or does not join.
     pub async fn start() -> Result<Self, ClusterError> {
-        Self::start_nodes(3).await
+        Self::builder().start().await
     }
 
     /// Starts an `n`-node cluster (1 ≤ n ≤ 26).
@@ -142,7 +159,16 @@ impl Cluster {
     /// # Errors
     /// As [`Cluster::start`].
     pub async fn start_nodes(n: usize) -> Result<Self, ClusterError> {
-        let n = n.clamp(1, 26);
+        Self::builder().nodes(n).start().await
+    }
+
+    /// A cluster of another shape: node count, extra node configuration.
+    pub fn builder() -> ClusterBuilder {
+        ClusterBuilder { nodes: 3, conf: Vec::new(), rabbit: Vec::new() }
+    }
+
+    async fn start_with(options: ClusterBuilder) -> Result<Self, ClusterError> {
+        let n = options.nodes.clamp(1, 26);
         let nodes: Vec<ClusterNode> = (0..n)
             .map(|i| {
                 let letter = char::from(b'a' + u8::try_from(i).unwrap_or(0));
@@ -168,7 +194,7 @@ impl Cluster {
             }
         }
         for node in &cluster.nodes {
-            prepare_dir(node)?;
+            prepare_dir(node, &options)?;
             launch(node).await?;
         }
         for node in &cluster.nodes {
@@ -372,6 +398,50 @@ impl Cluster {
     }
 }
 
+/// How to start a [`Cluster`] (from [`Cluster::builder`]): how many nodes, and what
+/// every node's configuration adds to the kit's own (its listener, `guest` from
+/// loopback).
+#[derive(Debug, Clone)]
+#[must_use = "a builder starts nothing until `.start()`"]
+pub struct ClusterBuilder {
+    nodes: usize,
+    conf: Vec<String>,
+    rabbit: Vec<(String, String)>,
+}
+
+impl ClusterBuilder {
+    /// `n` nodes, 1 ≤ n ≤ 26 (default 3): `1` is a single private node, for node
+    /// settings the machine's broker must not get.
+    pub fn nodes(mut self, n: usize) -> Self {
+        self.nodes = n;
+        self
+    }
+
+    /// A line of every node's `rabbitmq.conf`, after the kit's own, e.g.
+    /// `consumer_timeout = 5000`.
+    pub fn conf(mut self, line: impl Into<String>) -> Self {
+        self.conf.push(line.into());
+        self
+    }
+
+    /// A setting of the `rabbit` application that `rabbitmq.conf` has no key for,
+    /// written to every node's `advanced.config` as `{key, value}` (`value` an
+    /// Erlang term), e.g. `("channel_tick_interval", "1000")`: a channel checks its
+    /// deliveries against `consumer_timeout` on each tick, every 60 s by default.
+    pub fn rabbit_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.rabbit.push((key.into(), value.into()));
+        self
+    }
+
+    /// Starts the nodes and joins them into one cluster.
+    ///
+    /// # Errors
+    /// As [`Cluster::start`].
+    pub async fn start(self) -> Result<Cluster, ClusterError> {
+        Cluster::start_with(self).await
+    }
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         for node in &self.nodes {
@@ -453,17 +523,27 @@ async fn remove_stale() -> Result<(), ClusterError> {
     }
 }
 
-fn prepare_dir(node: &ClusterNode) -> Result<(), ClusterError> {
+fn prepare_dir(node: &ClusterNode, options: &ClusterBuilder) -> Result<(), ClusterError> {
     let write = |path: &Path, text: String| {
         std::fs::write(path, text).map_err(|source| io(&format!("write {}", path.display()), source))
     };
     for dir in [node.dir.join("log"), node.dir.join("mnesia")] {
         std::fs::create_dir_all(&dir).map_err(|source| io(&format!("create {}", dir.display()), source))?;
     }
-    write(
-        &node.dir.join("rabbitmq.conf"),
-        format!("listeners.tcp.default = 127.0.0.1:{}\nloopback_users = none\n", node.port),
-    )?;
+    let mut conf = format!("listeners.tcp.default = 127.0.0.1:{}\nloopback_users = none\n", node.port);
+    for line in &options.conf {
+        conf.push_str(line);
+        conf.push('\n');
+    }
+    write(&node.dir.join("rabbitmq.conf"), conf)?;
+    let rabbit: Vec<String> =
+        options.rabbit.iter().map(|(key, value)| format!("{{{key}, {value}}}")).collect();
+    let advanced = if rabbit.is_empty() {
+        "[].\n".to_owned()
+    } else {
+        format!("[{{rabbit, [{}]}}].\n", rabbit.join(", "))
+    };
+    write(&node.dir.join("advanced.config"), advanced)?;
     write(&node.dir.join("enabled_plugins"), "[].\n".to_owned())?;
     if is_root() {
         // The nodes run as `rabbitmq`: it must own their files.
@@ -493,6 +573,7 @@ async fn launch(node: &ClusterNode) -> Result<(), ClusterError> {
         ("RABBITMQ_MNESIA_BASE", format!("{dir}/mnesia")),
         ("RABBITMQ_LOG_BASE", format!("{dir}/log")),
         ("RABBITMQ_CONFIG_FILE", format!("{dir}/rabbitmq.conf")),
+        ("RABBITMQ_ADVANCED_CONFIG_FILE", format!("{dir}/advanced.config")),
         ("RABBITMQ_ENABLED_PLUGINS_FILE", format!("{dir}/enabled_plugins")),
         ("RABBITMQ_PID_FILE", format!("{dir}/pid")),
         ("ERL_EPMD_ADDRESS", "127.0.0.1".to_owned()),

@@ -29,6 +29,6 @@ mod cluster;
 #[cfg(feature = "testing")]
 mod kit;
 
-pub use cluster::{Cluster, ClusterError, ClusterNode};
+pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};
 #[cfg(feature = "testing")]
 pub use kit::TestKit;

@@ -1,0 +1,391 @@
+//! Starting during an outage: a broker or a database that does not answer yet is
+//! waited for, not failed on.
+//!
+//! A consumer restarted while RabbitMQ or PostgreSQL is out of reach (connection
+//! refused or reset, a network that swallows packets) used to exit at once, and an
+//! orchestrator restarting it backs off for minutes after the outage ends. Instead,
+//! every attempt that finds it unreachable is logged with the delay to the next one
+//! and told to the observers ([`ConnectionEvent::Unreachable`]: `/readyz` answers
+//! 503 with the reason, `/healthz` stays 200), and the next attempt follows with the
+//! reconnect backoff — until it answers, shutdown begins (`run` then returns `Ok`),
+//! or the startup timeout is spent ([`Error::StartupTimeout`], naming what was
+//! unreachable). What waiting cannot mend — a refused login, a missing vhost or
+//! database, an unreadable URL, idemq's tables missing — fails at once, with the fix.
+//!
+//! One [`Startup`] spans the whole start: the database first (the check at the top
+//! of `Runtime::run`), then the broker (the first session, see `session.rs`, with
+//! [`brokers::unreachable`](crate::brokers::unreachable) telling an outage from a
+//! refusal). The database's attempts live here: a plain connection first, whose error
+//! carries the server's SQLSTATE, then the pool's first connection and the schema
+//! check.
+
+use std::time::Duration;
+
+use diesel::ConnectionError;
+use diesel_async::pooled_connection::deadpool::{Pool, PoolError};
+use diesel_async::pooled_connection::PoolError as ManagerError;
+use diesel_async::AsyncPgConnection;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::db;
+use crate::error::{redact, Dependency, Error};
+use crate::observe::Observers;
+use crate::session::ConnectionEvent;
+
+/// The first wait between attempts (then doubling, with jitter, up to the
+/// reconnect backoff's maximum).
+const FIRST_DELAY: Duration = Duration::from_millis(100);
+
+/// How long one attempt at the database may take (the plain connection, then the
+/// pool's): a server that accepts TCP and never answers is an outage too.
+const DATABASE_ATTEMPT: Duration = Duration::from_secs(10);
+
+/// How one attempt at a dependency failed.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// Out of reach for now: wait, then try again. The error, in the driver's words.
+    Unreachable(String),
+    /// An answer no retry changes: fail with it.
+    Refused(Error),
+}
+
+/// The start-up wait: one budget (the startup timeout) from the start of `run`, one
+/// backoff per dependency.
+pub(crate) struct Startup {
+    began: Instant,
+    timeout: Option<Duration>,
+    reconnect_max: Duration,
+    backoff: Backoff,
+    /// The dependency being waited for (its first attempt has failed).
+    waiting_for: Option<Dependency>,
+    /// The last failed attempt's error, redacted: what the timeout's error quotes.
+    last_error: String,
+    observers: Observers,
+}
+
+impl Startup {
+    /// Starts the clock: `timeout` bounds the whole wait (`None`: for ever).
+    pub(crate) fn new(timeout: Option<Duration>, reconnect_max: Duration, observers: Observers) -> Self {
+        Self {
+            began: Instant::now(),
+            timeout,
+            reconnect_max,
+            backoff: Backoff::new(FIRST_DELAY, reconnect_max),
+            waiting_for: None,
+            last_error: String::new(),
+            observers,
+        }
+    }
+
+    /// How long the wait has lasted so far.
+    #[cfg(feature = "cli")]
+    pub(crate) fn elapsed(&self) -> Duration {
+        self.began.elapsed()
+    }
+
+    /// When the next attempt at `dependency` must end: at the deadline, once its
+    /// first attempt has failed. The first attempt at each dependency runs with its
+    /// own timeouts, so a zero startup timeout is plain fail-fast: one attempt each.
+    pub(crate) fn cut_at(&self, dependency: Dependency) -> Option<Instant> {
+        if self.waiting_for == Some(dependency) {
+            self.timeout.map(|timeout| self.began + timeout)
+        } else {
+            None
+        }
+    }
+
+    /// `Err` with [`Error::StartupTimeout`] if the wait for `dependency` (shown as
+    /// `url`) is over: no attempt is made after the deadline.
+    pub(crate) fn check_deadline(&self, dependency: Dependency, url: &str) -> Result<(), Error> {
+        match self.cut_at(dependency) {
+            Some(deadline) if Instant::now() >= deadline => Err(self.timed_out(dependency, url)),
+            _ => Ok(()),
+        }
+    }
+
+    fn timed_out(&self, dependency: Dependency, url: &str) -> Error {
+        Error::StartupTimeout {
+            dependency,
+            url: redact(url),
+            waited: to_millis(self.began.elapsed()),
+            last_error: self.last_error.clone(),
+        }
+    }
+
+    /// After an attempt at `dependency` (shown as `url`) found it unreachable with
+    /// `error`: logs it with the delay to the next attempt, tells the observers, and
+    /// waits that long (never past the deadline). `Ok(true)`: try again;
+    /// `Ok(false)`: `stop` was cancelled meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::StartupTimeout`] once the deadline has passed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a cancelled wait only counts as an attempt.
+    pub(crate) async fn wait(
+        &mut self,
+        dependency: Dependency,
+        url: &str,
+        error: &str,
+        stop: &CancellationToken,
+    ) -> Result<bool, Error> {
+        if self.waiting_for != Some(dependency) {
+            self.waiting_for = Some(dependency);
+            self.backoff = Backoff::new(FIRST_DELAY, self.reconnect_max);
+        }
+        let url = redact(url);
+        self.last_error = redact(error);
+        let left = self.cut_at(dependency).map(|deadline| deadline.saturating_duration_since(Instant::now()));
+        if left == Some(Duration::ZERO) {
+            return Err(self.timed_out(dependency, &url));
+        }
+        let delay = self.backoff.next_delay();
+        let delay = to_millis(left.map_or(delay, |left| delay.min(left)));
+        let left = left.map(to_millis);
+        let attempt = self.backoff.attempts;
+        let error = self.last_error.clone();
+        match left {
+            None => tracing::warn!(
+                %dependency, %url, attempt, retry_in = ?delay, %error,
+                "{dependency} is unreachable at start-up; waiting for it (no startup timeout: as long as it takes)"
+            ),
+            Some(left) => tracing::warn!(
+                %dependency, %url, attempt, retry_in = ?delay, gives_up_in = ?left, %error,
+                "{dependency} is unreachable at start-up; waiting for it"
+            ),
+        }
+        self.observers.connection(&ConnectionEvent::Unreachable {
+            dependency,
+            attempt,
+            retry_in: delay,
+            error,
+        });
+        tokio::select! {
+            () = stop.cancelled() => Ok(false),
+            () = tokio::time::sleep(delay) => Ok(true),
+        }
+    }
+
+    /// Waits until the database at `url` answers through `pool` and holds idemq's
+    /// tables, usable by this user. `Ok(false)`: `stop` was cancelled first.
+    ///
+    /// # Errors
+    /// What waiting cannot mend ([`Error::DatabaseConnect`] for a refused login or a
+    /// missing database, [`Error::Schema`]), or [`Error::StartupTimeout`].
+    pub(crate) async fn database(
+        &mut self,
+        pool: &Pool<AsyncPgConnection>,
+        url: &str,
+        stop: &CancellationToken,
+    ) -> Result<bool, Error> {
+        self.until_up(Dependency::Database, url, stop, |limit| database_ready(pool, url, limit)).await
+    }
+
+    /// Waits until the PostgreSQL server at `url` answers at all — any answer, a
+    /// refusal included: what comes next (the CLI's set-up, which may create the
+    /// database, and the migrations) reports it. `Ok(false)`: `stop` was cancelled.
+    ///
+    /// # Errors
+    /// [`Error::StartupTimeout`].
+    #[cfg(feature = "cli")]
+    pub(crate) async fn database_server(
+        &mut self,
+        url: &str,
+        stop: &CancellationToken,
+    ) -> Result<bool, Error> {
+        self.until_up(Dependency::Database, url, stop, |limit| async move {
+            match probe(url, limit).await {
+                Err(Failure::Unreachable(error)) => Err(Failure::Unreachable(error)),
+                Ok(()) | Err(Failure::Refused(_)) => Ok(()),
+            }
+        })
+        .await
+    }
+
+    /// Runs `attempt` (given how long it may take) until it succeeds, waiting
+    /// between attempts that find `dependency` unreachable.
+    async fn until_up<F, Fut>(
+        &mut self,
+        dependency: Dependency,
+        url: &str,
+        stop: &CancellationToken,
+        mut attempt: F,
+    ) -> Result<bool, Error>
+    where
+        F: FnMut(Duration) -> Fut,
+        Fut: std::future::Future<Output = Result<(), Failure>>,
+    {
+        loop {
+            self.check_deadline(dependency, url)?;
+            let limit = self.cut_at(dependency).map_or(DATABASE_ATTEMPT, |deadline| {
+                deadline.saturating_duration_since(Instant::now()).min(DATABASE_ATTEMPT)
+            });
+            let result = tokio::select! {
+                () = stop.cancelled() => return Ok(false),
+                result = attempt(limit) => result,
+            };
+            match result {
+                Ok(()) => return Ok(true),
+                Err(Failure::Refused(err)) => return Err(err),
+                Err(Failure::Unreachable(error)) => {
+                    if !self.wait(dependency, url, &error, stop).await? {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `duration` in whole milliseconds, as logs and messages show it.
+fn to_millis(duration: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// One attempt at the database: a plain connection (its error tells an outage from
+/// a refusal), then the pool's first connection and idemq's schema check.
+async fn database_ready(pool: &Pool<AsyncPgConnection>, url: &str, limit: Duration) -> Result<(), Failure> {
+    probe(url, limit).await?;
+    let no_answer = || Failure::Unreachable(format!("no answer within {limit:?}"));
+    let refused = |message: String| Failure::Refused(Error::DatabaseConnect { url: redact(url), message });
+    let mut conn = match tokio::time::timeout(limit, pool.get()).await {
+        Err(_) => return Err(no_answer()),
+        Ok(Ok(conn)) => conn,
+        // The session set-up every pooled connection runs (limits, the COMMIT
+        // check's prepared statement) refused by the server, e.g. a pooler that
+        // forbids prepared statements.
+        Ok(Err(PoolError::Backend(ManagerError::ConnectionError(
+            ConnectionError::CouldntSetupConfiguration(err),
+        )))) if !db::is_connection_error(&err) => {
+            return Err(refused(format!("the pool's session set-up was refused: {err}")))
+        }
+        // It answered a moment ago: the connection was lost in between.
+        Ok(Err(err @ (PoolError::Timeout(_) | PoolError::Backend(_)))) => {
+            return Err(Failure::Unreachable(redact(&err.to_string())))
+        }
+        Ok(Err(err)) => return Err(refused(err.to_string())),
+    };
+    // Fail fast, with the fix, on what no retry can mend: without idemq's tables
+    // every delivery would fail until someone runs the migrations.
+    match db::check_schema(&mut conn).await {
+        Ok(None) => Ok(()),
+        Ok(Some(problem)) => Err(Failure::Refused(problem.into())),
+        Err(err) if db::is_connection_error(&err) => Err(Failure::Unreachable(err.to_string())),
+        Err(err) => Err(Failure::Refused(Error::DatabaseConnect {
+            url: redact(url),
+            message: format!("checking idemq's tables failed: {err}"),
+        })),
+    }
+}
+
+/// A plain connection to `url`, closed at once; how it failed if it did.
+async fn probe(url: &str, limit: Duration) -> Result<(), Failure> {
+    match tokio::time::timeout(limit, tokio_postgres::connect(url, tokio_postgres::NoTls)).await {
+        Err(_) => Err(Failure::Unreachable(format!("no answer within {limit:?}"))),
+        Ok(Err(err)) => Err(classify(url, &err)),
+        Ok(Ok((client, connection))) => {
+            // Without its client the connection says goodbye (Terminate) and ends.
+            drop(client);
+            let _ = tokio::time::timeout(Duration::from_secs(1), connection).await;
+            Ok(())
+        }
+    }
+}
+
+/// An outage (wait) or an answer (fail), by the server's SQLSTATE when it sent one,
+/// else by whether the error is the network's.
+fn classify(url: &str, err: &tokio_postgres::Error) -> Failure {
+    let refused = |message: String| Failure::Refused(Error::DatabaseConnect { url: redact(url), message });
+    let said = redact(&error_chain(err));
+    if let Some(code) = err.code() {
+        return match code.code().get(..2) {
+            // 08 connection exception, 53 insufficient resources (too many
+            // connections), 57 operator intervention (starting up, shutting down,
+            // terminated by the administrator): a server that will answer later.
+            Some("08" | "53" | "57") => Failure::Unreachable(said),
+            // 3D000: no such database.
+            _ if code == &tokio_postgres::error::SqlState::INVALID_CATALOG_NAME => refused(format!(
+                "{said} (the server answered: create the database, or correct its name in DATABASE_URL)"
+            )),
+            // 28000, 28P01: no such role, wrong password, or pg_hba.conf refuses.
+            Some("28") => refused(format!(
+                "{said} (login refused: check the user and password in DATABASE_URL, and pg_hba.conf)"
+            )),
+            _ => refused(said),
+        };
+    }
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        if cause.is::<std::io::Error>() {
+            // Refused, reset, unreachable, a name that does not resolve (yet).
+            return Failure::Unreachable(said);
+        }
+        source = cause.source();
+    }
+    // An unreadable connection string, TLS demanded, a password the server asked for
+    // and the URL lacks, something that is not PostgreSQL on that port.
+    refused(said)
+}
+
+/// The error and its causes, `: `-joined (tokio-postgres' own message is a summary
+/// such as "error connecting to server").
+fn error_chain(err: &tokio_postgres::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_refused_connection_is_an_outage_and_a_bad_string_is_not() {
+        let refused = probe("postgres://postgres@127.0.0.1:1/x", Duration::from_secs(5)).await;
+        assert!(matches!(refused, Err(Failure::Unreachable(ref e)) if e.contains("refused")), "{refused:?}");
+        let bad = probe("postgres//bad", Duration::from_secs(5)).await;
+        assert!(matches!(bad, Err(Failure::Refused(Error::DatabaseConnect { .. }))), "{bad:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_wait_ends_at_the_deadline_with_the_last_error_and_what_was_unreachable() {
+        let mut startup =
+            Startup::new(Some(Duration::from_secs(2)), Duration::from_secs(1), Observers::default());
+        let stop = CancellationToken::new();
+        assert!(startup.cut_at(Dependency::Broker).is_none(), "the first attempt runs uncut");
+        let url = "amqp://guest:s3cret@h:5672/%2f";
+        let mut waits = 0;
+        let err = loop {
+            match startup.wait(Dependency::Broker, url, "connection refused", &stop).await {
+                Ok(true) => waits += 1,
+                Ok(false) => panic!("not stopped"),
+                Err(err) => break err,
+            }
+        };
+        assert!(waits >= 2, "{waits}");
+        let shown = err.to_string();
+        assert!(
+            shown.contains("RabbitMQ") && shown.contains("connection refused") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(matches!(err, Error::StartupTimeout { dependency: Dependency::Broker, .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_during_the_wait_ends_it() {
+        let mut startup = Startup::new(None, Duration::from_secs(30), Observers::default());
+        let stop = CancellationToken::new();
+        stop.cancel();
+        assert!(!startup
+            .wait(Dependency::Database, "postgres://h/db", "refused", &stop)
+            .await
+            .expect("no timeout"));
+    }
+}
