@@ -472,9 +472,15 @@ fn dlq_command() -> Command {
 /// Installs the `tracing` subscriber the parsed `--log-format` asks for (human by
 /// default, JSON lines with `json`), filtered by `RUST_LOG` or else `default_filter`.
 /// Call it once, after parsing ([`Cli::command`]) and before [`Cli::run_matches`].
+///
+/// The default filter silences lapin's warning for each message the broker returns
+/// (`lapin::returned_messages`): it prints the whole message, body included — payloads
+/// in the logs — and idemq reports every unroutable publish itself. `RUST_LOG` decides
+/// alone when set.
 pub fn init_tracing(matches: &ArgMatches, default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(format!("{default_filter},lapin::returned_messages=error"))
+    });
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = if matches.get_one::<String>("log-format").map(String::as_str) == Some("json") {
         builder.json().try_init()
