@@ -14,14 +14,14 @@ use lapin::{Channel, ExchangeKind};
 
 use crate::error::Error;
 
-/// The runtime dead-letters a message itself when its delivery count reaches the
-/// queue's limit; the broker's own `x-delivery-limit` is set this much higher, as a
-/// backstop for a runtime that never gets to decide (e.g. a crash on every delivery
-/// before the count is read).
+/// The runtime dead-letters a message itself when its recorded handler starts reach
+/// the queue's [`Queue::delivery_limit`]; the broker's own `x-delivery-limit` is set
+/// this much higher, as a backstop for a runtime that never gets to decide (e.g. a
+/// crash before the start is recorded, or a message lapin cannot parse).
 pub const BROKER_LIMIT_MARGIN: u32 = 5;
 
-/// The default [`Queue::delivery_limit`]: high enough that ordinary crashes and
-/// restarts (each returns the whole prefetch window) do not reach it.
+/// The default [`Queue::delivery_limit`]: the handler starts without an outcome
+/// after which a message is poison.
 pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
 /// Everything the application declares: exchanges, then queues with their bindings.
@@ -247,8 +247,12 @@ impl Queue {
         self
     }
 
-    /// After this many deliveries of one message the runtime dead-letters it (kind
-    /// `poison`) without running the handler. Default [`DEFAULT_DELIVERY_LIMIT`].
+    /// After its handler *started* this many times without an outcome (it crashed or
+    /// hung the consumer; counted in `idemq_started` for redelivered messages, not by
+    /// the broker's delivery count) the runtime dead-letters a message (kind `poison`)
+    /// without running the handler again. Default [`DEFAULT_DELIVERY_LIMIT`]. The
+    /// queue's `x-delivery-limit` is set [`BROKER_LIMIT_MARGIN`] above it, as a
+    /// backstop.
     pub fn delivery_limit(mut self, limit: u32) -> Self {
         self.delivery_limit = limit.max(1);
         self
