@@ -401,16 +401,15 @@ impl Worker {
                 final_until.map_or(Duration::MAX, |until| until.saturating_duration_since(Instant::now()));
             let current = match &mut link {
                 Some(current) => current,
-                None => match tokio::time::timeout(left, self.connect())
-                    .await
-                    .unwrap_or_else(|_| Err("stopping".into()))
-                {
-                    Ok(connected) => {
+                None => match self.connect_until(left, &stop, final_until.is_some()).await {
+                    // Stop came first: the final pass begins (and may connect again).
+                    None => continue,
+                    Some(Ok(connected)) => {
                         backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
                         last_error = None;
                         link.insert(connected)
                     }
-                    Err(error) => {
+                    Some(Err(error)) => {
                         let fault = Fault { what: "cannot reach the broker", error };
                         if !fault.wait(&mut last_error, &mut backoff, &stop, final_until.is_some()).await {
                             break;
@@ -477,6 +476,28 @@ impl Worker {
             let _ =
                 tokio::time::timeout(Duration::from_secs(2), link.connection.close(200, "shutdown".into()))
                     .await;
+        }
+    }
+
+    /// [`Self::connect`], for at most `left`; before the final pass, also cut short
+    /// by `stop` (`None`: the loop then starts the final pass, bounded by
+    /// [`FINAL_PASS`]) — a broker that does not answer must not hold a shutdown for
+    /// the connect timeout.
+    async fn connect_until(
+        &self,
+        left: Duration,
+        stop: &CancellationToken,
+        stopping: bool,
+    ) -> Option<Result<Link, String>> {
+        let connect = async {
+            tokio::time::timeout(left, self.connect()).await.unwrap_or_else(|_| Err("stopping".into()))
+        };
+        if stopping {
+            return Some(connect.await);
+        }
+        tokio::select! {
+            connected = connect => Some(connected),
+            () = stop.cancelled() => None,
         }
     }
 
