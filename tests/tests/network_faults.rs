@@ -9,14 +9,16 @@
 //! others: the faults touch only the connections made through their proxies.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
-use idemq::{idempotent_handler, ConnectionEvent, Exchange, Outcome, Queue, Topology};
+use idemq::{
+    idempotent_handler, ConnectionEvent, Exchange, Observe, Outcome, Queue, RuntimeBuilder, Topology,
+};
 use idemq_example_payments::{
     apply_payment, record_payment, PaymentApplied, PaymentRequested, EVENTS_EXCHANGE,
 };
@@ -30,14 +32,33 @@ async fn wait_applied(bed: &Bed, at_least: usize) {
     .await;
 }
 
-/// Waits until nothing of the queue is ready or delivered-and-unacked. Twice, a
-/// second apart: a connection the broker just closed returns its prefetch window to
-/// the queue a moment later.
-async fn wait_drained(bed: &Bed) {
-    let vhost = bed.vhost.as_ref().expect("an isolated bed");
+/// Counts the deliveries a runtime takes in ([`Observe::received`]); with its settled
+/// events, what it holds.
+#[derive(Clone, Default)]
+struct Intake(Arc<AtomicUsize>);
+
+impl Observe for Intake {
+    fn received(&self, _queue: &str) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Runs `builder`, counting what it takes in.
+fn start(builder: RuntimeBuilder) -> (Running, Intake) {
+    let intake = Intake::default();
+    (Running::start(builder.observe(intake.clone())), intake)
+}
+
+/// Waits until the fault is absorbed: the runtime holds no delivery (each one it took
+/// in is settled) and none is ready in the queue. Twice, a second apart: a message on
+/// its way from the broker is in neither count for a moment. (Not
+/// `TestVhost::unsettled`: `rabbitmqctl list_queues` reports a quorum queue's count as
+/// of its last metrics tick, seen here up to 5 s old.)
+async fn wait_drained(bed: &Bed, running: &Running, intake: &Intake) {
     for _ in 0..2 {
-        eventually("the queue drained", Duration::from_secs(90), || async {
-            vhost.unsettled(&bed.queue).await == 0
+        eventually("every delivery settled, none ready", Duration::from_secs(90), || async {
+            intake.0.load(Ordering::SeqCst) == running.events().len()
+                && bed.broker.message_count(&bed.queue).await == 0
         })
         .await;
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -68,13 +89,28 @@ async fn count(bed: &Bed, sql: &str) -> i64 {
     diesel::dsl::sql::<diesel::sql_types::BigInt>(sql).get_result(&mut conn).await.unwrap_or(0)
 }
 
+/// A fault hook that black-holes `proxy` once the `nth` delivery is applied: its
+/// transaction has committed, and its ack (its batch's) is not yet sent.
+fn black_hole_at_commit(proxy: &Arc<NetworkProxy>, nth: u64) -> FaultHook {
+    let (proxy, applied) = (Arc::clone(proxy), Arc::new(AtomicU64::new(0)));
+    Arc::new(move |ctx: FaultContext| {
+        if ctx.point == FaultPoint::AfterCommit
+            && ctx.outcome == Outcome::Applied
+            && applied.fetch_add(1, Ordering::SeqCst) + 1 == nth
+        {
+            proxy.black_hole();
+        }
+        Box::pin(async {})
+    })
+}
+
 in_both_modes! {
 /// The network to RabbitMQ black-holes mid-batch — a batch has committed, its acks
-/// are not yet sent (a fault hook starts the black hole there, on the 150th
-/// commit) — and stays silent until both ends have given the connection up: the
-/// runtime by its heartbeats (1 s: two missed and it is lost), the broker by its
-/// own (it drops the consumer and requeues the unacked deliveries). Meanwhile the
-/// runtime's reconnects hang (the proxy accepts them and forwards nothing). Once
+/// are not yet sent (a fault hook starts the black hole there, once the 150th
+/// payment is applied) — and stays silent until both ends have given the connection
+/// up: the runtime by its heartbeats (1 s: two missed and it is lost), the broker by
+/// its own (it drops the consumer and requeues the unacked deliveries). Meanwhile
+/// the runtime's reconnects hang (the proxy accepts them and forwards nothing). Once
 /// the network is back it reconnects, the batch's lost acks bring its deliveries
 /// back, and they are found as duplicates. After: every payment applied once,
 /// nothing dead-lettered, the queue drained.
@@ -82,24 +118,12 @@ async fn a_broker_black_holed_mid_batch_past_two_heartbeats_loses_and_doubles_no
     let bed = Bed::isolated().await;
     let payments = publish_stream(&bed, 600).await;
     let proxy = Arc::new(NetworkProxy::in_front_of(&bed.amqp_url).await.expect("start the proxy"));
-    let hook: FaultHook = {
-        let (proxy, commits) = (Arc::clone(&proxy), Arc::new(AtomicU64::new(0)));
-        Arc::new(move |ctx: FaultContext| {
-            if ctx.point == FaultPoint::AfterCommit
-                && ctx.outcome == Outcome::Applied
-                && commits.fetch_add(1, Ordering::SeqCst) == 149
-            {
-                proxy.black_hole();
-            }
-            Box::pin(async {})
-        })
-    };
-    let running = Running::start(
+    let (running, intake) = start(
         bed.runtime()
             .amqp_url(proxy.url_for(&bed.amqp_url))
             .heartbeat(Duration::from_secs(1))
             .reconnect_max_backoff(Duration::from_millis(500))
-            .fault_hook(hook)
+            .fault_hook(black_hole_at_commit(&proxy, 150))
             .consume(&bed.queue, slow_payment),
     );
     eventually("the black hole started after a commit", Duration::from_secs(60), || async {
@@ -118,7 +142,7 @@ async fn a_broker_black_holed_mid_batch_past_two_heartbeats_loses_and_doubles_no
     proxy.restore();
 
     wait_applied(&bed, payments.len()).await;
-    wait_drained(&bed).await;
+    wait_drained(&bed, &running, &intake).await;
     let events = running.events();
     running.stop().await.expect("clean shutdown");
     let lost_acks = events.iter().filter(|e| e.redelivered && e.outcome == Outcome::Duplicate).count();
@@ -153,15 +177,15 @@ async fn slower_payment(
 in_both_modes! {
 /// The network to PostgreSQL black-holes while a COMMIT is in progress on the
 /// server (a deferred trigger makes one payment's COMMIT take 3 s) and other
-/// transactions are open, and stays silent for longer than `handler_timeout` (1 s)
-/// — past the end of that COMMIT, whose answer the black hole holds. Handlers whose
-/// statements hang time out (their attempt is retried through a copy); the runtime's
-/// new connections hang too. Once the network is back: every payment applied once
-/// (the landed COMMIT too), nothing dead-lettered, the queue drained.
+/// transactions are open, and stays silent past that COMMIT's end (the server
+/// commits; the black hole holds its answer) and for three times `handler_timeout`
+/// (1 s); the runtime's new connections hang too. Once the network is back: every
+/// payment applied once (the one whose COMMIT landed unanswered too), nothing
+/// dead-lettered, the queue drained.
 async fn a_database_black_holed_past_the_handler_timeout_with_a_commit_in_flight_loses_and_doubles_nothing() {
     let bed = Bed::isolated().await;
     let payments = publish_stream(&bed, 600).await;
-    let trigger = &payments[120];
+    let trigger = &payments[60];
     bed.db.connect().await.batch_execute(&slow_commit_of(&trigger.payment_id)).await.expect("the trigger");
     let proxy = NetworkProxy::in_front_of(&bed.db.url()).await.expect("start the proxy");
     let handler_timeout = Duration::from_secs(1);
@@ -170,7 +194,7 @@ async fn a_database_black_holed_past_the_handler_timeout_with_a_commit_in_flight
         Mode::GroupCommit => bed.runtime().batch_size(8),
         Mode::PerMessage => bed.runtime(),
     };
-    let running = Running::start(
+    let (running, intake) = start(
         builder
             .database_url(proxy.url_for(&bed.db.url()))
             .handler_timeout(handler_timeout)
@@ -202,7 +226,7 @@ async fn a_database_black_holed_past_the_handler_timeout_with_a_commit_in_flight
     proxy.restore();
 
     wait_applied(&bed, payments.len()).await;
-    wait_drained(&bed).await;
+    wait_drained(&bed, &running, &intake).await;
     running.stop().await.expect("clean shutdown");
     assert_eq!(bed.ledger_rows(&trigger.payment_id).await, 1, "the landed COMMIT's payment once");
     assert_books_balance(&bed, &payments).await;
@@ -227,11 +251,12 @@ in_both_modes! {
 /// Every connection of the runtime — consumers, publisher, outbox relay, database
 /// pool — is reset at once while the relay is in a pass: it has claimed rows and
 /// published them, and waits for the broker's confirms with its claim transaction
-/// open (the broker is black-holed until that is seen, so the pass cannot end
-/// first). The payments handler publishes an event per payment through the outbox.
-/// After: every payment applied once, nothing dead-lettered, the queue and the
-/// outbox drained, and every payment's event published with one message id (a row
-/// re-sent after the reset repeats its id).
+/// open. (To catch it there, a fault hook black-holes the broker once the 100th
+/// payment is applied, until such a pass is seen: it cannot end first.) The
+/// payments handler publishes an event per payment through the outbox. After: every
+/// payment applied once, nothing dead-lettered, the queue and the outbox drained,
+/// and every payment's event published with one message id (a row re-sent after the
+/// reset repeats its id).
 async fn every_connection_reset_during_an_outbox_relay_pass_loses_and_doubles_nothing() {
     let bed = Bed::isolated().await;
     let events = unique("events");
@@ -243,17 +268,20 @@ async fn every_connection_reset_during_an_outbox_relay_pass_loses_and_doubles_no
         .await
         .expect("declare the events exchange and queue");
     let payments = publish_stream(&bed, 400).await;
-    let broker = NetworkProxy::in_front_of(&bed.amqp_url).await.expect("start the broker's proxy");
+    let broker = Arc::new(NetworkProxy::in_front_of(&bed.amqp_url).await.expect("start the broker's proxy"));
     let database = NetworkProxy::in_front_of(&bed.db.url()).await.expect("start the database's proxy");
-    let running = Running::start(
+    let (running, intake) = start(
         bed.runtime()
             .amqp_url(broker.url_for(&bed.amqp_url))
             .database_url(database.url_for(&bed.db.url()))
             .reconnect_max_backoff(Duration::from_millis(500))
+            .fault_hook(black_hole_at_commit(&broker, 100))
             .consume(&bed.queue, apply_payment),
     );
-    wait_applied(&bed, payments.len() / 4).await;
-    broker.black_hole();
+    eventually("the black hole started after a commit", Duration::from_secs(60), || async {
+        broker.is_black_holed()
+    })
+    .await;
     eventually("a relay pass waits for its confirms", Duration::from_secs(30), || async {
         relay_passes_open(&bed).await > 0
     })
@@ -267,10 +295,10 @@ async fn every_connection_reset_during_an_outbox_relay_pass_loses_and_doubles_no
         count(&bed, "SELECT count(*) FROM idemq_outbox").await == 0
     })
     .await;
-    wait_drained(&bed).await;
-    let lost = lost(&running);
+    wait_drained(&bed, &running, &intake).await;
+    let (lost, connections) = (lost(&running), running.connection_events());
     running.stop().await.expect("clean shutdown");
-    assert!(lost >= 1, "the consumers' connection was reset");
+    assert!(lost >= 1, "the consumers' connections were reset: {connections:?}");
     assert_books_balance(&bed, &payments).await;
 
     let delivered = bed.broker.drain(&events).await;
