@@ -11,8 +11,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Bytea, Nullable, Text};
 use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
 use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
-    TransactionManager,
+    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager,
 };
 use futures_util::FutureExt;
 
@@ -731,7 +730,7 @@ pub(crate) fn build_pool(
         let setup_sql = setup_sql.clone();
         let url = url.to_owned();
         async move {
-            let mut conn = AsyncPgConnection::establish(&url).await?;
+            let mut conn = establish(&url).await?;
             conn.batch_execute(&setup_sql)
                 .await
                 .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
@@ -746,4 +745,62 @@ pub(crate) fn build_pool(
         .create_timeout(Some(Duration::from_secs(10)))
         .runtime(deadpool::Runtime::Tokio1)
         .build()
+}
+
+/// How long a connection may hear nothing from PostgreSQL's host before its first
+/// keepalive probe; then one every [`KEEPALIVE_INTERVAL`].
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+/// The interval between keepalive probes.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// Unanswered probes before the connection is given up (where `TCP_USER_TIMEOUT`
+/// does not decide it first).
+const KEEPALIVE_RETRIES: u32 = 4;
+/// How long sent data (a request, a probe) may stay unacknowledged before the
+/// connection is given up (`TCP_USER_TIMEOUT`, Linux).
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connects like `AsyncPgConnection::establish`, with dead-peer detection on the
+/// socket, for idemq's long-lived connections (the pools, the relay's `LISTEN`).
+///
+/// A PostgreSQL host that vanishes without a word (a partition, a lost machine, a
+/// NAT or firewall that forgot the flow: no FIN, no RST) leaves the socket half-open,
+/// and a connection waiting on it — for a COMMIT's answer, for the BEGIN of a
+/// pooled connection — waits until TCP notices. Once the request was acknowledged
+/// nothing is retransmitted, so only a keepalive can notice, and tokio-postgres's
+/// first goes out after 2 h of silence (libpq's default too): the delivery and its
+/// slot would be held far past `handler_timeout`, `database_retry_limit` (the
+/// statements never fail, so the retry loop never gets control back) and the
+/// broker's `consumer_timeout`. With these settings the kernel gives such a
+/// connection up about 30 s after the host last answered; the statement waiting on
+/// it fails as a lost connection, which the delivery state machine already handles
+/// (a fresh connection, the dedup row decides a COMMIT's fate). `keepalives`,
+/// `keepalives_idle`, `keepalives_interval`, `keepalives_retries` or
+/// `tcp_user_timeout` given in the URL win.
+///
+/// It does not help when the socket's peer stays up and what is behind it goes
+/// silent (a pooler such as PgBouncer, a proxy, a hung server): that peer's kernel
+/// answers the probes (`tests/tests/network_faults.rs` stages this with a proxy).
+pub(crate) async fn establish(url: &str) -> diesel::ConnectionResult<AsyncPgConnection> {
+    let mut config: tokio_postgres::Config = url.parse().map_err(|err: tokio_postgres::Error| {
+        diesel::ConnectionError::InvalidConnectionUrl(err.to_string())
+    })?;
+    // tokio-postgres's defaults, which the URL did not change.
+    if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+        config.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await.map_err(|err| {
+        // The same text as `establish`'s: the server's message, or the client's error.
+        let message = err.as_db_error().map_or_else(|| err.to_string(), |db| db.message().to_owned());
+        diesel::ConnectionError::BadConnection(message)
+    })?;
+    AsyncPgConnection::try_from_client_and_connection(client, connection).await
 }

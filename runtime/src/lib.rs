@@ -171,8 +171,8 @@
 //! - `cli`: `idemq::cli`, the application's command line (`run`, `migrate`, `declare`,
 //!   `status`, `gc`, `dlq`); turns on `metrics`.
 //! - `metrics`: Prometheus metrics and health endpoints (`RuntimeBuilder::http_addr`).
-//! - `testing`: `idemq::testing::TestKit`, for dev-dependencies (it turns on `fault-injection`
-//!   and `test-cluster`).
+//! - `testing`: `idemq::testing::TestKit` and `idemq::testing::NetworkProxy` (network faults),
+//!   for dev-dependencies (it turns on `fault-injection` and `test-cluster`).
 //! - `test-cluster`: `idemq::testing::Cluster`, a private RabbitMQ cluster on this host for
 //!   node-loss tests and benchmarks.
 //! - `fault-injection`: test-only `fault` hooks (enabled by idemq's own tests as a dev-dependency; never in production builds).

@@ -742,8 +742,7 @@ async fn listen(database_url: String, wake: Arc<Notify>, stop: CancellationToken
     let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
     loop {
         let listening = async {
-            let mut conn =
-                AsyncPgConnection::establish(&database_url).await.map_err(|err| err.to_string())?;
+            let mut conn = db::establish(&database_url).await.map_err(|err| err.to_string())?;
             conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(|err| err.to_string())?;
             let mut notifications = std::pin::pin!(conn.notifications_stream());
             while let Some(notification) = notifications.next().await {

@@ -15,7 +15,6 @@
 //! database on which test databases are created) and `AMQP_URL`.
 
 pub mod fixture;
-pub mod proxy;
 
 pub use fixture::Mode;
 

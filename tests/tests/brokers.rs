@@ -4,15 +4,14 @@
 
 use std::time::Duration;
 
+use idemq::testing::NetworkProxy;
 use idemq::ConnectionEvent;
 use idemq_tests::fixture::{ledger_payment, payment, publish_stream, slow_payment, Bed, Running};
-use idemq_tests::proxy::Proxy;
 use idemq_tests::{eventually, Broker};
 
 /// The bed's vhost's URL through `proxy`.
-fn through(proxy: &Proxy, bed: &Bed) -> String {
-    let vhost = bed.vhost.as_ref().expect("an isolated bed").name();
-    format!("amqp://guest:guest@{}/{vhost}", proxy.address())
+fn through(proxy: &NetworkProxy, bed: &Bed) -> String {
+    proxy.url_for(&bed.amqp_url)
 }
 
 /// A dead first address: the runtime connects to the second.
@@ -33,7 +32,8 @@ async fn a_list_of_addresses_connects_to_one_that_answers() {
 async fn losing_the_connected_node_fails_over_to_the_next_address() {
     let bed = Bed::isolated().await;
     let payments = publish_stream(&bed, 300).await;
-    let (a, b) = (Proxy::start("127.0.0.1:5672").await, Proxy::start("127.0.0.1:5672").await);
+    let proxy = || async { NetworkProxy::in_front_of(&bed.amqp_url).await.expect("start a proxy") };
+    let (a, b) = (proxy().await, proxy().await);
     let list = format!("{},{}", through(&a, &bed), through(&b, &bed));
     let running = Running::start(
         bed.runtime()
@@ -44,7 +44,7 @@ async fn losing_the_connected_node_fails_over_to_the_next_address() {
     eventually("a third applied", Duration::from_secs(60), || async { bed.ledger_total().await >= 100 })
         .await;
     // Node A is gone: its connections cut, and nothing listens there any more.
-    a.sever_existing();
+    a.reset_all();
     drop(a);
     eventually("every payment applied", Duration::from_secs(60), || async {
         bed.ledger_total().await >= 300

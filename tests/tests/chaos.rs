@@ -12,13 +12,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
+use idemq::testing::NetworkProxy;
 use idemq::{ConnectionEvent, Outcome};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{
     ledger_payment, payment, publish_stream, slow_payment, Bed, ConsumerProcess, Running,
 };
 use idemq_tests::in_both_modes;
-use idemq_tests::{eventually, proxy::Proxy, Broker};
+use idemq_tests::{eventually, Broker};
 use tokio::process::Command;
 
 const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
@@ -290,13 +291,13 @@ async fn chaos_sigterm_with_handlers_faster_than_the_shutdown_deadline_acks_them
 }
 
 in_both_modes! {
-/// A broker that goes silent without closing (a TCP proxy stops forwarding) is
-/// detected by heartbeats within a bounded time; the runtime reconnects (through
-/// the proxy, which forwards new connections) and goes on consuming.
+/// A broker that goes silent without closing (a TCP proxy black-holes the
+/// connection) is detected by heartbeats within a bounded time; once the network is
+/// back, the runtime reconnects (through the proxy) and goes on consuming.
 async fn a_silent_broker_is_detected_by_heartbeats_and_the_runtime_reconnects() {
     let bed = Bed::isolated().await;
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    let via_proxy = bed.amqp_url.replace("127.0.0.1:5672", &proxy.address());
+    let proxy = NetworkProxy::in_front_of(&bed.amqp_url).await.expect("start the proxy");
+    let via_proxy = proxy.url_for(&bed.amqp_url);
     let running = Running::start(
         bed.runtime()
             .amqp_url(via_proxy)
@@ -308,7 +309,7 @@ async fn a_silent_broker_is_detected_by_heartbeats_and_the_runtime_reconnects() 
     bed.publish(&first).await;
     running.wait_settled(1).await;
 
-    proxy.freeze_existing();
+    proxy.black_hole();
     let frozen = Instant::now();
     eventually("the silent connection is detected", Duration::from_secs(15), || async {
         lost(&running) >= 1
@@ -316,6 +317,7 @@ async fn a_silent_broker_is_detected_by_heartbeats_and_the_runtime_reconnects() 
     .await;
     let detected = frozen.elapsed();
     assert!(detected < Duration::from_secs(6), "detected after {detected:?} with a 1 s heartbeat");
+    proxy.restore();
     eventually("reconnected", Duration::from_secs(15), || async {
         running.connection_events().contains(&ConnectionEvent::Connected { session: 2 })
     })

@@ -185,8 +185,8 @@ async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_
     use diesel_async::SimpleAsyncConnection;
     let bed = Bed::new().await;
     bed.db.connect().await.batch_execute(SLOW_COMMIT).await.expect("create the slow trigger");
-    let proxy = idemq_tests::proxy::Proxy::start("127.0.0.1:5432").await;
-    let url = bed.db.url().replace("127.0.0.1:5432", &proxy.address());
+    let proxy = idemq::testing::NetworkProxy::in_front_of(&bed.db.url()).await.expect("start the proxy");
+    let url = proxy.url_for(&bed.db.url());
     assert_ne!(url, bed.db.url(), "the database URL goes through the proxy");
     let p = payment(77);
     bed.publish(&p).await;
@@ -201,7 +201,7 @@ async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_
         bed.db.count(&committing).await > 0
     })
     .await;
-    proxy.sever_existing();
+    proxy.reset_all();
 
     running.wait_settled(1).await;
     let events = running.events();

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use idemq::testing::NetworkProxy;
 use idemq_tests::{
     amqp_url, database_admin_url, eventually, header_i64, header_str, unique, with_timeout, Broker, TestDb,
     TestVhost,
@@ -106,4 +107,112 @@ async fn vhost_is_usable_and_connections_can_be_killed() {
 async fn publishing_to_a_missing_queue_panics() {
     let broker = Broker::connect(&amqp_url()).await;
     broker.publish_json(&unique("selftest_missing"), &serde_json::json!(null)).await;
+}
+
+/// An echo server on a free loopback port; counts the connections it accepted.
+async fn echo_server() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the echo server");
+    let address = listener.local_addr().expect("its address");
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = std::sync::Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let (mut read, mut write) = stream.split();
+                let _ = tokio::io::copy(&mut read, &mut write).await;
+            });
+        }
+    });
+    (address, accepted)
+}
+
+/// Writes `bytes` and reads as many back.
+async fn round_trip(stream: &mut tokio::net::TcpStream, bytes: &[u8]) -> std::io::Result<Vec<u8>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(bytes).await?;
+    let mut echoed = vec![0; bytes.len()];
+    stream.read_exact(&mut echoed).await?;
+    Ok(echoed)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_network_proxy_forwards_and_resets_every_connection_at_both_ends() {
+    use tokio::io::AsyncReadExt;
+    let (upstream, _) = echo_server().await;
+    let proxy = NetworkProxy::start(upstream.to_string()).await.expect("start the proxy");
+    let mut first = tokio::net::TcpStream::connect(proxy.address()).await.expect("connect");
+    let mut second = tokio::net::TcpStream::connect(proxy.address()).await.expect("connect");
+    assert_eq!(round_trip(&mut first, b"ping").await.expect("echoed"), b"ping");
+    assert_eq!(round_trip(&mut second, b"pong").await.expect("echoed"), b"pong");
+    assert_eq!(proxy.connections(), 2);
+
+    proxy.reset_all();
+    for stream in [&mut first, &mut second] {
+        let read = with_timeout("the reset", Duration::from_secs(10), stream.read(&mut [0; 8])).await;
+        let error = read.expect_err("a reset, not an orderly end");
+        assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}");
+    }
+    eventually("the reset connections are gone", Duration::from_secs(10), || async {
+        proxy.connections() == 0
+    })
+    .await;
+    let mut after = tokio::net::TcpStream::connect(proxy.address()).await.expect("connect");
+    assert_eq!(round_trip(&mut after, b"again").await.expect("echoed"), b"again", "new ones are forwarded");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_network_proxy_black_holes_open_and_new_connections_until_restored() {
+    use tokio::io::AsyncWriteExt;
+    let (upstream, accepted) = echo_server().await;
+    let proxy =
+        NetworkProxy::in_front_of(&format!("amqp://guest:guest@{upstream}/%2f")).await.expect("start");
+    assert_eq!(
+        proxy.url_for("amqp://guest:guest@127.0.0.1:5672/%2f"),
+        format!("amqp://guest:guest@{}/%2f", proxy.address())
+    );
+    let mut open = tokio::net::TcpStream::connect(proxy.address()).await.expect("connect");
+    assert_eq!(round_trip(&mut open, b"before").await.expect("echoed"), b"before");
+
+    proxy.black_hole();
+    let mut new = tokio::net::TcpStream::connect(proxy.address()).await.expect("accepted in a black hole");
+    let held = tokio::time::timeout(Duration::from_millis(500), async {
+        tokio::join!(round_trip(&mut open, b"held"), round_trip(&mut new, b"new"))
+    })
+    .await;
+    assert!(held.is_err(), "nothing moves in a black hole");
+    assert_eq!(
+        std::sync::atomic::AtomicUsize::load(&accepted, std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the new one is not connected upstream"
+    );
+    assert_eq!(proxy.connections(), 2, "both stay open");
+
+    proxy.restore();
+    let mut rest = [0; 4];
+    let mut new_echo = [0; 3];
+    with_timeout("what was held goes through", Duration::from_secs(10), async {
+        use tokio::io::AsyncReadExt;
+        open.read_exact(&mut rest).await.expect("the held bytes");
+        new.read_exact(&mut new_echo).await.expect("the new connection's bytes");
+    })
+    .await;
+    assert_eq!((&rest, &new_echo), (b"held", b"new"));
+    new.shutdown().await.expect("close");
+    eventually("an orderly close goes through", Duration::from_secs(10), || async {
+        proxy.connections() == 1
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_network_proxy_delays_each_way_by_its_latency() {
+    let (upstream, _) = echo_server().await;
+    let proxy = NetworkProxy::start(upstream.to_string()).await.expect("start the proxy");
+    let mut stream = tokio::net::TcpStream::connect(proxy.address()).await.expect("connect");
+    proxy.set_latency(Duration::from_millis(200));
+    let sent = std::time::Instant::now();
+    assert_eq!(round_trip(&mut stream, b"slow").await.expect("echoed"), b"slow");
+    // A lower bound only: a round trip cannot beat the latency both ways.
+    assert!(sent.elapsed() >= Duration::from_millis(400), "{:?}", sent.elapsed());
 }

@@ -21,6 +21,11 @@
 //! `AMQP_URL` and `DATABASE_URL` say where the services are (the database named
 //! there is only used to create and drop the test's own).
 //!
+//! [`NetworkProxy`] (feature `testing`) is a loopback TCP proxy to put between the
+//! runtime and RabbitMQ or PostgreSQL, for what happens when the network fails: it
+//! resets every connection at once, black-holes the traffic (a half-open peer) or
+//! adds latency.
+//!
 //! [`Cluster`] (feature `test-cluster`, which `testing` includes; no fault hooks,
 //! so a benchmark may use it) starts a private RabbitMQ cluster on this host, for
 //! what happens when a broker node is lost.
@@ -28,7 +33,11 @@
 mod cluster;
 #[cfg(feature = "testing")]
 mod kit;
+#[cfg(feature = "testing")]
+mod proxy;
 
 pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};
 #[cfg(feature = "testing")]
 pub use kit::TestKit;
+#[cfg(feature = "testing")]
+pub use proxy::NetworkProxy;
