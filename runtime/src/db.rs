@@ -703,6 +703,13 @@ impl SessionLimits {
         }
     }
 
+    /// How long idemq waits on the client for one of its own statements: the
+    /// server's `statement_timeout` and a margin. By then the server has answered,
+    /// if only with its timeout error; no answer means the network to it is gone.
+    pub(crate) fn client_deadline(self) -> Duration {
+        self.statement + Duration::from_secs(5)
+    }
+
     /// What every pooled connection runs once: the limits, and the COMMIT check.
     fn setup_sql(self) -> String {
         let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);

@@ -60,7 +60,14 @@
 //!   connection with backoff; such a connection is never reused. Faults no retry can
 //!   fix (idemq's tables missing, privileges lacking) stop the runtime instead.
 //! - A handler that panics or times out fails its attempt; its running statement is
-//!   cancelled on the server and its connection dropped, so its locks go at once.
+//!   cancelled on the server and its connection dropped, so its locks go at once. A
+//!   timed-out handler whose connection then does not answer at all was waiting for
+//!   an unreachable database: an outage, retried in-process, not a charged attempt.
+//! - idemq's own statements are bounded on the client too ([`Consumer::bounded`]):
+//!   no answer within the server's `statement_timeout` and a margin means the
+//!   network is gone (a half-open connection, a pooler that stays up): a connection
+//!   fault, retried on a fresh connection — a COMMIT's outcome is then unknown and
+//!   the dedup row decides, as after any lost connection.
 //! - No path leaves a delivery unsettled: a guard nacks a batch (requeue) if its
 //!   task ends without settling it.
 //! - Poison is what *started* `delivery_limit` times without an outcome: a redelivered
@@ -80,6 +87,7 @@
 //!   dedup row (holding the error reply) before it is dead-lettered.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -190,6 +198,9 @@ pub(crate) struct Shared {
     pub(crate) pool: Pool<AsyncPgConnection>,
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
+    /// How long idemq waits for an answer to one of its own statements (see
+    /// [`Consumer::bounded`]).
+    pub(crate) statement_deadline: Duration,
     pub(crate) database_retry_limit: Duration,
     /// Every subscriber: the runtime's stats, the user's observers.
     pub(crate) observers: Observers,
@@ -624,7 +635,7 @@ impl Consumer {
         let decided = |decision: Decision| Ran { decided: vec![(index, decision)], ..Ran::default() };
         let key = prepared.as_ref().map(|prepared| prepared.key.as_str());
         let copy_id = self.identity(item, key).copy_id(item.counts.attempt);
-        if db::copy_recorded(conn, &copy_id).await.map_err(infra)? {
+        if self.bounded(db::copy_recorded(conn, &copy_id)).await.map_err(infra)? {
             return Ok(decided(Decision::new(Outcome::AlreadyCopied { copy_id })));
         }
         let Some(prepared) = prepared else {
@@ -635,7 +646,10 @@ impl Consumer {
         let starts = match *marked {
             Some(starts) => starts,
             None => {
-                let starts = db::mark_start(conn, &self.scope, prepared.key.as_str()).await.map_err(infra)?;
+                let starts = self
+                    .bounded(db::mark_start(conn, &self.scope, prepared.key.as_str()))
+                    .await
+                    .map_err(infra)?;
                 *marked = Some(starts);
                 starts
             }
@@ -678,15 +692,16 @@ impl Consumer {
         let rows: Vec<(&str, &[u8])> =
             firsts.iter().map(|(_, p)| (p.key.as_str(), p.fingerprint.as_slice())).collect();
         let claimed = if dedup {
-            db::begin_and_claim(conn, &self.scope, &rows).await
+            self.bounded(db::begin_and_claim(conn, &self.scope, &rows)).await
         } else {
             let keys: Vec<&str> = rows.iter().map(|(key, _)| *key).collect();
-            db::begin_without_claim(conn, &keys).await
+            self.bounded(db::begin_without_claim(conn, &keys)).await
         };
         let claim = match claimed {
             Ok(claim) => claim,
             Err(err) => {
-                let rolled_back = AnsiTransactionManager::rollback_transaction(conn).await.is_ok()
+                let rolled_back = !db::is_connection_error(&err)
+                    && self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await.is_ok()
                     && !PoolableConnection::is_broken(conn);
                 if firsts.len() > 1 && rolled_back && !db::is_connection_error(&err) {
                     // Refused with the connection up (its lock timeout behind another
@@ -710,7 +725,7 @@ impl Consumer {
         let mut payloads: HashMap<String, Stored> = HashMap::new();
         if !applied_before.is_empty() {
             let keys: Vec<&str> = applied_before.iter().map(|known| known.key.as_str()).collect();
-            let stored = match db::stored_rows(conn, &self.scope, &keys).await {
+            let stored = match self.bounded(db::stored_rows(conn, &self.scope, &keys)).await {
                 Ok(stored) => stored,
                 Err(err) => return Err(rollback(conn, infra(err)).await),
             };
@@ -724,19 +739,19 @@ impl Consumer {
         }
         let Some(xid) = claim.xid.filter(|_| !new.is_empty()) else {
             // Nothing new: nothing to keep.
-            AnsiTransactionManager::rollback_transaction(conn).await.map_err(infra)?;
+            self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await.map_err(infra)?;
             self.resolve_repeats(&mut ran, items, repeats, &payloads, began_at, batch);
             return Ok(ran);
         };
         if let Some(outcome) = starts.and_then(|starts| verdict::poison(starts, self.delivery_limit)) {
-            AnsiTransactionManager::rollback_transaction(conn).await.map_err(infra)?;
+            self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await.map_err(infra)?;
             let (index, prepared) = &new[0];
             ran.decided.push((*index, self.decision(outcome, prepared.key.as_str(), Some(began_at), batch)));
             return Ok(ran);
         }
 
         if new.len() > 1 {
-            if let Err(err) = db::limit_batch_lock_waits(conn).await {
+            if let Err(err) = self.bounded(db::limit_batch_lock_waits(conn)).await {
                 return Err(rollback(conn, infra(err)).await);
             }
         }
@@ -779,6 +794,17 @@ impl Consumer {
                 }
                 Err(_elapsed) => {
                     cancel_statement(&cancel).await;
+                    if !answers(conn).await {
+                        // Its connection does not answer either: the handler was most
+                        // likely waiting for an unreachable database, which is an
+                        // outage, not the handler's failed attempt. The transaction
+                        // runs again on a fresh connection (not counted).
+                        return Err(Fault::Infra(InfraFault::Broken(format!(
+                            "the handler did not finish within {:?}, and its database connection did \
+                             not answer after its statement was cancelled",
+                            self.shared.handler_timeout
+                        ))));
+                    }
                     Failure::Cut(format!(
                         "the handler did not finish within {:?}",
                         self.shared.handler_timeout
@@ -786,7 +812,7 @@ impl Consumer {
                 }
             };
             if let Failure::Returned(_) = &failure {
-                match AnsiTransactionManager::rollback_transaction(conn).await {
+                match self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await {
                     // A failed ROLLBACK means the connection broke: whatever the
                     // handler wrapped, this is an infrastructure fault.
                     Err(err) => return Err(infra(err)),
@@ -841,8 +867,8 @@ impl Consumer {
             }
         }
         let written = async {
-            db::insert_outbox(conn, &rows).await?;
-            db::store_results(conn, &self.scope, &results).await
+            self.bounded(db::insert_outbox(conn, &rows)).await?;
+            self.bounded(db::store_results(conn, &self.scope, &results)).await
         };
         if let Err(err) = written.await {
             return Err(rollback(conn, infra(err)).await);
@@ -850,7 +876,11 @@ impl Consumer {
         drop(results);
 
         let committing = Instant::now();
-        let failure = match db::commit_checked(conn, xid).await {
+        let commit = tokio::time::timeout(self.shared.statement_deadline, db::commit_checked(conn, xid));
+        let committed = commit
+            .await
+            .unwrap_or_else(|_| Err(CommitFailure::Unknown(no_answer(self.shared.statement_deadline))));
+        let failure = match committed {
             Ok(()) => {
                 let commit =
                     Commit { queue: &self.queue, deliveries: done.len(), took: committing.elapsed() };
@@ -944,6 +974,20 @@ impl Consumer {
         }
     }
 
+    /// One of idemq's own statements, bounded on the client too: past
+    /// [`Shared::statement_deadline`] (the server's `statement_timeout` and a margin)
+    /// the server would have answered, if only with an error, so no answer means the
+    /// network to it is gone — a half-open connection (a pooler or proxy that stays
+    /// up, a black hole) must not hold a delivery for the whole outage. The error is a
+    /// connection error: the transaction is retried on a fresh connection.
+    async fn bounded<T>(
+        &self,
+        statement: impl Future<Output = diesel::QueryResult<T>>,
+    ) -> diesel::QueryResult<T> {
+        let deadline = self.shared.statement_deadline;
+        tokio::time::timeout(deadline, statement).await.unwrap_or_else(|_| Err(no_answer(deadline)))
+    }
+
     fn decision(&self, outcome: Outcome, key: &str, began_at: Option<Instant>, batch: usize) -> Decision {
         Decision {
             outcome,
@@ -981,15 +1025,15 @@ impl Consumer {
         let body = outbox::error_reply(kind.as_str(), error);
         let reply = Outgoing::reply(&request, self.reply_id(key.as_str()), body, false);
         let scope = &self.scope;
-        let stored = conn
-            .transaction::<bool, diesel::result::Error, _>(async |conn| {
+        let stored = self
+            .bounded(conn.transaction::<bool, diesel::result::Error, _>(async |conn| {
                 let new =
                     db::store_failure(conn, scope, key.as_str(), fingerprint.as_slice(), &reply.body).await?;
                 if new {
                     db::insert_outbox(conn, std::slice::from_ref(&reply)).await?;
                 }
                 Ok(new)
-            })
+            }))
             .await
             .map_err(|err| Fault::Infra(InfraFault::Database(err)))?;
         if stored {
@@ -1322,6 +1366,32 @@ async fn cancel_statement(cancel: &tokio_postgres::CancelToken) {
     }
 }
 
+/// Whether a connection whose handler was cut off (its statement cancelled) still
+/// answers, within [`BOOKKEEPING_TIMEOUT`]: any answer counts, an error too (the
+/// cancelled statement aborted the transaction, which stays open: the connection is
+/// dropped after). A cancel request is sent blind, so only an answer on the
+/// connection itself tells an unreachable database from a slow handler.
+async fn answers(conn: &mut AsyncPgConnection) -> bool {
+    use diesel_async::SimpleAsyncConnection;
+    match tokio::time::timeout(BOOKKEEPING_TIMEOUT, conn.batch_execute("SELECT 1")).await {
+        Ok(Ok(())) => true,
+        Ok(Err(error)) => !db::is_connection_error(&error),
+        Err(_) => false,
+    }
+}
+
+/// The error of one of idemq's own statements that got no answer within `deadline`:
+/// a connection error (the connection is in an unknown state and is dropped).
+fn no_answer(deadline: Duration) -> diesel::result::Error {
+    diesel::result::Error::DatabaseError(
+        diesel::result::DatabaseErrorKind::ClosedConnection,
+        Box::new(format!(
+            "no answer from PostgreSQL within {deadline:?} (its own statement_timeout would have answered by \
+             then): the network to the database is down"
+        )),
+    )
+}
+
 /// The message of a panic payload (`panic!` with a literal or a format string).
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
@@ -1346,9 +1416,15 @@ fn report(sent: lapin::Result<bool>, consumer: &Consumer, decision: &Decision) -
     }
 }
 
-/// Rolls back after a failed statement; the original fault is what is reported.
+/// Rolls back after a failed statement; the original fault is what is reported. A
+/// connection that failed (or got no answer) is not rolled back: it is dropped, which
+/// ends its transaction on the server, and a ROLLBACK could wait as long again.
 async fn rollback(conn: &mut AsyncPgConnection, fault: Fault) -> Fault {
-    let _ = AnsiTransactionManager::rollback_transaction(conn).await;
+    let lost = matches!(&fault, Fault::Infra(InfraFault::Database(err)) if db::is_connection_error(err));
+    if !lost {
+        let rollback = AnsiTransactionManager::rollback_transaction(conn);
+        let _ = tokio::time::timeout(BOOKKEEPING_TIMEOUT, rollback).await;
+    }
     fault
 }
 

@@ -737,6 +737,7 @@ impl Runtime {
             pool,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
+            statement_deadline: limits.client_deadline(),
             database_retry_limit: b.database_retry_limit,
             observers,
             outbox: crate::relay::OutboxSignal::new(relay_wake.clone()),

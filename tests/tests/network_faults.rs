@@ -233,6 +233,66 @@ async fn a_database_black_holed_past_the_handler_timeout_with_a_commit_in_flight
 }
 }
 
+/// The faults of the runtime's in-process transaction retries
+/// ([`Observe::infrastructure_retry`]).
+#[derive(Clone, Default)]
+struct Retries(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Observe for Retries {
+    fn infrastructure_retry(&self, retry: &idemq::InfrastructureRetry<'_>) {
+        self.0.lock().unwrap().push(retry.fault.to_owned());
+    }
+}
+
+in_both_modes! {
+/// A half-open database: the network to PostgreSQL black-holes (sockets stay open,
+/// the proxy's kernel keeps answering TCP keepalives, as a pooler or a hung server
+/// would) while transactions are open and handlers are in their statements. idemq's
+/// own statements give up after the server's `statement_timeout` and a margin (no
+/// answer by then means the network is gone) and run again on a fresh connection —
+/// the delivery is not held for the whole outage; a handler cut off by its timeout
+/// whose cancel request PostgreSQL cannot even receive is an outage too, not a failed
+/// attempt. Held until such a give-up is seen, then restored: every payment applied
+/// once, no attempt charged (no retry copy), nothing dead-lettered.
+async fn a_half_open_database_gives_idemqs_statements_up_and_charges_no_attempt() {
+    let bed = Bed::isolated().await;
+    let payments = publish_stream(&bed, 300).await;
+    let proxy = NetworkProxy::in_front_of(&bed.db.url()).await.expect("start the proxy");
+    let retries = Retries::default();
+    let (running, intake) = start(
+        bed.runtime()
+            .database_url(proxy.url_for(&bed.db.url()))
+            .handler_timeout(Duration::from_secs(1))
+            .observe(retries.clone())
+            .consume(&bed.queue, slower_payment),
+    );
+    let in_flight = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid() \
+         AND (state LIKE 'idle in transaction%' OR state = 'active')",
+        bed.db.name()
+    );
+    eventually("transactions open", Duration::from_secs(60), || async {
+        bed.ledger_total().await > 20 && count(&bed, &in_flight).await > 0
+    })
+    .await;
+    proxy.black_hole();
+    // The statement deadline is handler_timeout + 15 s here.
+    eventually("a statement given up for want of an answer", Duration::from_secs(90), || async {
+        retries.0.lock().unwrap().iter().any(|fault| fault.contains("no answer from PostgreSQL"))
+    })
+    .await;
+    proxy.restore();
+
+    wait_applied(&bed, payments.len()).await;
+    wait_drained(&bed, &running, &intake).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    let charged: Vec<_> = events.iter().filter(|e| matches!(e.outcome, Outcome::Retry { .. })).collect();
+    assert!(charged.is_empty(), "an outage charged handler attempts: {charged:?}");
+    assert_books_balance(&bed, &payments).await;
+}
+}
+
 /// Sessions of the bed's database holding outbox rows a relay pass claimed (`FOR
 /// UPDATE SKIP LOCKED`, then publishing: idle in its transaction).
 async fn relay_passes_open(bed: &Bed) -> i64 {
