@@ -282,21 +282,54 @@ impl TestVhost {
     }
 
     /// Messages of `queue` in this vhost that are not yet settled: ready plus
-    /// delivered-but-unacked (a passive declare counts only the ready ones; a large
-    /// prefetch window holds many unacked).
+    /// delivered-but-unacked; `u64::MAX` if the queue does not exist.
+    ///
+    /// Read fresh, not from `rabbitmqctl list_queues`: its counts of a quorum queue are
+    /// as of the queue's last metrics tick (seen up to ~5 s old, both ways: 10 ready
+    /// after all were acked, 0 unacked with 10 held), so a drain wait could pass while
+    /// redeliveries were still in flight. The ready count comes from a passive declare,
+    /// the unacked count from `list_channels` (each channel answers live) — every
+    /// channel of the vhost, so it includes the unacked of its other queues: waiting
+    /// for 0 waits for the whole vhost to settle.
     pub async fn unsettled(&self, queue: &str) -> u64 {
-        let out = tokio::process::Command::new("rabbitmqctl")
-            .args(["-q", "list_queues", "-p", &self.name, "--no-table-headers", "name", "messages"])
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .unwrap_or_else(|e| panic!("cannot run rabbitmqctl list_queues: {e}"));
-        String::from_utf8_lossy(&out.stdout)
+        let listed = self.ctl("list_queues", &["name", "messages"]).await;
+        let Some(listed) = listed
             .lines()
             .filter_map(|line| line.split_once('\t'))
             .find(|(name, _)| *name == queue)
-            .and_then(|(_, messages)| messages.trim().parse().ok())
-            .unwrap_or(u64::MAX)
+            .and_then(|(_, messages)| messages.trim().parse::<u64>().ok())
+        else {
+            return u64::MAX;
+        };
+        let broker = Broker::connect(&self.amqp_url()).await;
+        let passive = lapin::options::QueueDeclareOptions { passive: true, ..Default::default() };
+        let declared =
+            broker.fresh_channel().await.queue_declare(queue.into(), passive, FieldTable::default()).await;
+        let _ = broker.connection.close(200, "counted".into()).await;
+        let Ok(declared) = declared else {
+            // An exclusive queue of another connection cannot be declared: the listed
+            // count is all there is.
+            return listed;
+        };
+        let unacked: u64 = self
+            .ctl("list_channels", &["messages_unacknowledged"])
+            .await
+            .lines()
+            .filter_map(|line| line.trim().parse::<u64>().ok())
+            .sum();
+        u64::from(declared.message_count()) + unacked
+    }
+
+    /// `rabbitmqctl -q <command> -p <vhost> --no-table-headers <items>`'s output.
+    async fn ctl(&self, command: &str, items: &[&str]) -> String {
+        let out = tokio::process::Command::new("rabbitmqctl")
+            .args(["-q", command, "-p", &self.name, "--no-table-headers"])
+            .args(items)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .unwrap_or_else(|e| panic!("cannot run rabbitmqctl {command}: {e}"));
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     /// Forcibly closes every client connection to this vhost (simulates a

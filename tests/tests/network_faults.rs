@@ -51,9 +51,9 @@ fn start(builder: RuntimeBuilder) -> (Running, Intake) {
 
 /// Waits until the fault is absorbed: the runtime holds no delivery (each one it took
 /// in is settled) and none is ready in the queue. Twice, a second apart: a message on
-/// its way from the broker is in neither count for a moment. (Not
-/// `TestVhost::unsettled`: `rabbitmqctl list_queues` reports a quorum queue's count as
-/// of its last metrics tick, seen here up to 5 s old.)
+/// its way from the broker is in neither count for a moment. (The runtime's own
+/// counts, not `rabbitmqctl list_queues`, which reports a quorum queue's count as of
+/// its last metrics tick, seen here up to 5 s old.)
 async fn wait_drained(bed: &Bed, running: &Running, intake: &Intake) {
     for _ in 0..2 {
         eventually("every delivery settled, none ready", Duration::from_secs(90), || async {
