@@ -49,11 +49,9 @@ type CliResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliResult {
     let (action, sub) = matches.subcommand().ok_or("dlq needs list, show, replay or purge")?;
     let only = matches.get_one::<String>("queue");
-    let queues: Vec<(String, String)> = builder
-        .consumed_queues()
-        .into_iter()
-        .filter(|(queue, _)| only.is_none_or(|only| only == queue))
-        .collect();
+    let consumed = builder.consumed_queues();
+    let queues: Vec<&(String, String)> =
+        consumed.iter().filter(|(queue, _)| only.is_none_or(|only| only == queue)).collect();
     if queues.is_empty() {
         return Err(match only {
             Some(queue) => format!("--queue {queue}: the code declares or consumes no such queue").into(),
@@ -63,10 +61,10 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
     // Each dead-letter queue once, with the queues that dead-letter into it: two
     // queues may share one, and each letter goes back to its own.
     let mut dlqs: Vec<(String, Vec<String>)> = Vec::new();
-    for (queue, dlq) in builder.consumed_queues() {
-        match dlqs.iter_mut().find(|(name, _)| *name == dlq) {
-            Some((_, owners)) => owners.push(queue),
-            None => dlqs.push((dlq, vec![queue])),
+    for (queue, dlq) in &consumed {
+        match dlqs.iter_mut().find(|(name, _)| name == dlq) {
+            Some((_, owners)) => owners.push(queue.clone()),
+            None => dlqs.push((dlq.clone(), vec![queue.clone()])),
         }
     }
     dlqs.retain(|(dlq, _)| queues.iter().any(|(_, wanted)| wanted == dlq));

@@ -703,7 +703,7 @@ impl Consumer {
                 let rolled_back = !db::is_connection_error(&err)
                     && self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await.is_ok()
                     && !PoolableConnection::is_broken(conn);
-                if firsts.len() > 1 && rolled_back && !db::is_connection_error(&err) {
+                if firsts.len() > 1 && rolled_back {
                     // Refused with the connection up (its lock timeout behind another
                     // batch holding one of these keys): smaller batches.
                     tracing::debug!(queue = %self.queue, error = %err, batch, "the batch's dedup insert failed; running it in halves");

@@ -269,6 +269,19 @@ pub async fn slow_payment(
     Ok(())
 }
 
+/// The payments handler at 25 ms a payment inside its transaction, so that a stream
+/// is still flowing when a fault lands and other transactions are open while one
+/// commits. Same name as `apply_payment`: same dedup rows.
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+pub async fn slower_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    record_payment(conn, &msg).await?;
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    Ok(())
+}
+
 fn attempts() -> &'static Mutex<HashMap<String, u32>> {
     static ATTEMPTS: OnceLock<Mutex<HashMap<String, u32>>> = OnceLock::new();
     ATTEMPTS.get_or_init(Mutex::default)

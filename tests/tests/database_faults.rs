@@ -9,10 +9,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, Outcome, StatsSnapshot};
-use idemq_example_payments::{record_payment, PaymentRequested};
-use idemq_tests::fixture::{publish_stream, stream_deliveries, Bed, Running};
+use idemq::{Outcome, StatsSnapshot};
+use idemq_tests::fixture::{publish_stream, slower_payment, stream_deliveries, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::Mode;
 use tokio::process::Command;
@@ -166,18 +164,6 @@ async fn a_postgres_restart_mid_stream_loses_nothing_and_doubles_nothing() {
     .await;
     eprintln!("after a PostgreSQL restart: {stats:?}");
 }
-}
-
-/// The payments handler at 25 ms a payment, so that a stream is still flowing when
-/// PostgreSQL stops or restarts. Same name as `apply_payment`: same dedup rows.
-#[idempotent_handler(key = "payment_id", name = "apply_payment")]
-async fn slower_payment(
-    conn: &mut AsyncPgConnection,
-    msg: PaymentRequested,
-) -> Result<(), diesel::result::Error> {
-    record_payment(conn, &msg).await?;
-    tokio::time::sleep(Duration::from_millis(25)).await;
-    Ok(())
 }
 
 in_both_modes! {

@@ -199,18 +199,25 @@ async fn dead_letters_of_two_messages_with_one_body_are_replayed_and_purged_apar
     assert_eq!(ids.iter().map(|id| applied(id)).sum::<usize>(), 2, "the two left are applied once each");
 }
 
+/// Dead-letters one message (`refuses_while_broken`, its id broken) and takes its
+/// dead letter out of the DLQ: its id and the letter, for a test to put back.
+async fn one_dead_letter(bed: &Bed, body: &[u8]) -> (String, lapin::message::Delivery) {
+    let id = unique("m");
+    BROKEN.lock().unwrap().push(id.clone());
+    bed.broker.publish_bytes(&bed.queue, body, with_id(&id)).await;
+    Running::settle(bed.runtime().consume(&bed.queue, refuses_while_broken), 1).await;
+    let letter = bed.broker.drain(&bed.dlq).await.pop().expect("the dead letter").delivery;
+    (id, letter)
+}
+
 /// True copies are still one: the same dead letter twice in the DLQ (its original
 /// dead-lettered again after a lost ack, before the copy was recorded) is replayed
 /// once, the other copy removed.
 #[tokio::test(flavor = "multi_thread")]
 async fn true_copies_of_one_dead_letter_are_replayed_once() {
     let bed = Bed::new().await;
-    let id = unique("m");
-    BROKEN.lock().unwrap().push(id.clone());
-    bed.broker.publish_bytes(&bed.queue, br#"{"n":4}"#, with_id(&id)).await;
+    let (id, letter) = one_dead_letter(&bed, br#"{"n":4}"#).await;
     let builder = || bed.runtime().consume(&bed.queue, refuses_while_broken);
-    Running::settle(builder(), 1).await;
-    let letter = bed.broker.drain(&bed.dlq).await.pop().expect("the dead letter").delivery;
     for _ in 0..2 {
         bed.broker.publish_bytes(&bed.dlq, &letter.data, letter.properties.clone()).await;
     }
@@ -226,12 +233,8 @@ async fn true_copies_of_one_dead_letter_are_replayed_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_letter_replayed_max_replays_times_stays_in_the_dlq() {
     let bed = Bed::new().await;
-    let id = unique("m");
-    BROKEN.lock().unwrap().push(id.clone());
-    bed.broker.publish_bytes(&bed.queue, br#"{"n":5}"#, with_id(&id)).await;
+    let (_, letter) = one_dead_letter(&bed, br#"{"n":5}"#).await;
     let builder = || bed.runtime().consume(&bed.queue, refuses_while_broken);
-    Running::settle(builder(), 1).await;
-    let letter = bed.broker.drain(&bed.dlq).await.pop().expect("the dead letter").delivery;
     let mut table = letter.properties.headers().clone().unwrap_or_default();
     table.insert(headers::REPLAY.into(), AMQPValue::LongLongInt(5));
     bed.broker.publish_bytes(&bed.dlq, &letter.data, letter.properties.clone().with_headers(table)).await;

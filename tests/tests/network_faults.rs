@@ -13,16 +13,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::SimpleAsyncConnection;
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
-use idemq::{
-    idempotent_handler, ConnectionEvent, Exchange, Observe, Outcome, Queue, RuntimeBuilder, Topology,
-};
-use idemq_example_payments::{
-    apply_payment, record_payment, PaymentApplied, PaymentRequested, EVENTS_EXCHANGE,
-};
-use idemq_tests::fixture::{publish_stream, slow_payment, Bed, Running};
+use idemq::{ConnectionEvent, Exchange, Observe, Outcome, Queue, RuntimeBuilder, Topology};
+use idemq_example_payments::{apply_payment, PaymentApplied, PaymentRequested, EVENTS_EXCHANGE};
+use idemq_tests::fixture::{publish_stream, slow_payment, slower_payment, Bed, Running};
 use idemq_tests::{eventually, in_both_modes, unique, Broker, Mode};
 
 async fn wait_applied(bed: &Bed, at_least: usize) {
@@ -160,18 +156,6 @@ fn slow_commit_of(payment_id: &str) -> String {
          CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ledger
              DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();"
     )
-}
-
-/// The payments handler at 20 ms a payment inside its transaction, so that other
-/// transactions are open while one commits. Same name as `apply_payment`.
-#[idempotent_handler(key = "payment_id", name = "apply_payment")]
-async fn slower_payment(
-    conn: &mut AsyncPgConnection,
-    msg: PaymentRequested,
-) -> Result<(), diesel::result::Error> {
-    record_payment(conn, &msg).await?;
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    Ok(())
 }
 
 in_both_modes! {
