@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::RunQueryDsl;
 use idemq::{Runtime, StatsSnapshot};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Confirmation};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -74,7 +74,9 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
     crate::migrate(database_url).await?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
 
-    let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    // As idemq connects (TLS for amqps:// with RabbitMQ's URI parameters, a list of
+    // addresses): lapin's own `Connection::connect` would ignore `cacertfile`.
+    let connection = idemq::connect::broker(amqp_url, "demo publisher").await?;
     let channel = connection.create_channel().await?;
     topology().declare(&channel).await?;
     channel.confirm_select(ConfirmSelectOptions::default()).await?;
@@ -171,7 +173,7 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
     progress.finish_and_clear();
     let consume_time = started.elapsed();
     // The relay publishes what was committed; wait for it before stopping.
-    let mut conn = AsyncPgConnection::establish(database_url).await?;
+    let mut conn = idemq::connect::database(database_url).await?;
     while idemq::outbox::backlog(&mut conn).await? > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -247,7 +249,7 @@ async fn check_ledger(
     expected: &BTreeMap<String, i64>,
     payments: usize,
 ) -> Result<Vec<String>, DemoError> {
-    let mut conn = AsyncPgConnection::establish(database_url).await?;
+    let mut conn = idemq::connect::database(database_url).await?;
     let pattern = format!("demo-{run_id}-%");
     let rows: i64 =
         ledger::table.filter(ledger::payment_id.like(&pattern)).count().get_result(&mut conn).await?;

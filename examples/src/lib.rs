@@ -11,7 +11,7 @@
 
 use diesel::prelude::*;
 use diesel::upsert::excluded;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemq::{idempotent_handler, Context, Exchange, HandlerError, Message, Queue, Topology};
 use serde::{Deserialize, Serialize};
 
@@ -202,10 +202,8 @@ pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
 
 /// Connects to `url`; an error names the URL redacted.
 async fn connect(url: &str) -> Result<AsyncPgConnection, SetupError> {
-    AsyncPgConnection::establish(url).await.map_err(|err| SetupError::Database {
-        context: format!("connect to {}", idemq::redact(url)),
-        source: Box::new(err),
-    })
+    // As idemq connects: TLS as the URL's sslmode says.
+    Ok(idemq::connect::database(url).await?)
 }
 
 /// Creates the database named in `database_url` if it does not exist.

@@ -1,18 +1,19 @@
 //! Several broker addresses: `AMQP_URL` (or `.amqp_url(..)`) may be a comma-separated
-//! list of `amqp://` URLs, each with its own credentials and vhost (a comma inside a
-//! password is percent-encoded, `%2C`).
+//! list of `amqp://` or `amqps://` URLs, each with its own credentials, vhost and TLS
+//! settings (a comma inside a password is percent-encoded, `%2C`).
 //!
 //! Connecting tries the addresses **in order, starting after the one last lost**: at
 //! start-up the first that answers is used; after a loss the next one is tried first
 //! (a node that just went away is tried last, not first), each once per round, and
 //! the runtime's backoff runs between rounds. Every message shows the list redacted.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
 
 use crate::error::{redact, Error};
+use crate::tls::amqp::Target;
 
 /// How long one address may take to accept a connection before the next is tried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -20,15 +21,21 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The broker addresses, and where the next connection attempt starts.
 #[derive(Debug)]
 pub(crate) struct Brokers {
-    urls: Vec<String>,
+    targets: Vec<Target>,
     next: AtomicUsize,
+    /// Whether `verify_none` was warned about (once per list, at its first connection).
+    warned: AtomicBool,
 }
 
 impl Brokers {
-    /// Splits a comma-separated list (blank entries ignored).
+    /// Splits a comma-separated list (blank entries ignored) and reads each address,
+    /// its TLS settings included (certificate files are read here, once).
+    ///
+    /// # Errors
+    /// [`Error::Config`]: an empty list, a URL the client cannot read, TLS settings
+    /// that cannot be used.
     pub(crate) fn parse(list: &str) -> Result<Self, Error> {
-        let urls: Vec<String> =
-            list.split(',').map(str::trim).filter(|url| !url.is_empty()).map(str::to_owned).collect();
+        let urls: Vec<&str> = list.split(',').map(str::trim).filter(|url| !url.is_empty()).collect();
         if urls.is_empty() {
             return Err(Error::Config(
                 "AMQP_URL is empty: give one amqp:// URL, or several separated by commas".into(),
@@ -37,22 +44,17 @@ impl Brokers {
         // A URL the client cannot read fails every attempt the same way (and lapin
         // reports it as an I/O error, like a refused connection): refuse it here, so
         // that start-up never waits on it.
-        for url in &urls {
-            if let Err(reason) = url.parse::<lapin::uri::AMQPUri>() {
-                return Err(Error::Config(format!(
-                    "AMQP_URL: {} is not a broker URL ({}); write amqp://user:password@host:5672/vhost \
-                     (the vhost `/` is %2f, a comma in a password %2C)",
-                    redact(url),
-                    redact(&reason)
-                )));
-            }
-        }
-        Ok(Self { urls, next: AtomicUsize::new(0) })
+        let targets = urls.into_iter().map(Target::parse).collect::<Result<_, _>>()?;
+        Ok(Self { targets, next: AtomicUsize::new(0), warned: AtomicBool::new(false) })
     }
 
-    /// Each address with `edit` applied (e.g. the heartbeat added).
+    /// Each address with `edit` applied to its URL (e.g. the heartbeat added).
     pub(crate) fn map(&self, edit: impl Fn(&str) -> String) -> Self {
-        Self { urls: self.urls.iter().map(|url| edit(url)).collect(), next: AtomicUsize::new(0) }
+        Self {
+            targets: self.targets.iter().map(|target| target.with_url(edit(target.url()))).collect(),
+            next: AtomicUsize::new(0),
+            warned: AtomicBool::new(false),
+        }
     }
 
     /// Connects to the first address that answers, starting at the current one.
@@ -61,20 +63,26 @@ impl Brokers {
     /// the broker's operators: `idemq <role> (pid <pid>)` in `rabbitmqctl
     /// list_connections client_properties` and the management UI.
     ///
+    /// A TLS refusal ([`Error::Tls`]: a certificate that does not verify) is
+    /// returned at once: the next address would most likely refuse the same way,
+    /// and trying it would hide the reason behind another error.
+    ///
     /// # Errors
-    /// [`Error::AmqpConnect`] with the last address's error when none answers.
+    /// [`Error::AmqpConnect`] with the last address's error when none answers;
+    /// [`Error::Tls`].
     pub(crate) async fn connect(&self, role: &str) -> Result<(Connection, usize), Error> {
-        let start = self.next.load(Ordering::Relaxed) % self.urls.len();
+        let start = self.next.load(Ordering::Relaxed) % self.targets.len();
         let mut last = None;
-        for offset in 0..self.urls.len() {
-            let index = (start + offset) % self.urls.len();
+        for offset in 0..self.targets.len() {
+            let index = (start + offset) % self.targets.len();
             match self.connect_to(index, role).await {
                 Ok(connection) => {
                     self.next.store(index, Ordering::Relaxed);
                     return Ok((connection, index));
                 }
+                Err(err @ Error::Tls { .. }) => return Err(err),
                 Err(err) => {
-                    if self.urls.len() > 1 {
+                    if self.targets.len() > 1 {
                         tracing::debug!(error = %err, "broker address did not answer; trying the next");
                     }
                     last = Some(err);
@@ -87,16 +95,27 @@ impl Brokers {
     /// Connects to address `index`, naming the connection after `role`.
     ///
     /// # Errors
-    /// [`Error::AmqpConnect`].
+    /// [`Error::AmqpConnect`], [`Error::Tls`].
     pub(crate) async fn connect_to(&self, index: usize, role: &str) -> Result<Connection, Error> {
-        let url = &self.urls[index % self.urls.len()];
+        let target = &self.targets[index % self.targets.len()];
         let name = format!("idemq {role} (pid {})", std::process::id());
         let properties = ConnectionProperties::default().with_connection_name(name.into());
-        match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(url, properties)).await {
-            Ok(Ok(connection)) => Ok(connection),
-            Ok(Err(cause)) => Err(Error::AmqpConnect { url: redact(url), cause }),
+        let url = redact(target.url());
+        match tokio::time::timeout(CONNECT_TIMEOUT, target.connect(properties)).await {
+            Ok(Ok(connection)) => {
+                if target.verify_none() && !self.warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        %url,
+                        "TLS without verifying the broker (verify=verify_none): the connection is encrypted, \
+                         but anyone on the network path can pose as the broker and read the login; give the \
+                         broker's CA with cacertfile= and drop verify=verify_none"
+                    );
+                }
+                Ok(connection)
+            }
+            Ok(Err(err)) => Err(err),
             Err(_) => Err(Error::AmqpConnect {
-                url: redact(url),
+                url,
                 cause: lapin::Error::from(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     format!("no answer within {CONNECT_TIMEOUT:?}"),
@@ -107,7 +126,7 @@ impl Brokers {
 
     /// The connection to address `index` was lost: the next attempt starts after it.
     pub(crate) fn lost(&self, index: usize) {
-        self.next.store((index + 1) % self.urls.len(), Ordering::Relaxed);
+        self.next.store((index + 1) % self.targets.len(), Ordering::Relaxed);
     }
 }
 
@@ -158,7 +177,8 @@ mod tests {
     #[test]
     fn a_list_is_split_on_commas_and_blank_entries_are_dropped() {
         let brokers = Brokers::parse("amqp://a:p%2Cw@h1/v, amqp://h2/v ,").unwrap();
-        assert_eq!(brokers.urls, ["amqp://a:p%2Cw@h1/v", "amqp://h2/v"]);
+        let urls: Vec<&str> = brokers.targets.iter().map(Target::url).collect();
+        assert_eq!(urls, ["amqp://a:p%2Cw@h1/v", "amqp://h2/v"]);
         assert!(Brokers::parse(" , ").is_err());
     }
 

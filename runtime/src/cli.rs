@@ -44,7 +44,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{value_parser, Arg, ArgAction, ArgMatches, Command};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_async::AsyncPgConnection;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::Connection;
@@ -560,9 +560,7 @@ impl Settings {
 }
 
 async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
-    AsyncPgConnection::establish(url)
-        .await
-        .map_err(|err| Error::DatabaseConnect { url: redact(url), message: err.to_string() })
+    crate::db::connect(url).await
 }
 
 /// A connection to the first broker address of the list that answers.

@@ -766,8 +766,11 @@ const KEEPALIVE_RETRIES: u32 = 4;
 /// connection is given up (`TCP_USER_TIMEOUT`, Linux).
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Connects like `AsyncPgConnection::establish`, with dead-peer detection on the
-/// socket, for idemq's long-lived connections (the pools, the relay's `LISTEN`).
+/// Connects like `AsyncPgConnection::establish`, with TLS as the URL's libpq
+/// parameters say (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`: see
+/// [`crate::tls::postgres`]) and dead-peer detection on the socket. Every connection
+/// idemq makes goes through here: the pools, the relay's `LISTEN`, migrations, the
+/// CLI, the test kit.
 ///
 /// A PostgreSQL host that vanishes without a word (a partition, a lost machine, a
 /// NAT or firewall that forgot the flow: no FIN, no RST) leaves the socket half-open,
@@ -788,26 +791,45 @@ const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 /// silent (a pooler such as PgBouncer, a proxy, a hung server): that peer's kernel
 /// answers the probes (`tests/tests/network_faults.rs` stages this with a proxy).
 pub(crate) async fn establish(url: &str) -> diesel::ConnectionResult<AsyncPgConnection> {
-    let mut config: tokio_postgres::Config = url.parse().map_err(|err: tokio_postgres::Error| {
-        diesel::ConnectionError::InvalidConnectionUrl(err.to_string())
+    connect(url).await.map_err(|err| match err {
+        crate::error::Error::DatabaseConnect { message, .. } => {
+            diesel::ConnectionError::BadConnection(message)
+        }
+        other => diesel::ConnectionError::BadConnection(other.to_string()),
+    })
+}
+
+/// [`establish`] with a typed error: [`Error::Tls`](crate::Error::Tls) and
+/// [`Error::Config`](crate::Error::Config) as they are, the driver's error as
+/// [`Error::DatabaseConnect`](crate::Error::DatabaseConnect) (the server's message, or
+/// the client's error).
+pub(crate) async fn connect(url: &str) -> Result<AsyncPgConnection, crate::error::Error> {
+    use crate::tls::postgres::ConnectFailure;
+    let failed =
+        |message: String| crate::error::Error::DatabaseConnect { url: crate::redact::redact(url), message };
+    let (client, connection) = crate::tls::postgres::connect(url, |config| {
+        // tokio-postgres's defaults, which the URL did not change.
+        if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+            config.keepalives_idle(KEEPALIVE_IDLE);
+        }
+        if config.get_keepalives_interval().is_none() {
+            config.keepalives_interval(KEEPALIVE_INTERVAL);
+        }
+        if config.get_keepalives_retries().is_none() {
+            config.keepalives_retries(KEEPALIVE_RETRIES);
+        }
+        if config.get_tcp_user_timeout().is_none() {
+            config.tcp_user_timeout(TCP_USER_TIMEOUT);
+        }
+    })
+    .await
+    .map_err(|failure| match failure {
+        ConnectFailure::Refused(err) => err,
+        ConnectFailure::Driver(err) => {
+            failed(err.as_db_error().map_or_else(|| err.to_string(), |db| db.message().to_owned()))
+        }
     })?;
-    // tokio-postgres's defaults, which the URL did not change.
-    if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
-        config.keepalives_idle(KEEPALIVE_IDLE);
-    }
-    if config.get_keepalives_interval().is_none() {
-        config.keepalives_interval(KEEPALIVE_INTERVAL);
-    }
-    if config.get_keepalives_retries().is_none() {
-        config.keepalives_retries(KEEPALIVE_RETRIES);
-    }
-    if config.get_tcp_user_timeout().is_none() {
-        config.tcp_user_timeout(TCP_USER_TIMEOUT);
-    }
-    let (client, connection) = config.connect(tokio_postgres::NoTls).await.map_err(|err| {
-        // The same text as `establish`'s: the server's message, or the client's error.
-        let message = err.as_db_error().map_or_else(|| err.to_string(), |db| db.message().to_owned());
-        diesel::ConnectionError::BadConnection(message)
-    })?;
-    AsyncPgConnection::try_from_client_and_connection(client, connection).await
+    AsyncPgConnection::try_from_client_and_connection(client, connection)
+        .await
+        .map_err(|err| failed(err.to_string()))
 }

@@ -196,6 +196,8 @@ pub(crate) struct Consumer {
 /// What every consumer of a runtime shares.
 pub(crate) struct Shared {
     pub(crate) pool: Pool<AsyncPgConnection>,
+    /// The pool's TLS, for cancel requests (sent on a connection of their own).
+    pub(crate) cancel_tls: tokio_postgres_rustls::MakeRustlsConnect,
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
     /// How long idemq waits for an answer to one of its own statements (see
@@ -789,11 +791,11 @@ impl Consumer {
                 // it would keep its locks); `attempt` then drops the connection (it is in
                 // a transaction, so broken), which ends the transaction server-side.
                 Ok(Err(panic)) => {
-                    cancel_statement(&cancel).await;
+                    cancel_statement(&cancel, &self.shared.cancel_tls).await;
                     Failure::Cut(format!("the handler panicked: {}", panic_message(&*panic)))
                 }
                 Err(_elapsed) => {
-                    cancel_statement(&cancel).await;
+                    cancel_statement(&cancel, &self.shared.cancel_tls).await;
                     if !answers(conn).await {
                         // Its connection does not answer either: the handler was most
                         // likely waiting for an unreachable database, which is an
@@ -1358,8 +1360,11 @@ impl Drop for Unsettled {
 }
 
 /// Cancels the statement running on the connection `cancel` belongs to, bounded.
-async fn cancel_statement(cancel: &tokio_postgres::CancelToken) {
-    match tokio::time::timeout(BOOKKEEPING_TIMEOUT, cancel.cancel_query(tokio_postgres::NoTls)).await {
+async fn cancel_statement(
+    cancel: &tokio_postgres::CancelToken,
+    tls: &tokio_postgres_rustls::MakeRustlsConnect,
+) {
+    match tokio::time::timeout(BOOKKEEPING_TIMEOUT, cancel.cancel_query(tls.clone())).await {
         Ok(Ok(())) => {}
         Ok(Err(error)) => tracing::warn!(%error, "could not cancel the handler's statement"),
         Err(_) => tracing::warn!("cancelling the handler's statement timed out"),

@@ -125,6 +125,24 @@ pub enum Error {
         /// The last attempt's error, in the driver's words (shown redacted).
         last_error: String,
     },
+    /// A TLS connection to RabbitMQ (`amqps://`) or PostgreSQL (`sslmode`) was
+    /// refused: the server's certificate did not verify (unknown authority, expired,
+    /// another host name), or the server refused this client's certificate or its
+    /// absence. No retry changes that: start-up fails at once. Nothing was sent in
+    /// the clear, the login included.
+    #[error("cannot connect to {dependency} at {url} over TLS: {reason}. Fix: {fix}")]
+    Tls {
+        /// RabbitMQ or PostgreSQL.
+        dependency: Dependency,
+        /// The URL, passwords redacted.
+        url: String,
+        /// The host name the certificate was checked against.
+        host: String,
+        /// What failed, in plain words.
+        reason: String,
+        /// What to change.
+        fix: String,
+    },
     /// The embedded migrations failed.
     #[error("running idemq's migrations failed: {}", redact(.0))]
     Migration(String),
@@ -198,6 +216,14 @@ impl fmt::Debug for Error {
                 .field("url", url)
                 .field("waited", waited)
                 .field("last_error", &Redacted(last_error))
+                .finish(),
+            Self::Tls { dependency, url, host, reason, fix } => f
+                .debug_struct("Tls")
+                .field("dependency", dependency)
+                .field("url", url)
+                .field("host", host)
+                .field("reason", reason)
+                .field("fix", fix)
                 .finish(),
             Self::Migration(message) => f.debug_tuple("Migration").field(&Redacted(message)).finish(),
             Self::Config(message) => f.debug_tuple("Config").field(message).finish(),

@@ -187,6 +187,7 @@ mod brokers;
 pub mod cli;
 #[cfg(feature = "cli")]
 mod cli_dlq;
+pub mod connect;
 mod consumer_timeout;
 mod db;
 mod dead_letter;
@@ -214,6 +215,7 @@ mod session;
 mod startup;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub mod testing;
+mod tls;
 mod topology;
 mod verdict;
 mod width;

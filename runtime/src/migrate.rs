@@ -1,10 +1,10 @@
 //! idemq's own tables, embedded and applied from code.
 
 use diesel::sql_types::BigInt;
-use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncMigrationHarness, RunQueryDsl};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 
-use crate::error::{redact, Error};
+use crate::error::Error;
 
 /// The migrations in the repository's `migrations/` folder (the dedup table).
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
@@ -32,9 +32,7 @@ pub const MIGRATION_LOCK: i64 = 0x6964_656d_715f_6d67;
 /// # Cancel safety
 /// Not cancel safe: the migration runs to completion on a blocking thread.
 pub async fn migrate(database_url: &str) -> Result<(), Error> {
-    let mut conn = AsyncPgConnection::establish(database_url)
-        .await
-        .map_err(|err| Error::DatabaseConnect { url: redact(database_url), message: err.to_string() })?;
+    let mut conn = crate::connect::database(database_url).await?;
     diesel::sql_query("SELECT pg_advisory_lock($1)")
         .bind::<BigInt, _>(MIGRATION_LOCK)
         .execute(&mut conn)

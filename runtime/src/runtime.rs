@@ -529,14 +529,8 @@ impl RuntimeBuilder {
         }
         // Unreadable URLs fail every attempt alike: refused here, never waited on.
         crate::brokers::Brokers::parse(&self.amqp_url)?;
-        if let Err(err) = self.database_url.parse::<tokio_postgres::Config>() {
-            return Err(Error::Config(format!(
-                "DATABASE_URL: {} is not a PostgreSQL connection string ({}); \
-                 write postgres://user:password@host:5432/database",
-                redact(&self.database_url),
-                redact(&err.to_string())
-            )));
-        }
+        // The database URL too, its TLS settings and files included.
+        crate::tls::postgres::Target::parse(&self.database_url)?;
         if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
             return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
         }
@@ -735,6 +729,7 @@ impl Runtime {
         let relay_wake = b.relay.map(|_| Arc::new(tokio::sync::Notify::new()));
         let shared = Arc::new(Shared {
             pool,
+            cancel_tls: crate::tls::postgres::Target::parse(&b.database_url)?.tls,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
             statement_deadline: limits.client_deadline(),

@@ -280,11 +280,13 @@ async fn database_ready(pool: &Pool<AsyncPgConnection>, url: &str, limit: Durati
     }
 }
 
-/// A plain connection to `url`, closed at once; how it failed if it did.
+/// A connection to `url` (TLS as the URL says), closed at once; how it failed if it did.
 async fn probe(url: &str, limit: Duration) -> Result<(), Failure> {
-    match tokio::time::timeout(limit, tokio_postgres::connect(url, tokio_postgres::NoTls)).await {
+    match tokio::time::timeout(limit, crate::tls::postgres::connect(url, |_| {})).await {
         Err(_) => Err(Failure::Unreachable(format!("no answer within {limit:?}"))),
-        Ok(Err(err)) => Err(classify(url, &err)),
+        // A URL that cannot be used, a certificate that does not verify: no wait mends it.
+        Ok(Err(crate::tls::postgres::ConnectFailure::Refused(err))) => Err(Failure::Refused(err)),
+        Ok(Err(crate::tls::postgres::ConnectFailure::Driver(err))) => Err(classify(url, &err)),
         Ok(Ok((client, connection))) => {
             // Without its client the connection says goodbye (Terminate) and ends.
             drop(client);

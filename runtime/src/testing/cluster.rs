@@ -104,11 +104,16 @@ pub enum ClusterError {
     },
 }
 
+/// The first node's TLS port (with [`ClusterBuilder::tls`]); node i listens on
+/// `FIRST_TLS_PORT + i` (no distribution port is derived from it).
+const FIRST_TLS_PORT: u16 = 5801;
+
 /// One node of a [`Cluster`].
 #[derive(Debug, Clone)]
 pub struct ClusterNode {
     name: String,
     port: u16,
+    tls_port: u16,
     dir: PathBuf,
 }
 
@@ -126,6 +131,18 @@ impl ClusterNode {
     /// `amqp://guest:guest@127.0.0.1:<port>/<vhost>`.
     pub fn amqp_url(&self, vhost: &str) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/{}", self.port, encode_vhost(vhost))
+    }
+
+    /// Its TLS port on 127.0.0.1 (listening with [`ClusterBuilder::tls`] only).
+    pub fn tls_port(&self) -> u16 {
+        self.tls_port
+    }
+
+    /// `amqps://guest:guest@localhost:<tls port>/<vhost>` (by name: the kit's server
+    /// certificate is for `localhost`). Add `?cacertfile=…` and the rest as the test
+    /// needs.
+    pub fn amqps_url(&self, vhost: &str) -> String {
+        format!("amqps://guest:guest@localhost:{}/{}", self.tls_port, encode_vhost(vhost))
     }
 
     fn dist_port(&self) -> u16 {
@@ -164,7 +181,7 @@ impl Cluster {
 
     /// A cluster of another shape: node count, extra node configuration.
     pub fn builder() -> ClusterBuilder {
-        ClusterBuilder { nodes: 3, conf: Vec::new(), rabbit: Vec::new() }
+        ClusterBuilder { nodes: 3, conf: Vec::new(), rabbit: Vec::new(), tls: None }
     }
 
     async fn start_with(options: ClusterBuilder) -> Result<Self, ClusterError> {
@@ -175,6 +192,7 @@ impl Cluster {
                 ClusterNode {
                     name: format!("{PREFIX}{letter}@localhost"),
                     port: FIRST_PORT + u16::try_from(i).unwrap_or(0),
+                    tls_port: FIRST_TLS_PORT + u16::try_from(i).unwrap_or(0),
                     dir: Path::new(BASE).join(letter.to_string()),
                 }
             })
@@ -187,7 +205,8 @@ impl Cluster {
         let cluster = Self { nodes, watchdog };
         remove_stale().await?;
         for node in &cluster.nodes {
-            for port in [node.port, node.dist_port()] {
+            let tls_port = options.tls.as_ref().map(|_| node.tls_port);
+            for port in [Some(node.port), Some(node.dist_port()), tls_port].into_iter().flatten() {
                 if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
                     return Err(ClusterError::PortInUse { port, node: node.name.clone() });
                 }
@@ -407,6 +426,17 @@ pub struct ClusterBuilder {
     nodes: usize,
     conf: Vec<String>,
     rabbit: Vec<(String, String)>,
+    tls: Option<Tls>,
+}
+
+/// A TLS listener's settings (Erlang terms for `advanced.config`).
+#[derive(Debug, Clone)]
+struct Tls {
+    ca: String,
+    identity: (String, String),
+    /// SNI name → (certificate, key) shown instead.
+    sni: Vec<(String, (String, String))>,
+    require_client_certificates: bool,
 }
 
 impl ClusterBuilder {
@@ -430,6 +460,35 @@ impl ClusterBuilder {
     /// deliveries against `consumer_timeout` on each tick, every 60 s by default.
     pub fn rabbit_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.rabbit.push((key.into(), value.into()));
+        self
+    }
+
+    /// A TLS listener on every node ([`ClusterNode::tls_port`], beside the plain one)
+    /// with `certs`' CA and its `localhost` server certificate; a client that asks
+    /// for `expired.localhost` (`server_name_indication=`) is shown
+    /// [`TestCertificates::expired`] instead. Client certificates are verified when
+    /// given (`verify_peer`) and optional unless
+    /// [`require_client_certificates`](Self::require_client_certificates).
+    #[cfg(feature = "testing")]
+    pub fn tls(mut self, certs: &super::TestCertificates) -> Self {
+        let pair =
+            |key: &super::CertifiedKey| (key.cert().display().to_string(), key.key().display().to_string());
+        self.tls = Some(Tls {
+            ca: certs.ca().display().to_string(),
+            identity: pair(certs.server()),
+            sni: vec![("expired.localhost".to_owned(), pair(certs.expired()))],
+            require_client_certificates: false,
+        });
+        self
+    }
+
+    /// With [`tls`](Self::tls): a client without a certificate signed by the CA is
+    /// refused in the handshake (`fail_if_no_peer_cert`).
+    #[cfg(feature = "testing")]
+    pub fn require_client_certificates(mut self) -> Self {
+        if let Some(tls) = &mut self.tls {
+            tls.require_client_certificates = true;
+        }
         self
     }
 
@@ -536,8 +595,25 @@ fn prepare_dir(node: &ClusterNode, options: &ClusterBuilder) -> Result<(), Clust
         conf.push('\n');
     }
     write(&node.dir.join("rabbitmq.conf"), conf)?;
-    let rabbit: Vec<String> =
+    let mut rabbit: Vec<String> =
         options.rabbit.iter().map(|(key, value)| format!("{{{key}, {value}}}")).collect();
+    if let Some(tls) = &options.tls {
+        // In `advanced.config`: `rabbitmq.conf` has no key for `sni_hosts`.
+        let quote = |text: &str| format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""));
+        let files = |(cert, key): &(String, String)| {
+            format!("{{certfile, {}}}, {{keyfile, {}}}", quote(cert), quote(key))
+        };
+        let sni: Vec<String> =
+            tls.sni.iter().map(|(name, pair)| format!("{{{}, [{}]}}", quote(name), files(pair))).collect();
+        rabbit.push(format!("{{ssl_listeners, [{{\"127.0.0.1\", {}}}]}}", node.tls_port));
+        rabbit.push(format!(
+            "{{ssl_options, [{{cacertfile, {}}}, {}, {{verify, verify_peer}}, {{fail_if_no_peer_cert, {}}}, {{sni_hosts, [{}]}}]}}",
+            quote(&tls.ca),
+            files(&tls.identity),
+            tls.require_client_certificates,
+            sni.join(", ")
+        ));
+    }
     let advanced = if rabbit.is_empty() {
         "[].\n".to_owned()
     } else {

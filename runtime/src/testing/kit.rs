@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
 use lapin::{BasicProperties, Confirmation, Connection};
 use serde::Serialize;
@@ -87,9 +87,7 @@ impl TestKit {
         let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
         let database = format!("idemq_kit_{id}");
         let database_url = with_database(&admin_url, &database)?;
-        let mut admin = AsyncPgConnection::establish(&admin_url)
-            .await
-            .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
+        let mut admin = crate::db::connect(&admin_url).await?;
         diesel::sql_query(format!("CREATE DATABASE \"{database}\""))
             .execute(&mut admin)
             .await
@@ -169,7 +167,7 @@ impl TestKit {
     /// # Panics
     /// If it cannot connect (the kit just did).
     pub async fn connect(&self) -> AsyncPgConnection {
-        AsyncPgConnection::establish(&self.database_url).await.expect("connect to the test database")
+        crate::db::connect(&self.database_url).await.expect("connect to the test database")
     }
 
     /// Every delivery settled so far, in order.
@@ -275,7 +273,7 @@ impl TestKit {
             }
         }
         let _ = self.broker.close(200, "test done".into()).await;
-        if let Ok(mut admin) = AsyncPgConnection::establish(&self.admin_url).await {
+        if let Ok(mut admin) = crate::db::connect(&self.admin_url).await {
             let _ = diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.database))
                 .execute(&mut admin)
                 .await;

@@ -26,18 +26,32 @@
 //! resets every connection at once, black-holes the traffic (a half-open peer) or
 //! adds latency.
 //!
+//! [`TestCertificates`] (feature `testing`) makes a CA and certificates at test
+//! time — a server's, an expired one, one for another host, a client's — and
+//! [`PostgresServer`] starts a private PostgreSQL server with TLS on (only TLS
+//! accepted; client certificates required if asked); [`ClusterBuilder::tls`] gives
+//! private RabbitMQ nodes a TLS listener. Together they test what crosses the wire.
+//!
 //! [`Cluster`] (feature `test-cluster`, which `testing` includes; no fault hooks,
 //! so a benchmark may use it) starts a private RabbitMQ cluster on this host, for
 //! what happens when a broker node is lost.
 
+#[cfg(feature = "testing")]
+mod certs;
 mod cluster;
 #[cfg(feature = "testing")]
 mod kit;
 #[cfg(feature = "testing")]
+mod postgres;
+#[cfg(feature = "testing")]
 mod proxy;
 
+#[cfg(feature = "testing")]
+pub use certs::{CertifiedKey, TestCertificates};
 pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};
 #[cfg(feature = "testing")]
 pub use kit::TestKit;
+#[cfg(feature = "testing")]
+pub use postgres::{PostgresServer, PostgresServerBuilder};
 #[cfg(feature = "testing")]
 pub use proxy::NetworkProxy;

@@ -26,6 +26,9 @@ use tokio_util::sync::CancellationToken;
 
 /// The most bytes a pipe reads at once.
 const CHUNK: usize = 16 * 1024;
+/// How many bytes of what each client sends are kept for
+/// [`NetworkProxy::sent_by_clients`].
+const RECORDED: usize = 64 * 1024;
 /// The most chunks a pipe holds between reading and delivering them (with a latency,
 /// what is in flight): past it, the pipe stops reading and the sender's socket buffers
 /// fill, as on a real link.
@@ -72,6 +75,9 @@ struct Shared {
     stop: CancellationToken,
     /// Connections accepted and not yet closed at both ends.
     open: AtomicUsize,
+    /// What each connection's client sent (its first [`RECORDED`] bytes), in the
+    /// order the connections were accepted.
+    sent: Mutex<Vec<Vec<u8>>>,
 }
 
 /// What the network does right now.
@@ -114,6 +120,7 @@ impl NetworkProxy {
             generation: Mutex::new(stop.child_token()),
             stop,
             open: AtomicUsize::new(0),
+            sent: Mutex::new(Vec::new()),
         });
         tokio::spawn(accept(listener, upstream.clone(), Arc::clone(&shared)));
         Ok(Self { address, upstream, shared })
@@ -206,6 +213,15 @@ impl NetworkProxy {
     pub fn connections(&self) -> usize {
         self.shared.open.load(Ordering::SeqCst)
     }
+
+    /// What the client of each connection accepted so far sent through the proxy (its
+    /// first 64 KiB), in the order the connections were accepted: to check what
+    /// crosses the wire — that a TLS connection opens with a handshake
+    /// (`0x16 0x03 …`, or PostgreSQL's SSLRequest first) and that no password or
+    /// payload ever appears in the clear.
+    pub fn sent_by_clients(&self) -> Vec<Vec<u8>> {
+        self.shared.sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
 }
 
 impl Drop for NetworkProxy {
@@ -238,7 +254,12 @@ async fn accept(listener: TcpListener, upstream: String, shared: Arc<Shared>) {
         };
         let reset = shared.generation.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         shared.open.fetch_add(1, Ordering::SeqCst);
-        tokio::spawn(connection(client, upstream.clone(), Arc::clone(&shared), reset));
+        let index = {
+            let mut sent = shared.sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            sent.push(Vec::new());
+            sent.len() - 1
+        };
+        tokio::spawn(connection(client, upstream.clone(), Arc::clone(&shared), reset, index));
     }
 }
 
@@ -252,7 +273,13 @@ impl Drop for Open {
 }
 
 /// One proxied connection, from accept until both ends are closed.
-async fn connection(client: TcpStream, upstream: String, shared: Arc<Shared>, reset: CancellationToken) {
+async fn connection(
+    client: TcpStream,
+    upstream: String,
+    shared: Arc<Shared>,
+    reset: CancellationToken,
+    index: usize,
+) {
     let _open = Open(Arc::clone(&shared));
     let mut conditions = shared.conditions.subscribe();
     // Black-holed from the start: accepted, but nothing reaches the upstream (not even
@@ -275,8 +302,8 @@ async fn connection(client: TcpStream, upstream: String, shared: Arc<Shared>, re
     // A reset of one side, or of everything, aborts both pipes.
     let abort = reset.child_token();
     tokio::join!(
-        pipe(client_read, server_write, shared.conditions.subscribe(), abort.clone()),
-        pipe(server_read, client_write, shared.conditions.subscribe(), abort),
+        pipe(client_read, server_write, shared.conditions.subscribe(), abort.clone(), Some((&shared, index))),
+        pipe(server_read, client_write, shared.conditions.subscribe(), abort, None),
     );
 }
 
@@ -296,9 +323,10 @@ async fn pipe(
     mut to: OwnedWriteHalf,
     conditions: watch::Receiver<Conditions>,
     abort: CancellationToken,
+    record: Option<(&Shared, usize)>,
 ) {
     let (chunks, queued) = mpsc::channel(IN_FLIGHT);
-    let reading = read_side(&mut from, chunks, conditions.clone(), &abort);
+    let reading = read_side(&mut from, chunks, conditions.clone(), &abort, record);
     let writing = write_side(&mut to, queued, conditions, &abort);
     tokio::select! {
         () = abort.cancelled() => {}
@@ -319,13 +347,22 @@ async fn read_side(
     chunks: mpsc::Sender<Chunk>,
     mut conditions: watch::Receiver<Conditions>,
     abort: &CancellationToken,
+    record: Option<(&Shared, usize)>,
 ) {
     let mut buffer = vec![0_u8; CHUNK];
     loop {
         flowing(&mut conditions).await;
         let chunk = match from.read(&mut buffer).await {
             Ok(0) => Chunk::End,
-            Ok(n) => Chunk::Data(buffer[..n].to_vec(), Instant::now() + conditions.borrow().latency),
+            Ok(n) => {
+                if let Some((shared, index)) = record {
+                    let mut sent = shared.sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let kept = &mut sent[index];
+                    let room = RECORDED.saturating_sub(kept.len()).min(n);
+                    kept.extend_from_slice(&buffer[..room]);
+                }
+                Chunk::Data(buffer[..n].to_vec(), Instant::now() + conditions.borrow().latency)
+            }
             Err(_) => {
                 // A reset (or another failure) of this side: passed on to the other,
                 // once the network lets it through.

@@ -1,0 +1,51 @@
+//! Connections made as idemq makes its own, for the application's code beside the
+//! runtime (a publisher, a setup step, a report): TLS as the URL says, the same
+//! checks, the same errors.
+//!
+//! `amqps://` URLs take RabbitMQ's URI parameters (`cacertfile`, `certfile`,
+//! `keyfile`, `server_name_indication`, `verify`); PostgreSQL URLs take libpq's
+//! (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`). lapin's and diesel-async's own
+//! `connect`/`establish` read neither: `lapin::Connection::connect` would ignore
+//! `cacertfile`, and `AsyncPgConnection::establish` refuses `sslmode=verify-full`
+//! and never encrypts. The README's *TLS* section has the details.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), idemq::Error> {
+//! let db = idemq::connect::database("postgres://app@db.internal/app?sslmode=verify-full&sslrootcert=/etc/ca.pem").await?;
+//! let broker = idemq::connect::broker("amqps://app:secret@mq.internal/%2f?cacertfile=/etc/ca.pem", "publisher").await?;
+//! # Ok(()) }
+//! ```
+
+use diesel_async::AsyncPgConnection;
+
+use crate::error::Error;
+
+/// Connects to PostgreSQL at `url`, with TLS as its libpq parameters say
+/// (`sslmode=prefer` by default, as libpq) and the dead-peer detection idemq's own
+/// connections have.
+///
+/// # Errors
+/// [`Error::Tls`] when the server's certificate does not verify or the server
+/// refuses this client's; [`Error::Config`] for a URL or file that cannot be used;
+/// [`Error::DatabaseConnect`] otherwise.
+///
+/// # Cancel safety
+/// Cancel safe: dropping the future drops the half-made connection.
+pub async fn database(url: &str) -> Result<AsyncPgConnection, Error> {
+    crate::db::connect(url).await
+}
+
+/// Connects to the first address of `urls` (an `AMQP_URL`: one URL or several,
+/// comma-separated) that answers, with TLS for `amqps://` addresses. The connection
+/// is named `idemq <role> (pid N)` for the broker's operators.
+///
+/// # Errors
+/// [`Error::Tls`] when the broker's certificate does not verify or the broker
+/// refuses this client's; [`Error::Config`] for a URL or file that cannot be used;
+/// [`Error::AmqpConnect`] when no address answers.
+///
+/// # Cancel safety
+/// Cancel safe: dropping the future drops the half-made connection.
+pub async fn broker(urls: &str, role: &str) -> Result<lapin::Connection, Error> {
+    Ok(crate::brokers::Brokers::parse(urls)?.connect(role).await?.0)
+}
