@@ -187,6 +187,7 @@ mod brokers;
 pub mod cli;
 #[cfg(feature = "cli")]
 mod cli_dlq;
+mod config_env;
 mod consumer_timeout;
 mod db;
 mod dead_letter;
@@ -218,6 +219,7 @@ mod topology;
 mod verdict;
 mod width;
 
+pub use config_env::env_url;
 pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
 pub use delivery::OnConflict;
 pub use error::{Dependency, Error};
