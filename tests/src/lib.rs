@@ -14,6 +14,7 @@
 //! Server locations come from the environment: `DATABASE_URL` (the admin
 //! database on which test databases are created) and `AMQP_URL`.
 
+pub mod app;
 pub mod fixture;
 
 pub use fixture::Mode;
