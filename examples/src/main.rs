@@ -13,8 +13,9 @@
 //! ```
 //! `payments --help` and `payments <command> --help` say more. Environment: `AMQP_URL`
 //! (default `amqp://guest:guest@127.0.0.1:5672/%2f`), `DATABASE_URL` (default
-//! `postgres://postgres@127.0.0.1:5432/idemq_demo`), `RUST_LOG` (default `warn`;
-//! `error` for `demo`), and the settings of `idemq::cli`.
+//! `postgres://postgres@127.0.0.1:5432/idemq_demo`), or `AMQP_URL_FILE` /
+//! `DATABASE_URL_FILE` naming a file that holds the URL (a container secret),
+//! `RUST_LOG` (default `warn`; `error` for `demo`), and the settings of `idemq::cli`.
 
 use std::process::ExitCode;
 
@@ -27,9 +28,14 @@ use idemq_example_payments::{apply_payment, migrate, topology, DEFAULT_DATABASE_
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let database_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
-    let builder =
-        Runtime::builder().database_url(database_url).topology(topology()).consume(QUEUE, apply_payment);
+    // The demo's database unless the environment names one. A problem with the
+    // environment (a URL and its file both set, an unreadable file) is the CLI's to
+    // report: it reads the same variables, after `--help` had its chance.
+    let builder = match idemq::env_url("DATABASE_URL", DEFAULT_DATABASE_URL) {
+        Ok(database_url) => Runtime::builder().database_url(database_url),
+        Err(_) => Runtime::builder(),
+    };
+    let builder = builder.topology(topology()).consume(QUEUE, apply_payment);
     let cli = Cli::new("payments", builder)
         .about("exactly-once payments from RabbitMQ into PostgreSQL, with idemq")
         .setup(|url| async move { migrate(&url).await.map_err(Into::into) });
@@ -61,11 +67,17 @@ fn number(name: &'static str, help: &'static str) -> Arg {
 }
 
 async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
-    let url = |id: &str, default: &str| {
-        matches.get_one::<String>(id).cloned().unwrap_or_else(|| default.to_owned())
+    let urls = idemq::cli::amqp_url(matches).and_then(|amqp| Ok((amqp, idemq::cli::database_url(matches)?)));
+    let (amqp_url, database_url) = match urls {
+        Ok((amqp_url, database_url)) => (
+            amqp_url.unwrap_or_else(|| idemq::DEFAULT_AMQP_URL.to_owned()),
+            database_url.unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned()),
+        ),
+        Err(err) => {
+            eprintln!("payments: {}", idemq::redact(&err.to_string()));
+            return ExitCode::FAILURE;
+        }
     };
-    let amqp_url = url("amqp-url", idemq::DEFAULT_AMQP_URL);
-    let database_url = url("database-url", DEFAULT_DATABASE_URL);
     let defaults = DemoConfig::default();
     let config = DemoConfig {
         payments: demo.get_one::<usize>("payments").copied().unwrap_or(defaults.payments),

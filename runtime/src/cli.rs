@@ -23,6 +23,13 @@
 //! code's builder. They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
 //!
+//! Each URL may instead come from a file holding it (a container secret, its
+//! surrounding whitespace trimmed): `--amqp-url-file` / `AMQP_URL_FILE` and
+//! `--database-url-file` / `DATABASE_URL_FILE`, or `amqp_url_file` /
+//! `database_url_file` in the TOML file. A URL and its file given together — as flags
+//! or variables, or both in the TOML file — is an error: keep one. Flags and the
+//! environment still win over the TOML file.
+//!
 //! `run` started while the database or the broker is unreachable waits for it (see
 //! [`RuntimeBuilder::startup_timeout`]): the database before the set-up and the
 //! migrations, then both as `Runtime::run` does; SIGTERM meanwhile exits 0, and
@@ -151,6 +158,16 @@ impl Cli {
                     .help("the broker"),
             )
             .arg(
+                Arg::new("amqp-url-file")
+                    .long("amqp-url-file")
+                    .env("AMQP_URL_FILE")
+                    .global(true)
+                    .value_name("FILE")
+                    .value_parser(value_parser!(PathBuf))
+                    .hide_env_values(true)
+                    .help("a file holding the broker's URL (a container secret), instead of --amqp-url"),
+            )
+            .arg(
                 Arg::new("database-url")
                     .long("database-url")
                     .env("DATABASE_URL")
@@ -158,6 +175,16 @@ impl Cli {
                     .value_name("URL")
                     .hide_env_values(true)
                     .help("PostgreSQL"),
+            )
+            .arg(
+                Arg::new("database-url-file")
+                    .long("database-url-file")
+                    .env("DATABASE_URL_FILE")
+                    .global(true)
+                    .value_name("FILE")
+                    .value_parser(value_parser!(PathBuf))
+                    .hide_env_values(true)
+                    .help("a file holding PostgreSQL's URL (a container secret), instead of --database-url"),
             )
             .subcommand(
                 Command::new("run")
@@ -304,10 +331,10 @@ impl Cli {
         let (subcommand, sub) = matches.subcommand().ok_or("no subcommand")?;
         let file = Settings::load(matches)?;
         let mut builder = self.builder;
-        if let Some(url) = setting::<String>(matches, "amqp-url").or(file.amqp_url.clone()) {
+        if let Some(url) = file.amqp_url(matches)? {
             builder = builder.amqp_url(url);
         }
-        if let Some(url) = setting::<String>(matches, "database-url").or(file.database_url.clone()) {
+        if let Some(url) = file.database_url(matches)? {
             builder = builder.database_url(url);
         }
         match subcommand {
@@ -489,6 +516,58 @@ pub fn init_tracing(matches: &ArgMatches, default_filter: &str) {
     };
 }
 
+/// The broker URL the parsed arguments give: `--amqp-url` (`AMQP_URL`) or
+/// `--amqp-url-file` (`AMQP_URL_FILE`), else the config file's `amqp_url` or
+/// `amqp_url_file`; `None` leaves the builder's own. For an application's own
+/// subcommands, which should connect where `run` does.
+///
+/// # Errors
+/// [`Error::Config`] when a URL and its file are both given at one level, a file
+/// cannot be read or is empty, or the config file is not valid.
+pub fn amqp_url(matches: &ArgMatches) -> Result<Option<String>, Error> {
+    Settings::load(matches)?.amqp_url(matches)
+}
+
+/// The database URL the parsed arguments give: `--database-url` (`DATABASE_URL`) or
+/// `--database-url-file` (`DATABASE_URL_FILE`), else the config file's
+/// `database_url` or `database_url_file`; `None` leaves the builder's own. See
+/// [`amqp_url`].
+///
+/// # Errors
+/// As [`amqp_url`].
+pub fn database_url(matches: &ArgMatches) -> Result<Option<String>, Error> {
+    Settings::load(matches)?.database_url(matches)
+}
+
+/// A URL from the flags and the environment (`--amqp-url` / `AMQP_URL`, or its file
+/// form `--amqp-url-file` / `AMQP_URL_FILE`: one level, where a flag wins over its
+/// variable, and a URL with a file is an error), else from the config file.
+fn url_setting(
+    matches: &ArgMatches,
+    id: &str,
+    env: &str,
+    (key, in_file): (&str, Option<String>),
+    (file_key, file_in_file): (&str, Option<PathBuf>),
+) -> Result<Option<String>, Error> {
+    let file_id = format!("{id}-file");
+    let given_as = |id: &str, env: &str| match matches.value_source(id) {
+        Some(clap::parser::ValueSource::EnvVariable) => env.to_owned(),
+        _ => format!("--{id}"),
+    };
+    let value = setting::<String>(matches, id);
+    let file = setting::<PathBuf>(matches, &file_id);
+    if value.is_some() || file.is_some() {
+        return crate::config_env::resolve(
+            (&given_as(id, env), value),
+            (&given_as(&file_id, &format!("{env}_FILE")), file.as_deref()),
+        );
+    }
+    crate::config_env::resolve((key, in_file), (file_key, file_in_file.as_deref())).map_err(|err| match err {
+        Error::Config(message) => Error::Config(format!("in the config file: {message}")),
+        other => other,
+    })
+}
+
 /// `run` was interrupted by a second signal.
 #[derive(Debug, thiserror::Error)]
 #[error("interrupted by a second signal; unacked deliveries will be redelivered")]
@@ -517,7 +596,9 @@ fn parse_consumer_timeout(text: &str) -> Result<Duration, String> {
 #[serde(deny_unknown_fields)]
 struct Settings {
     amqp_url: Option<String>,
+    amqp_url_file: Option<PathBuf>,
     database_url: Option<String>,
+    database_url_file: Option<PathBuf>,
     concurrency: Option<usize>,
     batch_size: Option<usize>,
     prefetch: Option<u16>,
@@ -549,13 +630,35 @@ impl Settings {
             .map_err(|err| Error::Config(format!("cannot read the config file {}: {err}", path.display())))?;
         toml::from_str(&text).map_err(|err| {
             Error::Config(format!(
-                "the config file {} is not valid: {}; its settings are amqp_url, database_url, concurrency, \
-                 batch_size, prefetch, http_addr, retention, replay_window, startup_timeout and \
-                 consumer_timeout (durations as \"30d\")",
+                "the config file {} is not valid: {}; its settings are amqp_url, amqp_url_file, \
+                 database_url, database_url_file, concurrency, batch_size, prefetch, http_addr, retention, \
+                 replay_window, startup_timeout and consumer_timeout (durations as \"30d\")",
                 path.display(),
                 redact(&err.to_string())
             ))
         })
+    }
+
+    /// See [`amqp_url`].
+    fn amqp_url(&self, matches: &ArgMatches) -> Result<Option<String>, Error> {
+        url_setting(
+            matches,
+            "amqp-url",
+            "AMQP_URL",
+            ("amqp_url", self.amqp_url.clone()),
+            ("amqp_url_file", self.amqp_url_file.clone()),
+        )
+    }
+
+    /// See [`database_url`].
+    fn database_url(&self, matches: &ArgMatches) -> Result<Option<String>, Error> {
+        url_setting(
+            matches,
+            "database-url",
+            "DATABASE_URL",
+            ("database_url", self.database_url.clone()),
+            ("database_url_file", self.database_url_file.clone()),
+        )
     }
 }
 

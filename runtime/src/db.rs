@@ -652,16 +652,40 @@ pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Op
         }));
     }
     let unusable: Vec<&str> = tables.iter().filter(|t| !t.usable).map(|t| t.name.as_str()).collect();
-    if !unusable.is_empty() {
-        return Ok(Some(SchemaProblem {
-            problem: format!(
-                "this database user lacks SELECT, INSERT, UPDATE or DELETE on {}",
-                unusable.join(", ")
-            ),
-            fix: format!(
-                "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <the user in DATABASE_URL>",
-                unusable.join(", ")
-            ),
+    // The migrations' record is read below: without SELECT on it the server's
+    // "permission denied" would be all the operator sees. (Its absence is the
+    // missing-migrations problem, found below.)
+    let record_readable: bool = diesel::select(diesel::dsl::sql::<Bool>(
+        "COALESCE(has_table_privilege(to_regclass('__diesel_schema_migrations'), 'SELECT'), true)",
+    ))
+    .get_result(conn)
+    .await?;
+    if !unusable.is_empty() || !record_readable {
+        // The fix names the role to grant to, as the server spells it.
+        let user: String =
+            diesel::select(diesel::dsl::sql::<Text>("quote_ident(current_user)")).get_result(conn).await?;
+        let owner = "(see the README's *Least privilege*)";
+        return Ok(Some(if unusable.is_empty() {
+            SchemaProblem {
+                problem: format!(
+                    "the database user {user} may not read __diesel_schema_migrations, where idemq \
+                     checks that its migrations are applied"
+                ),
+                fix: format!(
+                    "as the tables' owner, run GRANT SELECT ON __diesel_schema_migrations TO {user}; {owner}"
+                ),
+            }
+        } else {
+            SchemaProblem {
+                problem: format!(
+                    "the database user {user} lacks SELECT, INSERT, UPDATE or DELETE on {}",
+                    unusable.join(", ")
+                ),
+                fix: format!(
+                    "as the tables' owner, run GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {user}; {owner}",
+                    unusable.join(", ")
+                ),
+            }
         }));
     }
     let applied = applied_migrations(conn).await?;

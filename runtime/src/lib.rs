@@ -187,6 +187,7 @@ mod brokers;
 pub mod cli;
 #[cfg(feature = "cli")]
 mod cli_dlq;
+mod config_env;
 pub mod connect;
 mod consumer_timeout;
 mod db;
@@ -220,6 +221,7 @@ mod topology;
 mod verdict;
 mod width;
 
+pub use config_env::env_url;
 pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
 pub use delivery::OnConflict;
 pub use error::{Dependency, Error};

@@ -1,7 +1,7 @@
 //! idemq's own tables, embedded and applied from code.
 
-use diesel::sql_types::BigInt;
-use diesel_async::{AsyncMigrationHarness, RunQueryDsl};
+use diesel::sql_types::{BigInt, Bool};
+use diesel_async::{AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 
 use crate::error::Error;
@@ -26,13 +26,22 @@ pub const MIGRATION_LOCK: i64 = 0x6964_656d_715f_6d67;
 /// turns and the later ones find nothing pending. A run waits for the lock as long as
 /// another holds it; a crashed holder's session ends and frees it.
 ///
+/// With every migration applied it changes nothing and needs no more than reading
+/// `__diesel_schema_migrations`: a process whose role may only read and write the
+/// tables (see the README's *Least privilege*) can call it at every start-up. Such a
+/// role cannot apply a pending migration: that is [`Error::Schema`], saying so.
+///
 /// # Errors
-/// [`Error::DatabaseConnect`] or [`Error::Migration`].
+/// [`Error::DatabaseConnect`], [`Error::Migration`], or [`Error::Schema`] when
+/// something is missing that this database user may not create or read.
 ///
 /// # Cancel safety
 /// Not cancel safe: the migration runs to completion on a blocking thread.
 pub async fn migrate(database_url: &str) -> Result<(), Error> {
     let mut conn = crate::connect::database(database_url).await?;
+    if nothing_to_do(&mut conn).await? {
+        return Ok(());
+    }
     diesel::sql_query("SELECT pg_advisory_lock($1)")
         .bind::<BigInt, _>(MIGRATION_LOCK)
         .execute(&mut conn)
@@ -59,4 +68,30 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
     result?;
     unlocked.map_err(|err| Error::Migration(format!("releasing the migration lock failed: {err}")))?;
     Ok(())
+}
+
+/// Whether every migration is applied and idemq's tables are usable, checked without
+/// DDL: diesel's harness begins with `CREATE TABLE IF NOT EXISTS
+/// __diesel_schema_migrations`, which PostgreSQL refuses to a role without CREATE on
+/// the schema even when the table exists. What such a role cannot mend is an
+/// [`Error::Schema`] with the fix (the GRANT to run, or migrating as the owner);
+/// anything else is left to the harness.
+async fn nothing_to_do(conn: &mut AsyncPgConnection) -> Result<bool, Error> {
+    let checked = |err: diesel::result::Error| Error::Migration(format!("checking the schema failed: {err}"));
+    let Some(problem) = crate::db::check_schema(conn).await.map_err(checked)? else {
+        return Ok(true);
+    };
+    let may_create: bool = diesel::select(diesel::dsl::sql::<Bool>(
+        "COALESCE(has_schema_privilege(current_schema(), 'CREATE'), false)",
+    ))
+    .get_result(conn)
+    .await
+    .map_err(checked)?;
+    if may_create {
+        return Ok(false);
+    }
+    Err(Error::Schema {
+        problem: format!("{} (and this database user may not create tables)", problem.problem),
+        fix: problem.fix,
+    })
 }

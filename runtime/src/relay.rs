@@ -49,6 +49,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
+use crate::config_env::EnvUrls;
 use crate::db::{self, OutboxRow, SessionLimits};
 use crate::error::{redact, Error};
 use crate::observe::{Observe, Observers, RelayPass};
@@ -75,6 +76,8 @@ const DEFAULT_REPLY_TTL: Duration = Duration::from_secs(3600);
 pub struct RelayBuilder {
     amqp_url: String,
     database_url: String,
+    /// A problem reading `AMQP_URL(_FILE)` or `DATABASE_URL(_FILE)`, for `run()`.
+    env_urls: EnvUrls,
     settings: Settings,
     observers: Observers,
 }
@@ -108,18 +111,21 @@ impl Settings {
 }
 
 impl RelayBuilder {
-    /// The broker (default: `AMQP_URL`, else [`DEFAULT_AMQP_URL`]).
+    /// The broker (default: `AMQP_URL`, or the file `AMQP_URL_FILE` names, else
+    /// [`DEFAULT_AMQP_URL`]).
     #[must_use]
     pub fn amqp_url(mut self, url: impl Into<String>) -> Self {
         self.amqp_url = url.into();
+        self.env_urls.overridden("AMQP_URL");
         self
     }
 
-    /// The database holding `idemq_outbox` (default: `DATABASE_URL`, else
-    /// [`DEFAULT_DATABASE_URL`]).
+    /// The database holding `idemq_outbox` (default: `DATABASE_URL`, or the file
+    /// `DATABASE_URL_FILE` names, else [`DEFAULT_DATABASE_URL`]).
     #[must_use]
     pub fn database_url(mut self, url: impl Into<String>) -> Self {
         self.database_url = url.into();
+        self.env_urls.overridden("DATABASE_URL");
         self
     }
 
@@ -194,11 +200,15 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// A builder reading `AMQP_URL` and `DATABASE_URL`.
+    /// A builder reading `AMQP_URL` and `DATABASE_URL` (or the files `AMQP_URL_FILE`
+    /// and `DATABASE_URL_FILE` name, see [`env_url`](crate::env_url); a problem with
+    /// them is reported by [`Relay::run`]).
     pub fn builder() -> RelayBuilder {
+        let mut env_urls = EnvUrls::default();
         RelayBuilder {
-            amqp_url: std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned()),
-            database_url: std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned()),
+            amqp_url: env_urls.read("AMQP_URL", DEFAULT_AMQP_URL),
+            database_url: env_urls.read("DATABASE_URL", DEFAULT_DATABASE_URL),
+            env_urls,
             settings: Settings::default(),
             observers: Observers::default(),
         }
@@ -209,9 +219,11 @@ impl Relay {
     /// retried with backoff.
     ///
     /// # Errors
-    /// Start-up failures: the database unreachable, idemq's migrations not applied.
+    /// Start-up failures: the database unreachable, idemq's migrations not applied;
+    /// [`Error::Config`] for a URL the environment gave twice or in an unreadable file.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let RelayBuilder { amqp_url, database_url, settings, observers } = self.builder;
+        let RelayBuilder { amqp_url, database_url, env_urls, settings, observers } = self.builder;
+        env_urls.check()?;
         let pool = relay_pool(&database_url)?;
         let connect_error = |message: String| Error::DatabaseConnect { url: redact(&database_url), message };
         let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::backoff::Backoff;
+use crate::config_env::EnvUrls;
 use crate::db::{self, SessionLimits};
 use crate::delivery::{BatchLimits, Fatal, OnConflict, Shared};
 use crate::error::{redact, Dependency, Error};
@@ -43,6 +44,8 @@ pub type Observer = Arc<dyn Fn(&Settled) + Send + Sync>;
 pub struct RuntimeBuilder {
     amqp_url: String,
     database_url: String,
+    /// A problem reading `AMQP_URL(_FILE)` or `DATABASE_URL(_FILE)`, for `build()`.
+    env_urls: EnvUrls,
     topology: Topology,
     consumers: Vec<(String, Arc<dyn ErasedHandler>, Option<RetryPolicy>)>,
     concurrency: usize,
@@ -82,10 +85,11 @@ impl std::fmt::Debug for RuntimeBuilder {
 
 impl RuntimeBuilder {
     fn new() -> Self {
-        let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+        let mut env_urls = EnvUrls::default();
         Self {
-            amqp_url: env("AMQP_URL", DEFAULT_AMQP_URL),
-            database_url: env("DATABASE_URL", DEFAULT_DATABASE_URL),
+            amqp_url: env_urls.read("AMQP_URL", DEFAULT_AMQP_URL),
+            database_url: env_urls.read("DATABASE_URL", DEFAULT_DATABASE_URL),
+            env_urls,
             topology: Topology::new(),
             consumers: Vec::new(),
             concurrency: DEFAULT_CONCURRENCY,
@@ -113,17 +117,22 @@ impl RuntimeBuilder {
         }
     }
 
-    /// The broker, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (default: `AMQP_URL`), or
-    /// several nodes separated by commas: the runtime connects to one that answers and,
-    /// after losing it, tries the next first (a comma in a password is `%2C`).
+    /// The broker, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (default: `AMQP_URL`, or
+    /// the file `AMQP_URL_FILE` names, see [`env_url`](crate::env_url)), or several
+    /// nodes separated by commas: the runtime connects to one that answers and, after
+    /// losing it, tries the next first (a comma in a password is `%2C`).
     pub fn amqp_url(mut self, url: impl Into<String>) -> Self {
         self.amqp_url = url.into();
+        self.env_urls.overridden("AMQP_URL");
         self
     }
 
-    /// The database holding the dedup table and the handlers' data (default: `DATABASE_URL`).
+    /// The database holding the dedup table and the handlers' data (default:
+    /// `DATABASE_URL`, or the file `DATABASE_URL_FILE` names, see
+    /// [`env_url`](crate::env_url)).
     pub fn database_url(mut self, url: impl Into<String>) -> Self {
         self.database_url = url.into();
+        self.env_urls.overridden("DATABASE_URL");
         self
     }
 
@@ -522,8 +531,10 @@ impl RuntimeBuilder {
     /// Checks the configuration.
     ///
     /// # Errors
-    /// [`Error::Config`] naming the setting to fix.
+    /// [`Error::Config`] naming the setting to fix, including a URL the environment
+    /// gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`) or in an unreadable file.
     pub fn build(self) -> Result<Runtime, Error> {
+        self.env_urls.check()?;
         if self.consumers.is_empty() {
             return Err(Error::Config("no consumers: add one with `.consume(queue, handler)`".into()));
         }

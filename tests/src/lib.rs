@@ -14,6 +14,7 @@
 //! Server locations come from the environment: `DATABASE_URL` (the admin
 //! database on which test databases are created) and `AMQP_URL`.
 
+pub mod app;
 pub mod fixture;
 
 pub use fixture::Mode;
@@ -48,23 +49,26 @@ const POLL_INTERVAL: Duration = Duration::from_millis(50);
 // Environment and names
 // ---------------------------------------------------------------------------
 
-/// The AMQP URL of the broker: `$AMQP_URL`, or
+/// The AMQP URL of the broker: `$AMQP_URL` (or the file `$AMQP_URL_FILE` names), or
 /// `amqp://guest:guest@127.0.0.1:5672/%2f` (the default vhost).
 pub fn amqp_url() -> String {
     env_or("AMQP_URL", DEFAULT_AMQP_URL)
 }
 
 /// The URL of the PostgreSQL *admin* database on which test databases are
-/// created and dropped: `$DATABASE_URL`, or
+/// created and dropped: `$DATABASE_URL` (or the file `$DATABASE_URL_FILE` names), or
 /// `postgres://postgres@127.0.0.1:5432/postgres`.
 pub fn database_admin_url() -> String {
     env_or("DATABASE_URL", DEFAULT_DATABASE_URL)
 }
 
+/// `idemq::env_url`, with a blank value taken as unset. Panics on a problem with the
+/// environment (a URL and its file both set, an unreadable file).
 fn env_or(var: &str, default: &str) -> String {
-    match std::env::var(var) {
+    match idemq::env_url(var, default) {
         Ok(v) if !v.trim().is_empty() => v,
-        _ => default.to_owned(),
+        Ok(_) => default.to_owned(),
+        Err(err) => panic!("{err}"),
     }
 }
 

@@ -83,8 +83,8 @@ impl TestKit {
         static N: AtomicU64 = AtomicU64::new(0);
         let id =
             format!("{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), fastrand::u32(..));
-        let amqp_url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.to_owned());
-        let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+        let amqp_url = crate::env_url("AMQP_URL", DEFAULT_AMQP_URL)?;
+        let admin_url = crate::env_url("DATABASE_URL", DEFAULT_DATABASE_URL)?;
         let database = format!("idemq_kit_{id}");
         let database_url = with_database(&admin_url, &database)?;
         let mut admin = crate::db::connect(&admin_url).await?;
