@@ -158,8 +158,7 @@ async fn backlog(spec: &ChildSpec, urls: &Urls) -> Result<ChildReport, BenchErro
 
 /// Waits (at most [`RUN_TIMEOUT`]) until the outbox is empty; the time since `since`.
 async fn outbox_drained(urls: &Urls, since: Instant) -> Result<Option<Duration>, BenchError> {
-    use diesel_async::AsyncConnection;
-    let mut conn = diesel_async::AsyncPgConnection::establish(&urls.database).await?;
+    let mut conn = idemq::connect::database(&urls.database).await?;
     while since.elapsed() < RUN_TIMEOUT {
         if idemq::outbox::backlog(&mut conn).await? == 0 {
             return Ok(Some(since.elapsed()));

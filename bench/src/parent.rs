@@ -2,7 +2,7 @@
 //! backlog published, the contender in a child process, the checks, the queues
 //! deleted.
 
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use lapin::{Connection, ConnectionProperties};
 
 use crate::check;
@@ -56,7 +56,7 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
     let mut bench = Bench {
         urls,
         admin: Connection::connect(&urls.amqp, ConnectionProperties::default()).await?,
-        db: AsyncPgConnection::establish(&urls.database).await?,
+        db: idemq::connect::database(&urls.database).await?,
         results: Vec::new(),
     };
     lock_database(&mut bench.db).await?;
@@ -277,7 +277,7 @@ impl Bench<'_> {
         }
         if self.db.batch_execute("SELECT 1").await.is_err() {
             eprintln!("bench: the database connection was lost; connecting again");
-            self.db = AsyncPgConnection::establish(&self.urls.database).await?;
+            self.db = idemq::connect::database(&self.urls.database).await?;
             lock_database(&mut self.db).await?;
         }
         Ok(())

@@ -155,7 +155,10 @@ impl Cli {
                     .global(true)
                     .value_name("URL")
                     .hide_env_values(true)
-                    .help("the broker"),
+                    .help(
+                        "the broker: amqp://user:pass@host:5672/vhost, or amqps://…:5671/vhost?cacertfile=PATH \
+                         for TLS; several, comma-separated",
+                    ),
             )
             .arg(
                 Arg::new("amqp-url-file")
@@ -174,7 +177,10 @@ impl Cli {
                     .global(true)
                     .value_name("URL")
                     .hide_env_values(true)
-                    .help("PostgreSQL"),
+                    .help(
+                        "PostgreSQL: postgres://user:pass@host:5432/db, with libpq's sslmode=verify-full&sslrootcert=PATH \
+                         for verified TLS",
+                    ),
             )
             .arg(
                 Arg::new("database-url-file")

@@ -112,6 +112,14 @@
 //!   ([`RuntimeBuilder::reply_ttl`], 1 h) or its request's `expiration`, whichever
 //!   comes first — and is then deleted unpublished, so one to a `reply_to` queue that
 //!   is gone does not stay in the outbox for ever; events never expire.
+//! - **TLS or nothing:** `amqps://` URLs (RabbitMQ's `cacertfile`, `certfile`,
+//!   `keyfile`, `server_name_indication`, `verify`) and PostgreSQL URLs (libpq's
+//!   `sslmode`, `sslrootcert`, `sslcert`, `sslkey`, libpq's meanings) are read into one
+//!   rustls configuration per server (`tls/`), used by every connection idemq makes; an
+//!   `amqps://` URL never falls back to plaintext. A certificate that does not verify
+//!   is [`Error::Tls`], naming the host and the reason, and ends start-up at once: it
+//!   is a refusal, not an outage. [`connect`] connects the application's own code the
+//!   same way.
 //!
 //! ## Handlers
 //!
@@ -171,8 +179,9 @@
 //! - `cli`: `idemq::cli`, the application's command line (`run`, `migrate`, `declare`,
 //!   `status`, `gc`, `dlq`); turns on `metrics`.
 //! - `metrics`: Prometheus metrics and health endpoints (`RuntimeBuilder::http_addr`).
-//! - `testing`: `idemq::testing::TestKit` and `idemq::testing::NetworkProxy` (network faults),
-//!   for dev-dependencies (it turns on `fault-injection` and `test-cluster`).
+//! - `testing`: `idemq::testing::TestKit`, `idemq::testing::NetworkProxy` (network faults),
+//!   `TestCertificates` and `PostgresServer` (TLS servers), for dev-dependencies (it
+//!   turns on `fault-injection` and `test-cluster`).
 //! - `test-cluster`: `idemq::testing::Cluster`, a private RabbitMQ cluster on this host for
 //!   node-loss tests and benchmarks.
 //! - `fault-injection`: test-only `fault` hooks (enabled by idemq's own tests as a dev-dependency; never in production builds).

@@ -353,7 +353,10 @@ mod tests {
         let refused = probe("postgres://postgres@127.0.0.1:1/x", Duration::from_secs(5)).await;
         assert!(matches!(refused, Err(Failure::Unreachable(ref e)) if e.contains("refused")), "{refused:?}");
         let bad = probe("postgres//bad", Duration::from_secs(5)).await;
-        assert!(matches!(bad, Err(Failure::Refused(Error::DatabaseConnect { .. }))), "{bad:?}");
+        assert!(
+            matches!(bad, Err(Failure::Refused(Error::Config(ref e))) if e.contains("connection string")),
+            "{bad:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

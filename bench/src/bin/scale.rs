@@ -289,7 +289,7 @@ impl Bench {
         self.run += 1;
         let queue = format!("idemq-scale-{}-{}", std::process::id(), self.run);
         let prefix = format!("scale-{}-{}-", std::process::id(), self.run);
-        let mut db = AsyncPgConnection::establish(&self.database_url).await?;
+        let mut db = idemq::connect::database(&self.database_url).await?;
         db.batch_execute(
             "TRUNCATE ledger, accounts, idemq_started, idemq_copies, idemq_outbox; \
              DELETE FROM idemq_dedup WHERE processed_at > now() - interval '30 minutes'; CHECKPOINT",
@@ -363,7 +363,7 @@ impl Bench {
             samples.push(self.measure(Target::Node, 1).await?.rate);
         }
         let empty = median(&samples);
-        let mut db = AsyncPgConnection::establish(&self.database_url).await?;
+        let mut db = idemq::connect::database(&self.database_url).await?;
         let filled = Instant::now();
         let chunk = 1_000_000u64;
         let mut done = 0;
@@ -408,7 +408,7 @@ impl Bench {
         // The sweeper deletes the old half while a run goes on.
         let database_url = self.database_url.clone();
         let sweeper = tokio::spawn(async move {
-            let mut conn = AsyncPgConnection::establish(&database_url).await?;
+            let mut conn = idemq::connect::database(&database_url).await?;
             let started = Instant::now();
             // The children's retry policy: the default.
             let retention = Retention::keep(Duration::from_secs(15 * 24 * 3600))
@@ -443,14 +443,14 @@ impl Bench {
 /// Commits per second of `connections` connections, each committing one-row
 /// transactions for `window`.
 async fn commit_ceiling(url: &str, connections: usize, window: Duration) -> Result<f64, BenchError> {
-    let mut setup = AsyncPgConnection::establish(url).await?;
+    let mut setup = idemq::connect::database(url).await?;
     setup.batch_execute("CREATE TABLE IF NOT EXISTS scale_commits (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now()); TRUNCATE scale_commits").await?;
     let deadline = Instant::now() + window;
     let tasks: Vec<_> = (0..connections)
         .map(|_| {
             let url = url.to_owned();
             tokio::spawn(async move {
-                let mut conn = AsyncPgConnection::establish(&url).await?;
+                let mut conn = idemq::connect::database(&url).await?;
                 let mut commits = 0u64;
                 while Instant::now() < deadline {
                     conn.transaction::<_, diesel::result::Error, _>(async |conn| {
@@ -550,14 +550,14 @@ fn cpu_seconds(pid: u32) -> f64 {
 async fn recreate_database(url: &str) -> Result<(), BenchError> {
     drop_database(url).await?;
     let (admin, name) = admin_url(url)?;
-    let mut conn = AsyncPgConnection::establish(&admin).await?;
+    let mut conn = idemq::connect::database(&admin).await?;
     conn.batch_execute(&format!("CREATE DATABASE \"{name}\"")).await?;
     Ok(())
 }
 
 async fn drop_database(url: &str) -> Result<(), BenchError> {
     let (admin, name) = admin_url(url)?;
-    let mut conn = AsyncPgConnection::establish(&admin).await?;
+    let mut conn = idemq::connect::database(&admin).await?;
     conn.batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).await?;
     Ok(())
 }

@@ -48,6 +48,17 @@ pub(super) async fn start(
     channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
     let mut config = ManagerConfig::default();
     config.recycling_method = RecyclingMethod::Fast;
+    // The same transport as idemq's: TLS as the URL's `sslmode` says (`prefer` by
+    // default, so encrypted to a server that offers it), or the comparison would
+    // charge idemq for encryption the baseline skips.
+    config.custom_setup = Box::new(|url| {
+        let url = url.to_owned();
+        Box::pin(async move {
+            idemq::connect::database(&url)
+                .await
+                .map_err(|err| diesel::ConnectionError::BadConnection(err.to_string()))
+        })
+    });
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(&urls.database, config);
     let pool = Pool::builder(manager).max_size(concurrency).runtime(deadpool::Runtime::Tokio1).build()?;
     drop(pool.get().await?);
