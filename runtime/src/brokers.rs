@@ -63,16 +63,18 @@ impl Brokers {
     /// the broker's operators: `idemq <role> (pid <pid>)` in `rabbitmqctl
     /// list_connections client_properties` and the management UI.
     ///
-    /// A TLS refusal ([`Error::Tls`]: a certificate that does not verify) is
-    /// returned at once: the next address would most likely refuse the same way,
-    /// and trying it would hide the reason behind another error.
+    /// A TLS refusal ([`Error::Tls`]: a certificate that does not verify) does not
+    /// stop the round: the next address is tried (another node may be configured
+    /// right), with a warning. When none connects, the refusal is what is returned,
+    /// rather than another address's outage: it names the reason, and no wait mends it.
     ///
     /// # Errors
-    /// [`Error::AmqpConnect`] with the last address's error when none answers;
-    /// [`Error::Tls`].
+    /// [`Error::Tls`] when an address refused TLS and none connected;
+    /// [`Error::AmqpConnect`] with the last address's error when none answers.
     pub(crate) async fn connect(&self, role: &str) -> Result<(Connection, usize), Error> {
         let start = self.next.load(Ordering::Relaxed) % self.targets.len();
         let mut last = None;
+        let mut refusal = None;
         for offset in 0..self.targets.len() {
             let index = (start + offset) % self.targets.len();
             match self.connect_to(index, role).await {
@@ -80,7 +82,12 @@ impl Brokers {
                     self.next.store(index, Ordering::Relaxed);
                     return Ok((connection, index));
                 }
-                Err(err @ Error::Tls { .. }) => return Err(err),
+                Err(err @ Error::Tls { .. }) => {
+                    if self.targets.len() > 1 {
+                        tracing::warn!(error = %err, "broker address refused over TLS; trying the next");
+                    }
+                    refusal.get_or_insert(err);
+                }
                 Err(err) => {
                     if self.targets.len() > 1 {
                         tracing::debug!(error = %err, "broker address did not answer; trying the next");
@@ -89,7 +96,7 @@ impl Brokers {
                 }
             }
         }
-        Err(last.expect("at least one address"))
+        Err(refusal.or(last).expect("at least one address"))
     }
 
     /// Connects to address `index`, naming the connection after `role`.

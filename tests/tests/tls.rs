@@ -224,6 +224,33 @@ async fn a_broker_certificate_that_does_not_verify_is_refused_with_the_host_and_
     }
 }
 
+/// In an `AMQP_URL` list each address has its own TLS settings: one whose
+/// certificate does not verify is passed over for the next; when none connects, the
+/// refusal is the error.
+#[tokio::test]
+async fn every_address_of_a_list_is_verified_on_its_own() {
+    let servers = servers().await;
+    let port = servers.tls_port();
+    let wrong_host = servers.amqps("127.0.0.1", port, &servers.verified());
+    let right = servers.amqps("localhost", port, &servers.verified());
+    let connection = idemq::connect::broker(&format!("{wrong_host},{right}"), "test")
+        .await
+        .expect("the second address verifies");
+    let _ = connection.close(200, "done".into()).await;
+    let untrusted = servers.amqps(
+        "localhost",
+        port,
+        &format!("cacertfile={}&{}", servers.certs.other_ca().display(), servers.client_cert()),
+    );
+    let err = idemq::connect::broker(&format!("{wrong_host},{untrusted}"), "test")
+        .await
+        .expect_err("no address verifies");
+    assert!(
+        tls_refusal(&err).2.contains("not valid for the host name 127.0.0.1"),
+        "the first refusal: {err}"
+    );
+}
+
 /// The runtime does not wait out a certificate that does not verify as it waits
 /// out an outage: `run` fails at once with the reason, and a binary exits non-zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
