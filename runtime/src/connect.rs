@@ -32,7 +32,7 @@ use crate::error::Error;
 /// # Cancel safety
 /// Cancel safe: dropping the future drops the half-made connection.
 pub async fn database(url: &str) -> Result<AsyncPgConnection, Error> {
-    crate::db::connect(url).await
+    crate::store::db::connect(url).await
 }
 
 /// Connects to the first address of `urls` (an `AMQP_URL`: one URL or several,
@@ -47,5 +47,5 @@ pub async fn database(url: &str) -> Result<AsyncPgConnection, Error> {
 /// # Cancel safety
 /// Cancel safe: dropping the future drops the half-made connection.
 pub async fn broker(urls: &str, role: &str) -> Result<lapin::Connection, Error> {
-    Ok(crate::brokers::Brokers::parse(urls)?.connect(role).await?.0)
+    Ok(crate::broker::brokers::Brokers::parse(urls)?.connect(role).await?.0)
 }

@@ -172,8 +172,8 @@ impl fmt::Display for Dependency {
     }
 }
 
-/// The one redaction rule (see [`crate::redact`]), under the name the runtime uses.
-pub(crate) use crate::redact::redact;
+/// The one redaction rule (see [`crate::base::redact`]), under the name the runtime uses.
+pub(crate) use crate::base::redact::redact;
 
 /// Like the derived `Debug`, with driver errors redacted: a lapin error may quote the
 /// whole URL, password included ("Invalid URL: '…'"), and `main() -> Result<(), Error>`

@@ -188,72 +188,55 @@
 
 #![warn(missing_docs)]
 
-mod acks;
-mod amqp_value;
-mod backoff;
-mod brokers;
-#[cfg(feature = "cli")]
-pub mod cli;
-#[cfg(feature = "cli")]
-mod cli_dlq;
-mod config_env;
+// The layers, each importing only those below it (`tests/layers.rs` holds the
+// rule): app → engine → {store, broker, handler} → tls → base; `error` and
+// `config` are beside `base`. See "Layers" above.
+mod app;
+mod base;
+mod broker;
+mod config;
 pub mod connect;
-mod consumer_timeout;
-mod db;
-mod dead_letter;
-mod delivery;
+mod engine;
 mod error;
-#[cfg(feature = "fault-injection")]
-pub mod fault;
 mod handler;
-mod identity;
-mod key;
-#[cfg(feature = "metrics")]
-mod metrics;
-mod migrate;
-mod observe;
 pub mod outbox;
-mod outcome;
-mod prepare;
-mod redact;
-mod relay;
-mod retention;
-mod retry;
-mod runtime;
-pub mod schema;
-mod session;
-mod startup;
-#[cfg(any(feature = "testing", feature = "test-cluster"))]
-pub mod testing;
+mod store;
 mod tls;
-mod topology;
-mod verdict;
-mod width;
 
-pub use config_env::env_url;
-pub use dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
-pub use delivery::OnConflict;
-pub use error::{Dependency, Error};
-pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
-pub use idemq_macros::{idempotent_handler, Message};
-pub use key::{
-    FromMessage, FromMessageAndMetadata, Key, KeyError, KeyField, KeyFn, KeyedMessage, Metadata,
-    TemplatePart, MAX_STORED_KEY_BYTES,
+#[cfg(feature = "cli")]
+pub use app::cli;
+#[cfg(any(feature = "testing", feature = "test-cluster"))]
+pub use app::testing;
+#[cfg(feature = "fault-injection")]
+pub use engine::fault;
+pub use store::schema;
+
+pub use base::observe::{Batch, Commit, InfrastructureRetry, Observe, RelayPass};
+pub use base::outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
+pub use base::redact::redact;
+pub use base::retry::RetryPolicy;
+pub use broker::dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
+pub use broker::topology::{
+    Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT,
 };
-pub use migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
-pub use observe::{Batch, Commit, InfrastructureRetry, Observe, RelayPass};
-pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, PublishError};
-pub use outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
-pub use redact::redact;
-pub use relay::{Relay, RelayBuilder};
-pub use retention::{sweep, CheckedRetention, Retention, Sweep, GC_LOCK};
-pub use retry::RetryPolicy;
-pub use runtime::{
+pub use config::env_url;
+pub use engine::delivery::OnConflict;
+pub use engine::relay::{Relay, RelayBuilder};
+pub use engine::runtime::{
     shutdown_signal, shutdown_signals, Observer, Runtime, RuntimeBuilder, ShutdownSignals, DEFAULT_AMQP_URL,
     DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_DATABASE_URL,
 };
-pub use session::{ConnectionEvent, ConnectionObserver};
-pub use topology::{Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT};
+pub use engine::session::{ConnectionEvent, ConnectionObserver};
+pub use error::{Dependency, Error};
+pub use handler::key::{
+    FromMessage, FromMessageAndMetadata, Key, KeyError, KeyField, KeyFn, KeyedMessage, Metadata,
+    TemplatePart, MAX_STORED_KEY_BYTES,
+};
+pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
+pub use idemq_macros::{idempotent_handler, Message};
+pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, PublishError};
+pub use store::migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
+pub use store::retention::{sweep, CheckedRetention, Retention, Sweep, GC_LOCK};
 
 /// The README's examples, compiled as doc tests so they stay true.
 #[cfg(doctest)]

@@ -31,8 +31,8 @@ use lapin::BasicProperties;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::handler::key::hex;
 use crate::handler::HandlerError;
-use crate::key::hex;
 
 /// The exchange of replies: the default exchange routes by queue name.
 const REPLY_EXCHANGE: &str = "";
@@ -302,7 +302,9 @@ pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result
     outgoing.validate()?;
     let id = outgoing.message_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
     let row = Outgoing { message_id: Some(id.clone()), ..outgoing };
-    crate::db::insert_outbox(conn, std::slice::from_ref(&row)).await.map_err(PublishError::Database)?;
+    crate::store::db::insert_outbox(conn, std::slice::from_ref(&row))
+        .await
+        .map_err(PublishError::Database)?;
     Ok(id)
 }
 
@@ -327,7 +329,7 @@ pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result
 /// # Errors
 /// The database's.
 pub async fn forget(conn: &mut AsyncPgConnection, handler: &str, key: &str) -> diesel::QueryResult<bool> {
-    crate::db::forget(conn, handler, key).await
+    crate::store::db::forget(conn, handler, key).await
 }
 
 /// Rows waiting in the outbox (due or postponed): the relay's backlog.
@@ -335,7 +337,7 @@ pub async fn forget(conn: &mut AsyncPgConnection, handler: &str, key: &str) -> d
 /// # Errors
 /// The database's.
 pub async fn backlog(conn: &mut AsyncPgConnection) -> diesel::QueryResult<i64> {
-    crate::db::outbox_backlog(conn).await
+    crate::store::db::outbox_backlog(conn).await
 }
 
 /// `<sha256(scope, key, part) in hex, 32 digits>`: the message id of a handler's
@@ -378,8 +380,11 @@ impl Request {
             return None;
         }
         let expiration = properties.expiration().as_ref().map(|e| e.as_str().to_owned()).or_else(|| {
-            crate::amqp_value::header(properties, crate::dead_letter::headers::ORIGINAL_EXPIRATION)
-                .and_then(crate::amqp_value::string)
+            crate::base::amqp_value::header(
+                properties,
+                crate::broker::dead_letter::headers::ORIGINAL_EXPIRATION,
+            )
+            .and_then(crate::base::amqp_value::string)
         });
         // RabbitMQ accepts only a count of milliseconds; anything else is ignored.
         let expires_in = expiration
@@ -522,7 +527,7 @@ impl Context {
     /// A header of the delivery, if it is a string (valid UTF-8: a byte string that
     /// is not is `None`, never a lossy reading).
     pub fn header(&self, name: &str) -> Option<String> {
-        crate::amqp_value::header(&self.properties, name).and_then(crate::amqp_value::string)
+        crate::base::amqp_value::header(&self.properties, name).and_then(crate::base::amqp_value::string)
     }
 
     /// The messages published so far, taken by the runtime after the handler ran.
@@ -652,7 +657,7 @@ mod tests {
         // A retry copy carries the original's expiration in a header.
         let mut headers = lapin::types::FieldTable::default();
         headers.insert(
-            crate::dead_letter::headers::ORIGINAL_EXPIRATION.into(),
+            crate::broker::dead_letter::headers::ORIGINAL_EXPIRATION.into(),
             AMQPValue::LongString("60000".into()),
         );
         assert_eq!(within(plain.clone().with_headers(headers)), Some(Duration::from_secs(60)));

@@ -395,7 +395,7 @@ pub(crate) fn refused(dialect: Dialect, url: &str, host: &str, err: &rustls::Err
     };
     Error::Tls {
         dependency: dialect.dependency(),
-        url: crate::redact::redact(url),
+        url: crate::base::redact::redact(url),
         host: host.to_owned(),
         reason,
         fix,

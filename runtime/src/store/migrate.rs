@@ -78,7 +78,7 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
 /// anything else is left to the harness.
 async fn nothing_to_do(conn: &mut AsyncPgConnection) -> Result<bool, Error> {
     let checked = |err: diesel::result::Error| Error::Migration(format!("checking the schema failed: {err}"));
-    let Some(problem) = crate::db::check_schema(conn).await.map_err(checked)? else {
+    let Some(problem) = crate::store::db::check_schema(conn).await.map_err(checked)? else {
         return Ok(true);
     };
     let may_create: bool = diesel::select(diesel::dsl::sql::<Bool>(

@@ -4,6 +4,10 @@
 //! unit struct that replaces their fn. The runtime only ever sees `dyn` handlers
 //! through [`Handler`], the way axum only sees `Handler` and never your fn's type.
 
+pub(crate) mod identity;
+pub(crate) mod key;
+pub(crate) mod prepare;
+
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -11,10 +15,10 @@ use std::pin::Pin;
 use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
 
-use crate::delivery::OnConflict;
-use crate::key::{Key, KeyError, Metadata};
+use crate::base::retry::RetryPolicy;
+use crate::engine::delivery::OnConflict;
+use crate::handler::key::{Key, KeyError, Metadata};
 use crate::outbox::{Context, HandlerOutput};
-use crate::retry::RetryPolicy;
 
 /// A boxed, `Send` future borrowing for `'a`, as returned by [`Handler::handle`].
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::outcome::{Settled, Stats};
-use crate::session::ConnectionEvent;
+use crate::base::outcome::{Settled, Stats};
+use crate::engine::session::ConnectionEvent;
 
 /// A subscriber to what the runtime does. Every method has a no-op default:
 /// implement the ones you need. Methods run on the runtime's tasks, in line: keep

@@ -10,12 +10,12 @@ use lapin::{BasicProperties, Confirmation, Connection};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::base::outcome::{Outcome, Settled};
+use crate::broker::topology::{Queue, Topology};
+use crate::engine::fault::{FaultContext, FaultPoint};
+use crate::engine::runtime::{Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 use crate::error::{redact, Error};
-use crate::fault::{FaultContext, FaultPoint};
 use crate::handler::Handler;
-use crate::outcome::{Outcome, Settled};
-use crate::runtime::{Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
-use crate::topology::{Queue, Topology};
 
 /// How long a delivery may take to settle before the kit gives up.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -87,18 +87,18 @@ impl TestKit {
         let admin_url = crate::env_url("DATABASE_URL", DEFAULT_DATABASE_URL)?;
         let database = format!("idemq_kit_{id}");
         let database_url = with_database(&admin_url, &database)?;
-        let mut admin = crate::db::connect(&admin_url).await?;
+        let mut admin = crate::store::db::connect(&admin_url).await?;
         diesel::sql_query(format!("CREATE DATABASE \"{database}\""))
             .execute(&mut admin)
             .await
             .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
-        crate::migrate(&database_url).await?;
+        crate::store::migrate::migrate(&database_url).await?;
         setup(database_url.clone())
             .await
             .map_err(|err| Error::Config(format!("the test's setup failed: {err}")))?;
 
         let queue = format!("idemq-kit-{id}");
-        let broker = crate::brokers::Brokers::parse(&amqp_url)?.connect("test kit").await?.0;
+        let broker = crate::broker::brokers::Brokers::parse(&amqp_url)?.connect("test kit").await?.0;
         let amqp = |source| Error::Amqp { action: "set up the test's queue".into(), source };
         let publisher = broker.create_channel().await.map_err(amqp)?;
         let topology = Topology::new().queue(Queue::new(queue.clone()));
@@ -109,7 +109,7 @@ impl TestKit {
         let sink = Arc::clone(&settled);
         let lose_next_ack = Arc::new(AtomicBool::new(false));
         let lose = Arc::clone(&lose_next_ack);
-        let hook: crate::fault::FaultHook = Arc::new(move |ctx: FaultContext| {
+        let hook: crate::engine::fault::FaultHook = Arc::new(move |ctx: FaultContext| {
             let lose = Arc::clone(&lose);
             Box::pin(async move {
                 if ctx.point == FaultPoint::AfterCommit
@@ -167,7 +167,7 @@ impl TestKit {
     /// # Panics
     /// If it cannot connect (the kit just did).
     pub async fn connect(&self) -> AsyncPgConnection {
-        crate::db::connect(&self.database_url).await.expect("connect to the test database")
+        crate::store::db::connect(&self.database_url).await.expect("connect to the test database")
     }
 
     /// Every delivery settled so far, in order.
@@ -273,7 +273,7 @@ impl TestKit {
             }
         }
         let _ = self.broker.close(200, "test done".into()).await;
-        if let Ok(mut admin) = crate::db::connect(&self.admin_url).await {
+        if let Ok(mut admin) = crate::store::db::connect(&self.admin_url).await {
             let _ = diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.database))
                 .execute(&mut admin)
                 .await;

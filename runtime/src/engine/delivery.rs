@@ -78,7 +78,7 @@
 //!   copy the broker already confirmed is acked without running its handler. A
 //!   recorded copy can only ever settle the message it was made from: the lineage
 //!   hashes the message's scope, key, `message_id`, body and replay generation
-//!   ([`crate::identity`]), so two messages that differ to their handler never share one.
+//!   ([`crate::handler::identity`]), so two messages that differ to their handler never share one.
 //! - What handlers publish (through their [`Context`]) and return goes into the
 //!   batch's transaction after the last handler, one statement for the outbox rows
 //!   (with a request's reply) and one for the results: published if and only if the
@@ -104,22 +104,22 @@ use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::acks::Acks;
-use crate::amqp_value;
-use crate::backoff::Backoff;
-use crate::db::Stored;
-use crate::db::{self, CommitFailure};
-use crate::dead_letter::{self, headers, Letter};
+use crate::base::amqp_value;
+use crate::base::backoff::Backoff;
+use crate::base::observe::{Batch, Commit, InfrastructureRetry, Observers};
+use crate::base::outcome::{FailureKind, Outcome, Settled};
+use crate::base::retry::{wait_queue_name, RetryPolicy};
+use crate::base::verdict;
+use crate::base::width::Width;
+use crate::broker::acks::Acks;
+use crate::broker::dead_letter::{self, headers, Letter};
 use crate::error::Error;
+use crate::handler::identity::Identity;
+use crate::handler::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
 use crate::handler::{ErrorClass, HandlerError};
-use crate::identity::Identity;
-use crate::observe::{Batch, Commit, InfrastructureRetry, Observers};
 use crate::outbox::{self, Context, HandlerOutput, Outgoing, Request};
-use crate::outcome::{FailureKind, Outcome, Settled};
-use crate::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
-use crate::retry::{wait_queue_name, RetryPolicy};
-use crate::verdict;
-use crate::width::Width;
+use crate::store::db::Stored;
+use crate::store::db::{self, CommitFailure};
 
 /// What to do with a known key that arrives with a different payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -207,14 +207,14 @@ pub(crate) struct Shared {
     /// Every subscriber: the runtime's stats, the user's observers.
     pub(crate) observers: Observers,
     /// Wakes the outbox relay(s) after a COMMIT that wrote outbox rows.
-    pub(crate) outbox: crate::relay::OutboxSignal,
+    pub(crate) outbox: crate::engine::relay::OutboxSignal,
     /// Taken for writing by a redelivered message (it runs alone), for reading by
     /// every batch: a crash while a redelivered message runs is its own.
     pub(crate) turns: RwLock<()>,
     /// Raised by a delivery that met a fault no retry can fix: the runtime stops.
     pub(crate) fatal: Fatal,
     #[cfg(feature = "fault-injection")]
-    pub(crate) fault_hook: Option<crate::fault::FaultHook>,
+    pub(crate) fault_hook: Option<crate::engine::fault::FaultHook>,
 }
 
 /// How batches are formed.
@@ -559,7 +559,7 @@ impl Consumer {
             }
             // Logged once per change of fault, not once per retry.
             let message = fault.to_string();
-            let redacted = crate::redact::redact(&message);
+            let redacted = crate::base::redact::redact(&message);
             self.shared
                 .observers
                 .infrastructure_retry(&InfrastructureRetry { queue: &self.queue, fault: &redacted });
@@ -1086,7 +1086,7 @@ impl Consumer {
             (0..settled.len()).filter(|&i| !needs_requeue(&settled[i].1.outcome)).collect();
         #[cfg(feature = "fault-injection")]
         for &i in &acked {
-            self.fault(crate::fault::FaultPoint::AfterCommit, &settled[i].1).await;
+            self.fault(crate::engine::fault::FaultPoint::AfterCommit, &settled[i].1).await;
         }
         if !acked.is_empty() {
             let deliveries: Vec<&Delivery> = acked.iter().map(|&i| &settled[i].0.delivery).collect();
@@ -1177,7 +1177,7 @@ impl Consumer {
         // is acked without a second copy (a crash before it: see the README).
         self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
         #[cfg(feature = "fault-injection")]
-        self.fault(crate::fault::FaultPoint::AfterCopy, decision).await;
+        self.fault(crate::engine::fault::FaultPoint::AfterCopy, decision).await;
         report(self.acks.ack_one(delivery).await, self, decision)
     }
 
@@ -1213,7 +1213,7 @@ impl Consumer {
         report(self.acks.ack_one(delivery).await, self, decision)
     }
 
-    /// What makes `item` itself (see [`crate::identity`]): `key` is its stored dedup key,
+    /// What makes `item` itself (see [`crate::handler::identity`]): `key` is its stored dedup key,
     /// `None` when it could not be decoded.
     fn identity<'a>(&'a self, item: &'a Delivered, key: Option<&'a str>) -> Identity<'a> {
         let delivery = &item.delivery;
@@ -1244,9 +1244,9 @@ impl Consumer {
     }
 
     #[cfg(feature = "fault-injection")]
-    async fn fault(&self, point: crate::fault::FaultPoint, decision: &Decision) {
+    async fn fault(&self, point: crate::engine::fault::FaultPoint, decision: &Decision) {
         if let Some(hook) = &self.shared.fault_hook {
-            let context = crate::fault::FaultContext {
+            let context = crate::engine::fault::FaultContext {
                 point,
                 channel: self.channel.clone(),
                 key: decision.key.clone(),

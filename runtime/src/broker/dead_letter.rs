@@ -10,7 +10,7 @@ use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation};
 
-use crate::outcome::FailureKind;
+use crate::base::outcome::FailureKind;
 
 /// Longest `x-idemq-error` value, in bytes.
 pub const MAX_ERROR_HEADER_BYTES: usize = 1024;

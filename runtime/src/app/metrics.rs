@@ -39,9 +39,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::observe::{Batch, InfrastructureRetry, Observe, RelayPass};
-use crate::outcome::{FailureKind, Outcome, Settled};
-use crate::session::ConnectionEvent;
+use crate::base::observe::{Batch, InfrastructureRetry, Observe, RelayPass};
+use crate::base::outcome::{FailureKind, Outcome, Settled};
+use crate::engine::session::ConnectionEvent;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -241,7 +241,7 @@ impl Observe for Metrics {
         self.in_flight.get_or_create(&vec![("queue", queue.to_owned())]).inc();
     }
 
-    fn committed(&self, commit: &crate::observe::Commit<'_>) {
+    fn committed(&self, commit: &crate::base::observe::Commit<'_>) {
         let queue = vec![("queue", commit.queue.to_owned())];
         self.commit_seconds.get_or_create(&queue).observe(commit.took.as_secs_f64());
     }

@@ -12,19 +12,19 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::backoff::Backoff;
-use crate::config_env::EnvUrls;
-use crate::db::{self, SessionLimits};
-use crate::delivery::{BatchLimits, Fatal, OnConflict, Shared};
+use crate::base::backoff::Backoff;
+use crate::base::observe::{Observe, Observers, OnConnection, OnSettled};
+use crate::base::outcome::{Settled, Stats};
+use crate::base::retry::RetryPolicy;
+use crate::broker::topology::Topology;
+use crate::config::EnvUrls;
+use crate::engine::delivery::{BatchLimits, Fatal, OnConflict, Shared};
+use crate::engine::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
+use crate::engine::startup::Startup;
 use crate::error::{redact, Dependency, Error};
+use crate::handler::prepare::{ErasedHandler, InputLimits};
 use crate::handler::Handler;
-use crate::observe::{Observe, Observers, OnConnection, OnSettled};
-use crate::outcome::{Settled, Stats};
-use crate::prepare::{ErasedHandler, InputLimits};
-use crate::retry::RetryPolicy;
-use crate::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
-use crate::startup::Startup;
-use crate::topology::Topology;
+use crate::store::db::{self, SessionLimits};
 
 /// The default AMQP URL (`AMQP_URL` overrides it).
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -63,13 +63,13 @@ pub struct RuntimeBuilder {
     startup_timeout: Option<Duration>,
     consumer_timeout: Duration,
     observers: Observers,
-    relay: Option<crate::relay::Settings>,
-    retention: Option<crate::retention::Retention>,
+    relay: Option<crate::engine::relay::Settings>,
+    retention: Option<crate::store::retention::Retention>,
     prefetch: Option<u16>,
     #[cfg(feature = "metrics")]
     http_addr: Option<std::net::SocketAddr>,
     #[cfg(feature = "fault-injection")]
-    fault_hook: Option<crate::fault::FaultHook>,
+    fault_hook: Option<crate::engine::fault::FaultHook>,
 }
 
 impl std::fmt::Debug for RuntimeBuilder {
@@ -105,9 +105,9 @@ impl RuntimeBuilder {
             heartbeat: Duration::from_secs(20),
             reconnect_max: Duration::from_secs(30),
             startup_timeout: None,
-            consumer_timeout: crate::consumer_timeout::DEFAULT,
+            consumer_timeout: crate::broker::consumer_timeout::DEFAULT,
             observers: Observers::default(),
-            relay: Some(crate::relay::Settings::default()),
+            relay: Some(crate::engine::relay::Settings::default()),
             retention: None,
             prefetch: None,
             #[cfg(feature = "metrics")]
@@ -397,7 +397,7 @@ impl RuntimeBuilder {
     /// retention not longer than the longest retry horizon plus the replay window
     /// ([`Retention::check`](crate::Retention::check)). Several processes may sweep:
     /// one at a time runs (a transaction-scoped advisory lock per batch).
-    pub fn retention(mut self, retention: crate::retention::Retention) -> Self {
+    pub fn retention(mut self, retention: crate::store::retention::Retention) -> Self {
         self.retention = Some(retention);
         self
     }
@@ -411,9 +411,9 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Installs a test-only [fault hook](crate::fault).
+    /// Installs a test-only [fault hook](crate::engine::fault).
     #[cfg(feature = "fault-injection")]
-    pub fn fault_hook(mut self, hook: crate::fault::FaultHook) -> Self {
+    pub fn fault_hook(mut self, hook: crate::engine::fault::FaultHook) -> Self {
         self.fault_hook = Some(hook);
         self
     }
@@ -539,7 +539,7 @@ impl RuntimeBuilder {
             return Err(Error::Config("no consumers: add one with `.consume(queue, handler)`".into()));
         }
         // Unreadable URLs fail every attempt alike: refused here, never waited on.
-        crate::brokers::Brokers::parse(&self.amqp_url)?;
+        crate::broker::brokers::Brokers::parse(&self.amqp_url)?;
         // The database URL too, its TLS settings and files included.
         crate::tls::postgres::Target::parse(&self.database_url)?;
         if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
@@ -579,12 +579,12 @@ impl RuntimeBuilder {
         if let Some(retention) = &self.retention {
             retention.check(&self.retry_policies())?;
         }
-        let holding = crate::consumer_timeout::Holding {
+        let holding = crate::broker::consumer_timeout::Holding {
             handler_timeout: self.handler_timeout,
             database_retry_limit: self.database_retry_limit,
             shutdown_deadline: self.shutdown_deadline,
         };
-        crate::consumer_timeout::check(holding, self.consumer_timeout)?;
+        crate::broker::consumer_timeout::check(holding, self.consumer_timeout)?;
         let mut seen = std::collections::HashSet::new();
         for (queue, _, _) in &self.consumers {
             if !seen.insert(queue.as_str()) {
@@ -708,7 +708,7 @@ impl Runtime {
         #[cfg(feature = "metrics")]
         let metrics = b.http_addr.map(|addr| {
             let queues: Vec<String> = b.consumers.iter().map(|(queue, _, _)| queue.clone()).collect();
-            (addr, crate::metrics::Metrics::new(&queues))
+            (addr, crate::app::metrics::Metrics::new(&queues))
         });
         // The built-in stats are a subscriber like any other, heard first.
         let mut observers = Observers::default();
@@ -724,7 +724,7 @@ impl Runtime {
         // `/readyz` says what for. Stopped when `serving` is dropped.
         #[cfg(feature = "metrics")]
         let serving = match &metrics {
-            Some((addr, metrics)) => Some(crate::metrics::serve(*addr, Arc::clone(metrics))?),
+            Some((addr, metrics)) => Some(crate::app::metrics::serve(*addr, Arc::clone(metrics))?),
             None => None,
         };
 
@@ -746,7 +746,7 @@ impl Runtime {
             statement_deadline: limits.client_deadline(),
             database_retry_limit: b.database_retry_limit,
             observers,
-            outbox: crate::relay::OutboxSignal::new(relay_wake.clone()),
+            outbox: crate::engine::relay::OutboxSignal::new(relay_wake.clone()),
             turns: tokio::sync::RwLock::new(()),
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
             // retry can fix (then `run` returns that error after draining).
@@ -760,9 +760,9 @@ impl Runtime {
         let relay_stop = CancellationToken::new();
         let relay = match (b.relay, relay_wake) {
             (Some(settings), Some(wake)) => {
-                let worker = crate::relay::Worker {
-                    pool: crate::relay::relay_pool(&b.database_url)?,
-                    brokers: crate::brokers::Brokers::parse(&b.amqp_url)?,
+                let worker = crate::engine::relay::Worker {
+                    pool: crate::engine::relay::relay_pool(&b.database_url)?,
+                    brokers: crate::broker::brokers::Brokers::parse(&b.amqp_url)?,
                     database_url: b.database_url.clone(),
                     settings,
                     wake,
@@ -821,7 +821,8 @@ impl Runtime {
             })
             .collect();
         let ctx = SessionContext {
-            brokers: crate::brokers::Brokers::parse(&b.amqp_url)?.map(|url| with_heartbeat(url, b.heartbeat)),
+            brokers: crate::broker::brokers::Brokers::parse(&b.amqp_url)?
+                .map(|url| with_heartbeat(url, b.heartbeat)),
             topology: b.topology,
             consumers,
             shared,
@@ -909,13 +910,13 @@ impl Runtime {
 /// loses nothing: each batch is its own transaction).
 async fn sweep_every(
     shared: &Shared,
-    retention: crate::retention::CheckedRetention,
+    retention: crate::store::retention::CheckedRetention,
     stop: CancellationToken,
 ) {
     loop {
         let swept = async {
             let mut conn = shared.pool.get().await.map_err(|err| err.to_string())?;
-            crate::retention::sweep(&mut conn, &retention).await.map_err(|err| err.to_string())
+            crate::store::retention::sweep(&mut conn, &retention).await.map_err(|err| err.to_string())
         };
         tokio::select! {
             result = swept => match result {

@@ -74,7 +74,7 @@ impl RetryPolicy {
         if !self.jitter {
             return Duration::ZERO;
         }
-        (delay / 10).min(Duration::from_secs(1)).mul_f64(crate::backoff::jitter_fraction())
+        (delay / 10).min(Duration::from_secs(1)).mul_f64(crate::base::backoff::jitter_fraction())
     }
 
     /// The wait queues this policy uses for `queue`, one per distinct delay.

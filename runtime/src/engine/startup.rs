@@ -14,7 +14,7 @@
 //!
 //! One [`Startup`] spans the whole start: the database first (the check at the top
 //! of `Runtime::run`), then the broker (the first session, see `session.rs`, with
-//! [`brokers::unreachable`](crate::brokers::unreachable) telling an outage from a
+//! [`brokers::unreachable`](crate::broker::brokers::unreachable) telling an outage from a
 //! refusal). The database's attempts live here: a plain connection first, whose error
 //! carries the server's SQLSTATE, then the pool's first connection and the schema
 //! check.
@@ -28,11 +28,11 @@ use diesel_async::AsyncPgConnection;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
-use crate::db;
+use crate::base::backoff::Backoff;
+use crate::base::observe::Observers;
+use crate::engine::session::ConnectionEvent;
 use crate::error::{redact, Dependency, Error};
-use crate::observe::Observers;
-use crate::session::ConnectionEvent;
+use crate::store::db;
 
 /// The first wait between attempts (then doubling, with jitter, up to the
 /// reconnect backoff's maximum).

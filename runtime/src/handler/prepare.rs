@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
 
+use crate::base::outcome::FailureKind;
+use crate::handler::key::{Key, KeyError, Metadata};
 use crate::handler::{BoxFuture, Handler, HandlerError};
-use crate::key::{Key, KeyError, Metadata};
 use crate::outbox::{Context, HandlerOutput};
-use crate::outcome::FailureKind;
 
 mod fingerprint;
 pub(crate) use fingerprint::Fingerprint;

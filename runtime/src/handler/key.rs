@@ -132,7 +132,7 @@ impl<'a> Metadata<'a> {
     /// that is not valid UTF-8 is `None` (never replaced by a lossy reading that
     /// another value could share): [`header_key`](Self::header_key) keys it byte-exact.
     pub fn header(&self, name: &str) -> Option<String> {
-        crate::amqp_value::header(self.properties, name).and_then(crate::amqp_value::text)
+        crate::base::amqp_value::header(self.properties, name).and_then(crate::base::amqp_value::text)
     }
 
     /// The SHA-256 of the body's canonical payload (see the crate docs, "the same
@@ -161,11 +161,11 @@ impl<'a> Metadata<'a> {
     /// # Errors
     /// [`KeyError::Missing`], or the value's own.
     pub fn header_key(&self, name: &str) -> Result<Key, KeyError> {
-        let value = crate::amqp_value::header(self.properties, name).ok_or(KeyError::Missing)?;
-        if let Some(text) = crate::amqp_value::text(value) {
+        let value = crate::base::amqp_value::header(self.properties, name).ok_or(KeyError::Missing)?;
+        if let Some(text) = crate::base::amqp_value::text(value) {
             return text.to_key();
         }
-        let bytes = crate::amqp_value::bytes(value).ok_or(KeyError::Missing)?;
+        let bytes = crate::base::amqp_value::bytes(value).ok_or(KeyError::Missing)?;
         Key::from_bytes(bytes)
     }
 

@@ -16,7 +16,7 @@ use diesel_async::{
 use futures_util::FutureExt;
 
 use crate::outbox::Outgoing;
-use crate::schema::{idemq_copies, idemq_dedup, idemq_outbox, idemq_started};
+use crate::store::schema::{idemq_copies, idemq_dedup, idemq_outbox, idemq_started};
 
 /// The tables [`check_schema`] requires, with the privileges idemq uses on them.
 const TABLES: [&str; 4] = ["idemq_dedup", "idemq_started", "idemq_copies", "idemq_outbox"];
@@ -469,9 +469,9 @@ pub(crate) async fn table_sizes(conn: &mut AsyncPgConnection) -> QueryResult<(i6
     Ok((dedup, outbox_backlog(conn).await?))
 }
 
-/// Wakes the relays listening on [`crate::relay::CHANNEL`] (outside any transaction).
+/// Wakes the relays listening on [`crate::engine::relay::CHANNEL`] (outside any transaction).
 pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
-    conn.batch_execute(&format!("NOTIFY {}", crate::relay::CHANNEL)).await
+    conn.batch_execute(&format!("NOTIFY {}", crate::engine::relay::CHANNEL)).await
 }
 
 /// Why the checked COMMIT did not commit.
@@ -690,7 +690,7 @@ pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Op
     }
     let applied = applied_migrations(conn).await?;
     let embedded =
-        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::migrate::MIGRATIONS)
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::store::migrate::MIGRATIONS)
             .map_err(DieselError::QueryBuilderError)?;
     let pending: Vec<String> = embedded
         .iter()
@@ -829,8 +829,10 @@ pub(crate) async fn establish(url: &str) -> diesel::ConnectionResult<AsyncPgConn
 /// the client's error).
 pub(crate) async fn connect(url: &str) -> Result<AsyncPgConnection, crate::error::Error> {
     use crate::tls::postgres::ConnectFailure;
-    let failed =
-        |message: String| crate::error::Error::DatabaseConnect { url: crate::redact::redact(url), message };
+    let failed = |message: String| crate::error::Error::DatabaseConnect {
+        url: crate::base::redact::redact(url),
+        message,
+    };
     let (client, connection) = crate::tls::postgres::connect(url, |config| {
         // tokio-postgres's defaults, which the URL did not change.
         if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {

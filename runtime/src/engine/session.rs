@@ -21,13 +21,13 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::acks::Acks;
-use crate::delivery::{Consumer, Item, Shared};
+use crate::base::retry::RetryPolicy;
+use crate::base::width::Width;
+use crate::broker::acks::Acks;
+use crate::broker::topology::{Queue, Topology};
+use crate::engine::delivery::{Consumer, Item, Shared};
 use crate::error::Error;
-use crate::prepare::ErasedHandler;
-use crate::retry::RetryPolicy;
-use crate::topology::{Queue, Topology};
-use crate::width::Width;
+use crate::handler::prepare::ErasedHandler;
 
 /// The longest a session may take to connect, declare and start consuming.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -95,7 +95,7 @@ pub(crate) struct ConsumerSpec {
     pub(crate) retry: RetryPolicy,
     pub(crate) on_conflict: crate::OnConflict,
     /// Its batches (the runtime's, capped by the handler's `batch = N`).
-    pub(crate) batch: crate::delivery::BatchLimits,
+    pub(crate) batch: crate::engine::delivery::BatchLimits,
     /// Enough for every transaction to fill a batch.
     pub(crate) prefetch: u16,
 }
@@ -103,7 +103,7 @@ pub(crate) struct ConsumerSpec {
 /// What every session shares.
 pub(crate) struct SessionContext {
     /// The broker addresses (heartbeat set), tried in turn.
-    pub(crate) brokers: crate::brokers::Brokers,
+    pub(crate) brokers: crate::broker::brokers::Brokers,
     pub(crate) topology: Topology,
     pub(crate) consumers: Vec<ConsumerSpec>,
     pub(crate) shared: Arc<Shared>,
@@ -153,7 +153,7 @@ pub(crate) enum SessionEnd {
     /// A failure that reconnecting cannot fix (a topology mismatch; at start-up,
     /// refused credentials, a missing vhost or queue: see [`brokers::unreachable`]).
     ///
-    /// [`brokers::unreachable`]: crate::brokers::unreachable
+    /// [`brokers::unreachable`]: crate::broker::brokers::unreachable
     Fatal(Error),
 }
 
@@ -211,7 +211,7 @@ pub(crate) async fn run(
                 // A channel the broker closes is reported here too, maybe before its
                 // consumer hears of it.
                 if let lapin::Event::Error(err) = event {
-                    break crate::consumer_timeout::describe(&err)
+                    break crate::broker::consumer_timeout::describe(&err)
                         .unwrap_or_else(|| format!("the consuming connection failed: {err}"));
                 }
             }
@@ -229,8 +229,8 @@ pub(crate) async fn run(
             },
         }
     };
-    if crate::consumer_timeout::is_described(&reason) {
-        tracing::error!(session, %reason, "{}", crate::consumer_timeout::EXPLAINED);
+    if crate::broker::consumer_timeout::is_described(&reason) {
+        tracing::error!(session, %reason, "{}", crate::broker::consumer_timeout::EXPLAINED);
     }
     session_stop.cancel();
     while loops.join_next().await.is_some() {}
@@ -251,7 +251,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     // number grows once one has), what waiting cannot mend is reported at once, with
     // the fix; an unreachable broker is waited for. Later, everything is retried.
     let first = session == 1;
-    let fatal = |err: &Error| first && !crate::brokers::unreachable(err);
+    let fatal = |err: &Error| first && !crate::broker::brokers::unreachable(err);
     let fail = |err: Error| {
         if fatal(&err) {
             SessionEnd::Fatal(err)
@@ -411,7 +411,7 @@ async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) 
 /// closed the channel for a delivery not acknowledged within its
 /// `consumer_timeout`, that said plainly (see [`run`], which logs it once).
 fn ended_by(consumer: &Consumer, err: &lapin::Error) -> String {
-    let said = crate::consumer_timeout::describe(err).unwrap_or_else(|| err.to_string());
+    let said = crate::broker::consumer_timeout::describe(err).unwrap_or_else(|| err.to_string());
     format!("queue '{}': {said}", consumer.queue)
 }
 

@@ -4,11 +4,11 @@
 
 use std::ops::Range;
 
-use crate::delivery::OnConflict;
+use crate::base::outcome::{FailureKind, Outcome};
+use crate::base::retry::RetryPolicy;
+use crate::engine::delivery::OnConflict;
+use crate::handler::key::hex;
 use crate::handler::ErrorClass;
-use crate::key::hex;
-use crate::outcome::{FailureKind, Outcome};
-use crate::retry::RetryPolicy;
 
 /// A handler's failed attempt number `attempt`: retried later while the policy
 /// allows, else dead-lettered; a permanent error is dead-lettered at once.

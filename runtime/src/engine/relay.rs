@@ -48,12 +48,12 @@ use lapin::{Channel, Confirmation, Connection, ExchangeKind};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
-use crate::config_env::EnvUrls;
-use crate::db::{self, OutboxRow, SessionLimits};
+use crate::base::backoff::Backoff;
+use crate::base::observe::{Observe, Observers, RelayPass};
+use crate::config::EnvUrls;
+use crate::engine::runtime::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 use crate::error::{redact, Error};
-use crate::observe::{Observe, Observers, RelayPass};
-use crate::runtime::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+use crate::store::db::{self, OutboxRow, SessionLimits};
 
 /// The `LISTEN`/`NOTIFY` channel relays wake on.
 pub(crate) const CHANNEL: &str = "idemq_outbox";
@@ -233,7 +233,7 @@ impl Relay {
             return Err(problem.into());
         }
         drop(conn);
-        let brokers = crate::brokers::Brokers::parse(&amqp_url)?;
+        let brokers = crate::broker::brokers::Brokers::parse(&amqp_url)?;
         let worker =
             Worker { pool, brokers, database_url, settings, wake: Arc::new(Notify::new()), observers };
         worker.run(shutdown).await;
@@ -294,7 +294,7 @@ impl OutboxSignal {
 pub(crate) struct Worker {
     pub(crate) pool: Pool<AsyncPgConnection>,
     /// The broker addresses, tried in turn (the one last lost, last).
-    pub(crate) brokers: crate::brokers::Brokers,
+    pub(crate) brokers: crate::broker::brokers::Brokers,
     pub(crate) database_url: String,
     pub(crate) settings: Settings,
     pub(crate) wake: Arc<Notify>,

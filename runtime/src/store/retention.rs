@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 
+use crate::base::retry::RetryPolicy;
 use crate::error::Error;
-use crate::retry::RetryPolicy;
 
 /// The advisory lock key a sweep holds per batch (the bytes spell `idemq_gc`).
 pub const GC_LOCK: i64 = 0x6964_656d_715f_6763;
@@ -192,10 +192,10 @@ pub async fn sweep(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -
             let batch = retention.batch;
             let deleted = conn
                 .transaction::<Option<u64>, diesel::result::Error, _>(async |conn| {
-                    if !crate::db::try_gc_lock(conn, GC_LOCK).await? {
+                    if !crate::store::db::try_gc_lock(conn, GC_LOCK).await? {
                         return Ok(None);
                     }
-                    crate::db::delete_older(conn, table.sql(), keep_ms, batch).await.map(Some)
+                    crate::store::db::delete_older(conn, table.sql(), keep_ms, batch).await.map(Some)
                 })
                 .await?;
             let Some(deleted) = deleted else {

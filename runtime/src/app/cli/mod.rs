@@ -43,6 +43,8 @@
 //! # }
 //! ```
 
+mod dlq;
+
 use std::ffi::OsString;
 use std::future::Future;
 use std::path::PathBuf;
@@ -58,9 +60,9 @@ use lapin::Connection;
 
 pub use clap;
 
+use crate::engine::runtime::RuntimeBuilder;
 use crate::error::{redact, Error};
-use crate::retention::Retention;
-use crate::runtime::RuntimeBuilder;
+use crate::store::retention::Retention;
 
 /// An application step `migrate` and `run` take after idemq's own migrations (the
 /// app's tables), given the database URL.
@@ -399,7 +401,7 @@ impl Cli {
             }
             "declare" => declare(&builder, sub.get_flag("apply")).await,
             "status" => status(&builder).await,
-            "dlq" => crate::cli_dlq::run(&builder, sub).await,
+            "dlq" => crate::app::cli::dlq::run(&builder, sub).await,
             "gc" => {
                 let keep = setting::<Duration>(sub, "keep")
                     .or(file.retention)
@@ -410,7 +412,7 @@ impl Cli {
                 }
                 let retention = retention.check(&builder.retry_policies())?;
                 let mut conn = connect_db(builder.configured_database_url()).await?;
-                let sweep = crate::retention::sweep(&mut conn, &retention).await?;
+                let sweep = crate::store::retention::sweep(&mut conn, &retention).await?;
                 if sweep.yielded {
                     println!("another sweep is running (it holds idemq::GC_LOCK); deleted so far:");
                 }
@@ -563,12 +565,12 @@ fn url_setting(
     let value = setting::<String>(matches, id);
     let file = setting::<PathBuf>(matches, &file_id);
     if value.is_some() || file.is_some() {
-        return crate::config_env::resolve(
+        return crate::config::resolve(
             (&given_as(id, env), value),
             (&given_as(&file_id, &format!("{env}_FILE")), file.as_deref()),
         );
     }
-    crate::config_env::resolve((key, in_file), (file_key, file_in_file.as_deref())).map_err(|err| match err {
+    crate::config::resolve((key, in_file), (file_key, file_in_file.as_deref())).map_err(|err| match err {
         Error::Config(message) => Error::Config(format!("in the config file: {message}")),
         other => other,
     })
@@ -669,12 +671,12 @@ impl Settings {
 }
 
 async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
-    crate::db::connect(url).await
+    crate::store::db::connect(url).await
 }
 
 /// A connection to the first broker address of the list that answers.
 pub(crate) async fn connect_broker(urls: &str) -> Result<Connection, Error> {
-    Ok(crate::brokers::Brokers::parse(urls)?.connect("cli").await?.0)
+    Ok(crate::broker::brokers::Brokers::parse(urls)?.connect("cli").await?.0)
 }
 
 /// The application's setup first (it may create the database), then idemq's
@@ -683,13 +685,13 @@ async fn migrate(url: &str, setup: Option<&Setup>) -> Result<(), Box<dyn std::er
     if let Some(setup) = setup {
         setup(url.to_owned()).await?;
     }
-    crate::migrate(url).await?;
+    crate::store::migrate::migrate(url).await?;
     Ok(())
 }
 
 async fn migrate_status(url: &str) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let mut conn = connect_db(url).await?;
-    let applied = crate::db::applied_migrations(&mut conn).await?;
+    let applied = crate::store::db::applied_migrations(&mut conn).await?;
     let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::MIGRATIONS)
         .map_err(|err| err.to_string())?;
     let mut pending = 0;
@@ -767,7 +769,7 @@ async fn status(builder: &RuntimeBuilder) -> Result<(), Box<dyn std::error::Erro
     }
     let _ = connection.close(200, "inspected".into()).await;
     let mut conn = connect_db(builder.configured_database_url()).await?;
-    let (dedup_rows, outbox) = crate::db::table_sizes(&mut conn).await?;
+    let (dedup_rows, outbox) = crate::store::db::table_sizes(&mut conn).await?;
     println!("dedup rows (estimate): {dedup_rows}");
     println!("outbox backlog:        {outbox}");
     Ok(())

@@ -34,9 +34,9 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Confirmation, Connection};
 
-use crate::dead_letter::headers;
-use crate::identity;
-use crate::runtime::RuntimeBuilder;
+use crate::broker::dead_letter::headers;
+use crate::engine::runtime::RuntimeBuilder;
+use crate::handler::identity;
 
 /// The longest a browse holds dead letters unacked.
 const BROWSE_FOR: Duration = Duration::from_secs(30);
@@ -68,7 +68,7 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
         }
     }
     dlqs.retain(|(dlq, _)| queues.iter().any(|(_, wanted)| wanted == dlq));
-    let connection = crate::cli::connect_broker(builder.configured_amqp_url()).await?;
+    let connection = crate::app::cli::connect_broker(builder.configured_amqp_url()).await?;
     let filter = Filter::of(sub, only.cloned());
     let options = Options::of(sub);
     let mut index = 0;
@@ -309,8 +309,8 @@ impl Filter {
 
 /// A header of `delivery` for display: text, or the value as the client shows it.
 fn header(delivery: &Delivery, name: &str) -> Option<String> {
-    let value = crate::amqp_value::header(&delivery.properties, name)?;
-    Some(crate::amqp_value::text(value).unwrap_or_else(|| format!("{value:?}")))
+    let value = crate::base::amqp_value::header(&delivery.properties, name)?;
+    Some(crate::base::amqp_value::text(value).unwrap_or_else(|| format!("{value:?}")))
 }
 
 /// How often the letter was replayed (`x-idemq-replay`).

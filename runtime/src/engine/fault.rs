@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
+use crate::base::outcome::Outcome;
 use crate::handler::BoxFuture;
-use crate::outcome::Outcome;
 
 /// Where in a delivery's life the hook runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

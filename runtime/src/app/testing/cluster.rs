@@ -466,7 +466,7 @@ impl ClusterBuilder {
     /// A TLS listener on every node ([`ClusterNode::tls_port`], beside the plain one)
     /// with `certs`' CA and its `localhost` server certificate; a client that asks
     /// for `expired.localhost` (`server_name_indication=`) is shown
-    /// [`TestCertificates::expired`] instead. Client certificates are verified when
+    /// [`TestCertificates::expired`](super::TestCertificates::expired) instead. Client certificates are verified when
     /// given (`verify_peer`) and optional unless
     /// [`require_client_certificates`](Self::require_client_certificates).
     #[cfg(feature = "testing")]

@@ -1,0 +1,9 @@
+//! What applications run: the command line, metrics and health endpoints, the test
+//! kits.
+
+#[cfg(feature = "cli")]
+pub mod cli;
+#[cfg(feature = "metrics")]
+pub(crate) mod metrics;
+#[cfg(any(feature = "testing", feature = "test-cluster"))]
+pub mod testing;

@@ -1,0 +1,8 @@
+//! RabbitMQ through lapin: the broker addresses, the topology, acks, dead letters
+//! and copies, the `consumer_timeout` check.
+
+pub(crate) mod acks;
+pub(crate) mod brokers;
+pub(crate) mod consumer_timeout;
+pub(crate) mod dead_letter;
+pub(crate) mod topology;

@@ -1,0 +1,10 @@
+//! The delivery state machine and what runs it: the consumer (`delivery`), broker
+//! sessions, start-up, the outbox relay and the runtime that supervises them.
+
+pub(crate) mod delivery;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
+pub(crate) mod relay;
+pub(crate) mod runtime;
+pub(crate) mod session;
+pub(crate) mod startup;
