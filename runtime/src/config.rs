@@ -9,6 +9,11 @@ use std::path::Path;
 
 use crate::error::Error;
 
+/// The default AMQP URL (`AMQP_URL` overrides it).
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The default database URL (`DATABASE_URL` overrides it).
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
 /// The URL in the environment variable `name` (e.g. `DATABASE_URL`), or else the
 /// content of the file named by `<name>_FILE` (surrounding whitespace, such as the
 /// trailing newline, trimmed), or else `default`.

@@ -40,7 +40,7 @@
 //!
 //! ## Design
 //!
-//! The life of a delivery is one state machine, in one module (`delivery.rs`):
+//! The life of a delivery is one state machine, in one module (`engine/delivery.rs`):
 //!
 //! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
 //! batch's rows in one statement) → handlers → checked COMMIT → ack | retry |
@@ -66,7 +66,7 @@
 //!   confirmed, so a lost ack never makes a second copy.
 //! - **A message's identity is its own:** a recorded copy can only ever settle the
 //!   message it was made from. Its lineage hashes the handler, the dedup key, the
-//!   `message_id`, the body and the replay generation (`identity.rs`), so two
+//!   `message_id`, the body and the replay generation (`handler/identity.rs`), so two
 //!   messages that differ to their handler never share one, and a replayed dead
 //!   letter starts a new one. Keys are byte-exact, never a lossy reading.
 //! - **Poison is judged by starts:** a redelivered message runs alone, its start
@@ -97,8 +97,8 @@
 //!   lone message is a batch of one, never waiting for a timer. No delivery is
 //!   charged for a neighbour: a failing handler is re-run alone and the others
 //!   without it, a batch failing as a whole (refused COMMIT, a lock wait over 200 ms)
-//!   in halves. Decisions are pure functions (`verdict.rs`), acks have their own
-//!   module (`acks.rs`). Per-message mode is `batch_size(1)`.
+//!   in halves. Decisions are pure functions (`base/verdict.rs`), acks have their own
+//!   module (`broker/acks.rs`). Per-message mode is `batch_size(1)`.
 //! - **Lanes:** `#[idempotent_handler(key = "...", lane = "account")]` sends one lane
 //!   value's deliveries to one pipeline, in arrival order: never applied concurrently
 //!   or out of order within a process, and batches stop colliding on its rows.
@@ -106,7 +106,7 @@
 //!   the transactional [`outbox`], in its own transaction; the [`Relay`] publishes
 //!   committed rows with confirms and `mandatory`, at least once with one stable,
 //!   deterministic `message_id`, and deletes them (module docs of [`outbox`] and
-//!   `relay.rs`). A handler's result is stored with its dedup row and is the reply
+//!   `engine/relay.rs`). A handler's result is stored with its dedup row and is the reply
 //!   to a request (`reply_to` + `correlation_id`); a duplicated request gets the
 //!   stored reply again, byte for byte. A reply expires — after the reply TTL
 //!   ([`RuntimeBuilder::reply_ttl`], 1 h) or its request's `expiration`, whichever
@@ -120,6 +120,34 @@
 //!   is [`Error::Tls`], naming the host and the reason, and ends start-up at once: it
 //!   is a refusal, not an outage. [`connect`] connects the application's own code the
 //!   same way.
+//!
+//! ## Layers
+//!
+//! The source is in layers, and each imports only those below it (`tests/layers.rs`
+//! fails on an import that points up or sideways, and on any import circle):
+//!
+//! ```text
+//! app/ (cli + dlq, testing) · connect · outbox     what applications call
+//!   └─> engine/   the delivery state machine (delivery), broker sessions, start-up,
+//!   │             the relay, the runtime that supervises them, metrics
+//!   └─> handler/ · store/ · broker/                siblings: none imports another
+//!         handler/  the user's contract: Handler, HandlerError, Context, keys,
+//!         │         preparing a delivery (decode, key, fingerprint), identity
+//!         store/    PostgreSQL: idemq's statements (db), the schema and its check
+//!         │         (migrate), retention
+//!         broker/   lapin: broker addresses, topology, acks, dead letters and copies
+//!         └─> tls/  the rustls configuration both store and broker connect with
+//!               └─> base/  pure (no I/O): outcomes, verdicts, retry policy, backoff,
+//!                          width, observers and their events, outgoing messages,
+//!                          header names, redaction; with `error` and `config` beside it
+//! ```
+//!
+//! Where a type lives decides who may use it: a value several layers need
+//! (`OnConflict`, `ErrorClass`, `ConnectionEvent`, `Outgoing`) lives in `base`, the
+//! lowest that needs it. Two choices differ from the first sketch of this layout:
+//! `base` rather than `core` (a module named `core` at the root shadows the `core`
+//! crate in paths), and the metrics server lives in `engine` beside the runtime that
+//! starts and stops it (`RuntimeBuilder::http_addr`), not in `app`.
 //!
 //! ## Handlers
 //!
@@ -211,22 +239,23 @@ pub use app::testing;
 pub use engine::fault;
 pub use store::schema;
 
-pub use base::observe::{Batch, Commit, InfrastructureRetry, Observe, RelayPass};
+pub use base::headers::{self, MAX_ERROR_HEADER_BYTES};
+pub use base::observe::{
+    Batch, Commit, ConnectionEvent, ConnectionObserver, InfrastructureRetry, Observe, RelayPass,
+};
 pub use base::outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
 pub use base::redact::redact;
 pub use base::retry::RetryPolicy;
-pub use broker::dead_letter::{headers, MAX_ERROR_HEADER_BYTES};
+pub use base::verdict::OnConflict;
 pub use broker::topology::{
     Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT,
 };
 pub use config::env_url;
-pub use engine::delivery::OnConflict;
 pub use engine::relay::{Relay, RelayBuilder};
 pub use engine::runtime::{
     shutdown_signal, shutdown_signals, Observer, Runtime, RuntimeBuilder, ShutdownSignals, DEFAULT_AMQP_URL,
     DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_DATABASE_URL,
 };
-pub use engine::session::{ConnectionEvent, ConnectionObserver};
 pub use error::{Dependency, Error};
 pub use handler::key::{
     FromMessage, FromMessageAndMetadata, Key, KeyError, KeyField, KeyFn, KeyedMessage, Metadata,

@@ -3,7 +3,5 @@
 
 #[cfg(feature = "cli")]
 pub mod cli;
-#[cfg(feature = "metrics")]
-pub(crate) mod metrics;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub mod testing;

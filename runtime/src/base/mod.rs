@@ -3,9 +3,20 @@
 
 pub(crate) mod amqp_value;
 pub(crate) mod backoff;
+pub mod headers;
 pub(crate) mod observe;
 pub(crate) mod outcome;
+pub(crate) mod outgoing;
 pub(crate) mod redact;
 pub(crate) mod retry;
 pub(crate) mod verdict;
 pub(crate) mod width;
+
+/// Lower-case hexadecimal of `bytes` (keys, fingerprints, lineages).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}

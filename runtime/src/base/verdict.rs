@@ -4,11 +4,31 @@
 
 use std::ops::Range;
 
+use crate::base::hex;
 use crate::base::outcome::{FailureKind, Outcome};
 use crate::base::retry::RetryPolicy;
-use crate::engine::delivery::OnConflict;
-use crate::handler::key::hex;
-use crate::handler::ErrorClass;
+
+/// What to do with a known key that arrives with a different payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnConflict {
+    /// Dead-letter it (kind `conflict`): reusing a key for another payload is a
+    /// client bug, the idempotency-key rule.
+    #[default]
+    DeadLetter,
+    /// Ack it as a duplicate and log a warning.
+    Ignore,
+}
+
+/// Whether a failed attempt may succeed later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// Retry later (the default for any error returned with `?`).
+    Transient,
+    /// Retrying cannot help: dead-letter now.
+    Permanent,
+}
 
 /// A handler's failed attempt number `attempt`: retried later while the policy
 /// allows, else dead-lettered; a permanent error is dead-lettered at once.

@@ -106,32 +106,23 @@ use tokio_util::task::TaskTracker;
 
 use crate::base::amqp_value;
 use crate::base::backoff::Backoff;
+use crate::base::headers;
 use crate::base::observe::{Batch, Commit, InfrastructureRetry, Observers};
 use crate::base::outcome::{FailureKind, Outcome, Settled};
+use crate::base::outgoing::{self, Outgoing, Request};
 use crate::base::retry::{wait_queue_name, RetryPolicy};
 use crate::base::verdict;
+use crate::base::verdict::OnConflict;
 use crate::base::width::Width;
 use crate::broker::acks::Acks;
-use crate::broker::dead_letter::{self, headers, Letter};
+use crate::broker::dead_letter::{self, Letter};
 use crate::error::Error;
+use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::identity::Identity;
 use crate::handler::prepare::{ErasedHandler, Fingerprint, InputLimits, Prepared, Rejection};
 use crate::handler::{ErrorClass, HandlerError};
-use crate::outbox::{self, Context, HandlerOutput, Outgoing, Request};
 use crate::store::db::Stored;
 use crate::store::db::{self, CommitFailure};
-
-/// What to do with a known key that arrives with a different payload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum OnConflict {
-    /// Dead-letter it (kind `conflict`): reusing a key for another payload is a
-    /// client bug, the idempotency-key rule.
-    #[default]
-    DeadLetter,
-    /// Ack it as a duplicate and log a warning.
-    Ignore,
-}
 
 /// How often a transaction refused for contention (serialization failure,
 /// deadlock) is run again in-process before it counts as a failed attempt.
@@ -1004,13 +995,13 @@ impl Consumer {
 
     /// The message id of the reply to the request with `key` (every copy of it).
     fn reply_id(&self, key: &str) -> String {
-        outbox::message_id(&self.scope, key, "reply")
+        outgoing::message_id(&self.scope, key, "reply")
     }
 
     /// A request that failed permanently (its transaction rolled back): its failure
     /// is committed as its dedup row, holding the error reply, with that reply in the
     /// outbox — so a duplicate of it gets the same error, without running the handler
-    /// (see [`outbox::forget`] to apply it after a fix). Other failures store nothing.
+    /// (see [`crate::forget`] to apply it after a fix). Other failures store nothing.
     async fn store_failure(
         &self,
         conn: &mut AsyncPgConnection,
@@ -1024,7 +1015,7 @@ impl Consumer {
         else {
             return Ok(());
         };
-        let body = outbox::error_reply(kind.as_str(), error);
+        let body = outgoing::error_reply(kind.as_str(), error);
         let reply = Outgoing::reply(&request, self.reply_id(key.as_str()), body, false);
         let scope = &self.scope;
         let stored = self
@@ -1070,7 +1061,7 @@ impl Consumer {
         if db::is_connection_error(&err) || PoolableConnection::is_broken(conn) {
             return Fault::Infra(InfraFault::Database(err));
         }
-        match db::check_schema(conn).await {
+        match crate::store::migrate::check_schema(conn).await {
             Ok(Some(problem)) => Fault::Fatal(problem.into()),
             Ok(None) | Err(_) => Fault::Infra(InfraFault::Database(err)),
         }

@@ -4,6 +4,8 @@
 pub(crate) mod delivery;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+#[cfg(feature = "metrics")]
+pub(crate) mod metrics;
 pub(crate) mod relay;
 pub(crate) mod runtime;
 pub(crate) mod session;

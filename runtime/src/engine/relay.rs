@@ -51,12 +51,11 @@ use tokio_util::sync::CancellationToken;
 use crate::base::backoff::Backoff;
 use crate::base::observe::{Observe, Observers, RelayPass};
 use crate::config::EnvUrls;
-use crate::engine::runtime::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 use crate::error::{redact, Error};
 use crate::store::db::{self, OutboxRow, SessionLimits};
 
-/// The `LISTEN`/`NOTIFY` channel relays wake on.
-pub(crate) const CHANNEL: &str = "idemq_outbox";
+use crate::store::db::CHANNEL;
 
 /// The shortest time between two `NOTIFY`s of one runtime.
 pub(crate) const NOTIFY_INTERVAL: Duration = Duration::from_millis(50);
@@ -104,9 +103,9 @@ impl Default for Settings {
 }
 
 impl Settings {
-    /// Sets the reply TTL, at least [`MIN_REPLY_WINDOW`](crate::outbox::MIN_REPLY_WINDOW).
+    /// Sets the reply TTL, at least [`MIN_REPLY_WINDOW`](crate::base::outgoing::MIN_REPLY_WINDOW).
     pub(crate) fn set_reply_ttl(&mut self, ttl: Duration) {
-        self.reply_ttl = ttl.max(crate::outbox::MIN_REPLY_WINDOW);
+        self.reply_ttl = ttl.max(crate::base::outgoing::MIN_REPLY_WINDOW);
     }
 }
 
@@ -227,8 +226,9 @@ impl Relay {
         let pool = relay_pool(&database_url)?;
         let connect_error = |message: String| Error::DatabaseConnect { url: redact(&database_url), message };
         let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
-        if let Some(problem) =
-            db::check_schema(&mut conn).await.map_err(|err| connect_error(err.to_string()))?
+        if let Some(problem) = crate::store::migrate::check_schema(&mut conn)
+            .await
+            .map_err(|err| connect_error(err.to_string()))?
         {
             return Err(problem.into());
         }
@@ -733,7 +733,7 @@ async fn exchange_exists(link: &mut Link, exchange: &str) -> Result<bool, String
 fn properties(row: &OutboxRow) -> lapin::BasicProperties {
     let headers =
         row.headers.as_deref().and_then(|headers| serde_json::from_str(headers).ok()).unwrap_or_default();
-    crate::outbox::properties(
+    crate::base::outgoing::properties(
         &row.message_id,
         row.content_type.as_deref(),
         row.correlation_id.as_deref(),

@@ -13,23 +13,22 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::base::backoff::Backoff;
+use crate::base::observe::ConnectionEvent;
 use crate::base::observe::{Observe, Observers, OnConnection, OnSettled};
 use crate::base::outcome::{Settled, Stats};
 use crate::base::retry::RetryPolicy;
+use crate::base::verdict::OnConflict;
 use crate::broker::topology::Topology;
 use crate::config::EnvUrls;
-use crate::engine::delivery::{BatchLimits, Fatal, OnConflict, Shared};
-use crate::engine::session::{self, ConnectionEvent, ConsumerSpec, SessionContext, SessionEnd};
+use crate::engine::delivery::{BatchLimits, Fatal, Shared};
+use crate::engine::session::{self, ConsumerSpec, SessionContext, SessionEnd};
 use crate::engine::startup::Startup;
 use crate::error::{redact, Dependency, Error};
 use crate::handler::prepare::{ErasedHandler, InputLimits};
 use crate::handler::Handler;
 use crate::store::db::{self, SessionLimits};
 
-/// The default AMQP URL (`AMQP_URL` overrides it).
-pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-/// The default database URL (`DATABASE_URL` overrides it).
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 
 /// The default [`RuntimeBuilder::concurrency`].
 pub const DEFAULT_CONCURRENCY: usize = 16;
@@ -708,7 +707,7 @@ impl Runtime {
         #[cfg(feature = "metrics")]
         let metrics = b.http_addr.map(|addr| {
             let queues: Vec<String> = b.consumers.iter().map(|(queue, _, _)| queue.clone()).collect();
-            (addr, crate::app::metrics::Metrics::new(&queues))
+            (addr, crate::engine::metrics::Metrics::new(&queues))
         });
         // The built-in stats are a subscriber like any other, heard first.
         let mut observers = Observers::default();
@@ -724,7 +723,7 @@ impl Runtime {
         // `/readyz` says what for. Stopped when `serving` is dropped.
         #[cfg(feature = "metrics")]
         let serving = match &metrics {
-            Some((addr, metrics)) => Some(crate::app::metrics::serve(*addr, Arc::clone(metrics))?),
+            Some((addr, metrics)) => Some(crate::engine::metrics::serve(*addr, Arc::clone(metrics))?),
             None => None,
         };
 

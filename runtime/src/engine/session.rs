@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::base::observe::ConnectionEvent;
 use crate::base::retry::RetryPolicy;
 use crate::base::width::Width;
 use crate::broker::acks::Acks;
@@ -39,51 +40,6 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 async fn bounded<T>(handshake: impl std::future::Future<Output = T>) {
     let _ = tokio::time::timeout(CLOSE_TIMEOUT, handshake).await;
 }
-
-/// A change in the runtime's connection to the broker — or, at start-up, an attempt
-/// that found the broker or the database unreachable — for an
-/// [observer](crate::RuntimeBuilder::on_connection_event).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ConnectionEvent {
-    /// Session `session` is connected, declared and consuming.
-    Connected {
-        /// 1 for the first session, then one more per reconnect.
-        session: u64,
-    },
-    /// Session `session` lost its connection or a channel; the runtime reconnects.
-    Lost {
-        /// The session that ended.
-        session: u64,
-        /// Why, as far as the client knows.
-        reason: String,
-    },
-    /// The broker blocked the publishing connection (resource alarm): retry and
-    /// dead-letter copies wait; consumption goes on.
-    Blocked {
-        /// The broker's reason.
-        reason: String,
-    },
-    /// The broker unblocked the publishing connection.
-    Unblocked,
-    /// At start-up, `dependency` could not be reached (refused, reset, no answer):
-    /// the runtime tries again in `retry_in`, until it answers or the
-    /// [startup timeout](crate::RuntimeBuilder::startup_timeout) is spent. Once per
-    /// failed attempt; the broker's `Connected { session: 1 }` ends the wait.
-    Unreachable {
-        /// What could not be reached.
-        dependency: crate::Dependency,
-        /// Failed attempts so far (1 for the first).
-        attempt: u32,
-        /// When the next attempt is made.
-        retry_in: Duration,
-        /// The attempt's error, passwords redacted.
-        error: String,
-    },
-}
-
-/// A callback told of every [`ConnectionEvent`].
-pub type ConnectionObserver = Arc<dyn Fn(&ConnectionEvent) + Send + Sync>;
 
 /// What a consumed queue needs, for every session.
 pub(crate) struct ConsumerSpec {

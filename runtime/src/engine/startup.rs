@@ -13,7 +13,7 @@
 //! database, an unreadable URL, idemq's tables missing — fails at once, with the fix.
 //!
 //! One [`Startup`] spans the whole start: the database first (the check at the top
-//! of `Runtime::run`), then the broker (the first session, see `session.rs`, with
+//! of `Runtime::run`), then the broker (the first session, see `engine/session.rs`, with
 //! [`brokers::unreachable`](crate::broker::brokers::unreachable) telling an outage from a
 //! refusal). The database's attempts live here: a plain connection first, whose error
 //! carries the server's SQLSTATE, then the pool's first connection and the schema
@@ -29,8 +29,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::backoff::Backoff;
+use crate::base::observe::ConnectionEvent;
 use crate::base::observe::Observers;
-use crate::engine::session::ConnectionEvent;
 use crate::error::{redact, Dependency, Error};
 use crate::store::db;
 
@@ -269,7 +269,7 @@ async fn database_ready(pool: &Pool<AsyncPgConnection>, url: &str, limit: Durati
     };
     // Fail fast, with the fix, on what no retry can mend: without idemq's tables
     // every delivery would fail until someone runs the migrations.
-    match db::check_schema(&mut conn).await {
+    match crate::store::migrate::check_schema(&mut conn).await {
         Ok(None) => Ok(()),
         Ok(Some(problem)) => Err(Failure::Refused(problem.into())),
         Err(err) if db::is_connection_error(&err) => Err(Failure::Unreachable(err.to_string())),

@@ -30,7 +30,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::handler::key::hex;
+use crate::base::hex;
 
 /// The version prefix of a lineage; see the module docs.
 pub(crate) const LINEAGE_PREFIX: &str = "v2.";

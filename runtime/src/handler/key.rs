@@ -4,6 +4,8 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
+use crate::base::hex;
+
 /// Keys longer than this (in UTF-8 bytes) are stored as `sha256:<hex>` of the key.
 ///
 /// PostgreSQL's btree rejects index entries over ~2.7 KB; a hash keeps every key
@@ -250,14 +252,6 @@ impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    use fmt::Write;
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
 }
 
 /// Why a message's key could not be used. The message is dead-lettered (kind `key`).

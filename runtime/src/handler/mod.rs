@@ -4,6 +4,7 @@
 //! unit struct that replaces their fn. The runtime only ever sees `dyn` handlers
 //! through [`Handler`], the way axum only sees `Handler` and never your fn's type.
 
+pub(crate) mod context;
 pub(crate) mod identity;
 pub(crate) mod key;
 pub(crate) mod prepare;
@@ -16,9 +17,9 @@ use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
 
 use crate::base::retry::RetryPolicy;
-use crate::engine::delivery::OnConflict;
+use crate::base::verdict::OnConflict;
+use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::key::{Key, KeyError, Metadata};
-use crate::outbox::{Context, HandlerOutput};
 
 /// A boxed, `Send` future borrowing for `'a`, as returned by [`Handler::handle`].
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -111,15 +112,7 @@ pub trait Handler: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>>;
 }
 
-/// Whether a failed attempt may succeed later.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ErrorClass {
-    /// Retry later (the default for any error returned with `?`).
-    Transient,
-    /// Retrying cannot help: dead-letter now.
-    Permanent,
-}
+pub use crate::base::verdict::ErrorClass;
 
 /// The error a handler returns: any error, classified [transient](ErrorClass::Transient)
 /// by default.

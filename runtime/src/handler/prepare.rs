@@ -6,9 +6,9 @@ use std::sync::Arc;
 use diesel_async::AsyncPgConnection;
 
 use crate::base::outcome::FailureKind;
+use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::key::{Key, KeyError, Metadata};
 use crate::handler::{BoxFuture, Handler, HandlerError};
-use crate::outbox::{Context, HandlerOutput};
 
 mod fingerprint;
 pub(crate) use fingerprint::Fingerprint;

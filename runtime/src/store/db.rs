@@ -15,11 +15,11 @@ use diesel_async::{
 };
 use futures_util::FutureExt;
 
-use crate::outbox::Outgoing;
+use crate::base::outgoing::Outgoing;
 use crate::store::schema::{idemq_copies, idemq_dedup, idemq_outbox, idemq_started};
 
-/// The tables [`check_schema`] requires, with the privileges idemq uses on them.
-const TABLES: [&str; 4] = ["idemq_dedup", "idemq_started", "idemq_copies", "idemq_outbox"];
+/// The `LISTEN`/`NOTIFY` channel relays wake on.
+pub(crate) const CHANNEL: &str = "idemq_outbox";
 
 diesel::define_sql_function! {
     /// The current top-level transaction's id (assigning one if it has none yet).
@@ -469,9 +469,9 @@ pub(crate) async fn table_sizes(conn: &mut AsyncPgConnection) -> QueryResult<(i6
     Ok((dedup, outbox_backlog(conn).await?))
 }
 
-/// Wakes the relays listening on [`crate::engine::relay::CHANNEL`] (outside any transaction).
+/// Wakes the relays listening on [`CHANNEL`] (outside any transaction).
 pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
-    conn.batch_execute(&format!("NOTIFY {}", crate::engine::relay::CHANNEL)).await
+    conn.batch_execute(&format!("NOTIFY {CHANNEL}")).await
 }
 
 /// Why the checked COMMIT did not commit.
@@ -603,107 +603,6 @@ fn is_contention(error: &DieselError) -> bool {
         DieselError::DatabaseError(_, info) => info.message().starts_with("deadlock detected"),
         _ => false,
     }
-}
-
-/// What is wrong with the database for idemq, if anything: missing migrations,
-/// missing tables, or privileges this user lacks. Errors that no retry can fix.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct SchemaProblem {
-    pub(crate) problem: String,
-    pub(crate) fix: String,
-}
-
-impl From<SchemaProblem> for crate::error::Error {
-    fn from(SchemaProblem { problem, fix }: SchemaProblem) -> Self {
-        Self::Schema { problem, fix }
-    }
-}
-
-#[derive(QueryableByName)]
-struct TableState {
-    #[diesel(sql_type = Text)]
-    name: String,
-    #[diesel(sql_type = Bool)]
-    present: bool,
-    #[diesel(sql_type = Bool)]
-    usable: bool,
-}
-
-/// Checks that idemq's migrations were applied and its tables are usable.
-pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Option<SchemaProblem>> {
-    let run_migrate = "run idemq's migrations against this database first \
-                       (`idemq::migrate(url)`, or your binary's `migrate` subcommand)";
-    let tables: Vec<TableState> = diesel::sql_query(
-        "SELECT t.name, to_regclass(t.name) IS NOT NULL AS present, \
-         COALESCE(has_table_privilege(to_regclass(t.name), 'SELECT') \
-              AND has_table_privilege(to_regclass(t.name), 'INSERT') \
-              AND has_table_privilege(to_regclass(t.name), 'UPDATE') \
-              AND has_table_privilege(to_regclass(t.name), 'DELETE'), false) AS usable \
-         FROM unnest($1::text[]) AS t(name)",
-    )
-    .bind::<diesel::sql_types::Array<Text>, _>(TABLES.to_vec())
-    .load(conn)
-    .await?;
-    let missing: Vec<&str> = tables.iter().filter(|t| !t.present).map(|t| t.name.as_str()).collect();
-    if !missing.is_empty() {
-        return Ok(Some(SchemaProblem {
-            problem: format!("idemq's table(s) {} do not exist", missing.join(", ")),
-            fix: run_migrate.to_owned(),
-        }));
-    }
-    let unusable: Vec<&str> = tables.iter().filter(|t| !t.usable).map(|t| t.name.as_str()).collect();
-    // The migrations' record is read below: without SELECT on it the server's
-    // "permission denied" would be all the operator sees. (Its absence is the
-    // missing-migrations problem, found below.)
-    let record_readable: bool = diesel::select(diesel::dsl::sql::<Bool>(
-        "COALESCE(has_table_privilege(to_regclass('__diesel_schema_migrations'), 'SELECT'), true)",
-    ))
-    .get_result(conn)
-    .await?;
-    if !unusable.is_empty() || !record_readable {
-        // The fix names the role to grant to, as the server spells it.
-        let user: String =
-            diesel::select(diesel::dsl::sql::<Text>("quote_ident(current_user)")).get_result(conn).await?;
-        let owner = "(see the README's *Least privilege*)";
-        return Ok(Some(if unusable.is_empty() {
-            SchemaProblem {
-                problem: format!(
-                    "the database user {user} may not read __diesel_schema_migrations, where idemq \
-                     checks that its migrations are applied"
-                ),
-                fix: format!(
-                    "as the tables' owner, run GRANT SELECT ON __diesel_schema_migrations TO {user}; {owner}"
-                ),
-            }
-        } else {
-            SchemaProblem {
-                problem: format!(
-                    "the database user {user} lacks SELECT, INSERT, UPDATE or DELETE on {}",
-                    unusable.join(", ")
-                ),
-                fix: format!(
-                    "as the tables' owner, run GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {user}; {owner}",
-                    unusable.join(", ")
-                ),
-            }
-        }));
-    }
-    let applied = applied_migrations(conn).await?;
-    let embedded =
-        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::store::migrate::MIGRATIONS)
-            .map_err(DieselError::QueryBuilderError)?;
-    let pending: Vec<String> = embedded
-        .iter()
-        .filter(|m| !applied.contains(&m.name().version().to_string()))
-        .map(|m| m.name().to_string())
-        .collect();
-    if !pending.is_empty() {
-        return Ok(Some(SchemaProblem {
-            problem: format!("idemq's migration(s) {} are not applied", pending.join(", ")),
-            fix: run_migrate.to_owned(),
-        }));
-    }
-    Ok(None)
 }
 
 /// Session limits of every pooled connection, so that nothing idemq starts can hold

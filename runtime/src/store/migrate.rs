@@ -4,6 +4,10 @@ use diesel::sql_types::{BigInt, Bool};
 use diesel_async::{AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 
+use diesel::prelude::*;
+use diesel::result::Error as DieselError;
+use diesel::sql_types::Text;
+
 use crate::error::Error;
 
 /// The migrations in the repository's `migrations/` folder (the dedup table).
@@ -38,7 +42,7 @@ pub const MIGRATION_LOCK: i64 = 0x6964_656d_715f_6d67;
 /// # Cancel safety
 /// Not cancel safe: the migration runs to completion on a blocking thread.
 pub async fn migrate(database_url: &str) -> Result<(), Error> {
-    let mut conn = crate::connect::database(database_url).await?;
+    let mut conn = crate::store::db::connect(database_url).await?;
     if nothing_to_do(&mut conn).await? {
         return Ok(());
     }
@@ -78,7 +82,7 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
 /// anything else is left to the harness.
 async fn nothing_to_do(conn: &mut AsyncPgConnection) -> Result<bool, Error> {
     let checked = |err: diesel::result::Error| Error::Migration(format!("checking the schema failed: {err}"));
-    let Some(problem) = crate::store::db::check_schema(conn).await.map_err(checked)? else {
+    let Some(problem) = check_schema(conn).await.map_err(checked)? else {
         return Ok(true);
     };
     let may_create: bool = diesel::select(diesel::dsl::sql::<Bool>(
@@ -94,4 +98,107 @@ async fn nothing_to_do(conn: &mut AsyncPgConnection) -> Result<bool, Error> {
         problem: format!("{} (and this database user may not create tables)", problem.problem),
         fix: problem.fix,
     })
+}
+
+/// The tables [`check_schema`] requires, with the privileges idemq uses on them.
+const TABLES: [&str; 4] = ["idemq_dedup", "idemq_started", "idemq_copies", "idemq_outbox"];
+
+/// What is wrong with the database for idemq, if anything: missing migrations,
+/// missing tables, or privileges this user lacks. Errors that no retry can fix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SchemaProblem {
+    pub(crate) problem: String,
+    pub(crate) fix: String,
+}
+
+impl From<SchemaProblem> for crate::error::Error {
+    fn from(SchemaProblem { problem, fix }: SchemaProblem) -> Self {
+        Self::Schema { problem, fix }
+    }
+}
+
+#[derive(QueryableByName)]
+struct TableState {
+    #[diesel(sql_type = Text)]
+    name: String,
+    #[diesel(sql_type = Bool)]
+    present: bool,
+    #[diesel(sql_type = Bool)]
+    usable: bool,
+}
+
+/// Checks that idemq's migrations were applied and its tables are usable.
+pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Option<SchemaProblem>> {
+    let run_migrate = "run idemq's migrations against this database first \
+                       (`idemq::migrate(url)`, or your binary's `migrate` subcommand)";
+    let tables: Vec<TableState> = diesel::sql_query(
+        "SELECT t.name, to_regclass(t.name) IS NOT NULL AS present, \
+         COALESCE(has_table_privilege(to_regclass(t.name), 'SELECT') \
+              AND has_table_privilege(to_regclass(t.name), 'INSERT') \
+              AND has_table_privilege(to_regclass(t.name), 'UPDATE') \
+              AND has_table_privilege(to_regclass(t.name), 'DELETE'), false) AS usable \
+         FROM unnest($1::text[]) AS t(name)",
+    )
+    .bind::<diesel::sql_types::Array<Text>, _>(TABLES.to_vec())
+    .load(conn)
+    .await?;
+    let missing: Vec<&str> = tables.iter().filter(|t| !t.present).map(|t| t.name.as_str()).collect();
+    if !missing.is_empty() {
+        return Ok(Some(SchemaProblem {
+            problem: format!("idemq's table(s) {} do not exist", missing.join(", ")),
+            fix: run_migrate.to_owned(),
+        }));
+    }
+    let unusable: Vec<&str> = tables.iter().filter(|t| !t.usable).map(|t| t.name.as_str()).collect();
+    // The migrations' record is read below: without SELECT on it the server's
+    // "permission denied" would be all the operator sees. (Its absence is the
+    // missing-migrations problem, found below.)
+    let record_readable: bool = diesel::select(diesel::dsl::sql::<Bool>(
+        "COALESCE(has_table_privilege(to_regclass('__diesel_schema_migrations'), 'SELECT'), true)",
+    ))
+    .get_result(conn)
+    .await?;
+    if !unusable.is_empty() || !record_readable {
+        // The fix names the role to grant to, as the server spells it.
+        let user: String =
+            diesel::select(diesel::dsl::sql::<Text>("quote_ident(current_user)")).get_result(conn).await?;
+        let owner = "(see the README's *Least privilege*)";
+        return Ok(Some(if unusable.is_empty() {
+            SchemaProblem {
+                problem: format!(
+                    "the database user {user} may not read __diesel_schema_migrations, where idemq \
+                     checks that its migrations are applied"
+                ),
+                fix: format!(
+                    "as the tables' owner, run GRANT SELECT ON __diesel_schema_migrations TO {user}; {owner}"
+                ),
+            }
+        } else {
+            SchemaProblem {
+                problem: format!(
+                    "the database user {user} lacks SELECT, INSERT, UPDATE or DELETE on {}",
+                    unusable.join(", ")
+                ),
+                fix: format!(
+                    "as the tables' owner, run GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {user}; {owner}",
+                    unusable.join(", ")
+                ),
+            }
+        }));
+    }
+    let applied = crate::store::db::applied_migrations(conn).await?;
+    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&MIGRATIONS)
+        .map_err(DieselError::QueryBuilderError)?;
+    let pending: Vec<String> = embedded
+        .iter()
+        .filter(|m| !applied.contains(&m.name().version().to_string()))
+        .map(|m| m.name().to_string())
+        .collect();
+    if !pending.is_empty() {
+        return Ok(Some(SchemaProblem {
+            problem: format!("idemq's migration(s) {} are not applied", pending.join(", ")),
+            fix: run_migrate.to_owned(),
+        }));
+    }
+    Ok(None)
 }

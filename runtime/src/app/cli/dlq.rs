@@ -34,7 +34,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Confirmation, Connection};
 
-use crate::broker::dead_letter::headers;
+use crate::base::headers;
 use crate::engine::runtime::RuntimeBuilder;
 use crate::handler::identity;
 

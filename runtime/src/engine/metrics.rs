@@ -39,9 +39,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::base::observe::ConnectionEvent;
 use crate::base::observe::{Batch, InfrastructureRetry, Observe, RelayPass};
 use crate::base::outcome::{FailureKind, Outcome, Settled};
-use crate::engine::session::ConnectionEvent;
 
 type Labels = Vec<(&'static str, String)>;
 

@@ -1,0 +1,306 @@
+//! What goes into the outbox: messages, their properties and ids, requests and
+//! their replies, as values (no I/O). Written by handlers through their
+//! [`Context`](crate::Context), stored by the store layer, published by the relay.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use lapin::types::AMQPValue;
+use lapin::BasicProperties;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::base::hex;
+
+/// The exchange of replies: the default exchange routes by queue name.
+const REPLY_EXCHANGE: &str = "";
+
+/// The prefix of RabbitMQ's direct reply-to pseudo-queues, whose replies cannot be
+/// confirmed as routed (see [`Outgoing`]'s best-effort rows).
+const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
+
+/// The header that tells a reply's requester whether its request succeeded.
+pub const STATUS_HEADER: &str = "x-idemq-status";
+
+/// The shortest a reply is kept: a request's `expiration` below it (RabbitMQ's `0`:
+/// deliver now or drop) says how long the request may wait in its queue, not how long
+/// its requester waits for the answer; and a reply TTL below it would drop replies
+/// before a relay's first try.
+pub(crate) const MIN_REPLY_WINDOW: Duration = Duration::from_secs(1);
+
+/// A message type that knows where it is published: the typed form of
+/// [`Context::publish`](crate::Context::publish), [`Context::send`](crate::Context::send). Written by `#[derive(Message)]`
+/// (`#[message(exchange = "payments", routing_key = "payment.applied")]`).
+pub trait Message: Serialize {
+    /// The exchange it is published to (`""`: the default exchange).
+    const EXCHANGE: &'static str;
+    /// Its routing key (on the default exchange: the queue's name).
+    const ROUTING_KEY: &'static str;
+
+    /// The routing key of this message (default: [`Message::ROUTING_KEY`]).
+    fn routing_key(&self) -> &str {
+        Self::ROUTING_KEY
+    }
+}
+
+/// A message on its way into the outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) message_id: Option<String>,
+    pub(crate) content_type: Option<String>,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) headers: BTreeMap<String, String>,
+    /// `false`: best effort (direct reply-to): published once, without `mandatory`.
+    pub(crate) mandatory: bool,
+    /// The reply to a request, which expires (see the module docs); `None`: an event.
+    pub(crate) reply: Option<Expiry>,
+}
+
+/// How a reply row expires, besides the relay's reply TTL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Expiry {
+    /// The request's own window (its `expiration`), from when it was consumed.
+    pub(crate) within: Option<Duration>,
+}
+
+impl Outgoing {
+    /// `message` as JSON (`content-type: application/json`), to `exchange` with
+    /// `routing_key`.
+    ///
+    /// # Errors
+    /// [`PublishError::Serialize`], or [`PublishError::TooLong`] for a name over
+    /// AMQP's 255 bytes.
+    pub fn json<T: Serialize + ?Sized>(
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+        message: &T,
+    ) -> Result<Self, PublishError> {
+        let body = serde_json::to_vec(message).map_err(PublishError::Serialize)?;
+        Self::bytes(exchange, routing_key, body).map(|outgoing| outgoing.content_type("application/json"))
+    }
+
+    /// A body as it is, without a content type.
+    ///
+    /// # Errors
+    /// [`PublishError::TooLong`] for a name over AMQP's 255 bytes.
+    pub fn bytes(
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+        body: Vec<u8>,
+    ) -> Result<Self, PublishError> {
+        let (exchange, routing_key) = (exchange.into(), routing_key.into());
+        short("the exchange name", &exchange)?;
+        short("the routing key", &routing_key)?;
+        Ok(Self {
+            exchange,
+            routing_key,
+            body,
+            message_id: None,
+            content_type: None,
+            correlation_id: None,
+            headers: BTreeMap::new(),
+            mandatory: true,
+            reply: None,
+        })
+    }
+
+    /// Sets the AMQP `message_id` (outside a handler; a handler's messages get
+    /// deterministic ids).
+    #[must_use]
+    pub fn message_id(mut self, id: impl Into<String>) -> Self {
+        self.message_id = Some(id.into());
+        self
+    }
+
+    /// Sets the AMQP `content_type`.
+    #[must_use]
+    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Sets the AMQP `correlation_id`.
+    #[must_use]
+    pub fn correlation_id(mut self, id: impl Into<String>) -> Self {
+        self.correlation_id = Some(id.into());
+        self
+    }
+
+    /// Adds a string header.
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// The reply to a request: to `reply_to` on the default exchange, with the
+    /// request's correlation id. Replies to direct reply-to are best effort.
+    pub(crate) fn reply(request: &Request, message_id: String, body: Vec<u8>, ok: bool) -> Self {
+        Self {
+            exchange: REPLY_EXCHANGE.to_owned(),
+            routing_key: request.reply_to.clone(),
+            body,
+            message_id: Some(message_id),
+            content_type: Some("application/json".to_owned()),
+            correlation_id: Some(request.correlation_id.clone()),
+            headers: BTreeMap::from([(STATUS_HEADER.to_owned(), if ok { "ok" } else { "error" }.to_owned())]),
+            mandatory: !request.reply_to.starts_with(DIRECT_REPLY_TO),
+            reply: Some(Expiry { within: request.expires_in }),
+        }
+    }
+}
+
+/// The AMQP properties an outbox row is published with (persistent).
+pub(crate) fn properties(
+    message_id: &str,
+    content_type: Option<&str>,
+    correlation_id: Option<&str>,
+    headers: &BTreeMap<String, String>,
+) -> BasicProperties {
+    let mut properties = BasicProperties::default().with_delivery_mode(2).with_message_id(message_id.into());
+    if let Some(content_type) = content_type {
+        properties = properties.with_content_type(content_type.into());
+    }
+    if let Some(correlation_id) = correlation_id {
+        properties = properties.with_correlation_id(correlation_id.into());
+    }
+    if !headers.is_empty() {
+        let mut table = lapin::types::FieldTable::default();
+        for (name, value) in headers {
+            table.insert(name.as_str().into(), AMQPValue::LongString(value.as_str().into()));
+        }
+        properties = properties.with_headers(table);
+    }
+    properties
+}
+
+fn short(what: &'static str, name: &str) -> Result<(), PublishError> {
+    if name.len() > 255 {
+        return Err(PublishError::TooLong { what, len: name.len() });
+    }
+    no_nul(what, name)
+}
+
+/// The most header bytes an outgoing message may carry: its header frame must stay
+/// well under the broker's `frame_max` (131,072 bytes by default).
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// PostgreSQL `text` cannot hold a NUL byte: a row holding one could never be written,
+/// and its whole batch would fail with it, again and again.
+fn no_nul(what: &'static str, text: &str) -> Result<(), PublishError> {
+    if text.contains('\0') {
+        return Err(PublishError::Nul { what });
+    }
+    Ok(())
+}
+
+impl Outgoing {
+    /// Checks what the builder methods took unchecked.
+    pub(crate) fn validate(&self) -> Result<(), PublishError> {
+        for (what, text) in [
+            ("the message id", self.message_id.as_deref()),
+            ("the content type", self.content_type.as_deref()),
+            ("the correlation id", self.correlation_id.as_deref()),
+        ] {
+            no_nul(what, text.unwrap_or_default())?;
+        }
+        let mut header_bytes = 0;
+        for (name, value) in &self.headers {
+            no_nul("a header", name)?;
+            no_nul("a header", value)?;
+            header_bytes += name.len() + value.len();
+        }
+        if header_bytes > MAX_HEADER_BYTES {
+            // A header frame over the broker's frame_max (~128 KiB) closes the connection.
+            return Err(PublishError::TooLong { what: "the headers", len: header_bytes });
+        }
+        Ok(())
+    }
+}
+
+/// Why a message could not go into the outbox.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// The message could not be serialized to JSON.
+    #[error("the message cannot be serialized to JSON: {0}")]
+    Serialize(#[source] serde_json::Error),
+    /// An exchange name or routing key over AMQP's limit (255 bytes), or headers
+    /// over [`MAX_HEADER_BYTES`].
+    #[error("{what} is {len} bytes, over what one message may carry (names 255, headers 65,536)")]
+    TooLong {
+        /// Which name.
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A name, id or header holds a NUL byte (PostgreSQL `text` cannot store it).
+    #[error("{what} holds a NUL byte, which the outbox (PostgreSQL text) cannot store")]
+    Nul {
+        /// Which part.
+        what: &'static str,
+    },
+    /// Writing the outbox row failed (the transaction is aborted: return the error).
+    #[error("writing the outbox row failed: {0}")]
+    Database(#[source] diesel::result::Error),
+}
+
+/// `<sha256(scope, key, part) in hex, 32 digits>`: the message id of a handler's
+/// `part`-th published message (or its reply) for `key`.
+pub(crate) fn message_id(scope: &str, key: &str, part: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(scope.as_bytes())
+        .chain_update([0])
+        .chain_update(key.as_bytes())
+        .chain_update([0])
+        .chain_update(part.as_bytes())
+        .finalize();
+    hex(&digest[..16])
+}
+
+/// What a request carries: where its reply goes, and for how long it is wanted.
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    pub(crate) reply_to: String,
+    pub(crate) correlation_id: String,
+    /// How long its requester waits, counted from now (its consumption): its AMQP
+    /// `expiration` — or, on a retry copy (which never carries one), the original's
+    /// kept in `x-idemq-original-expiration` — at least [`MIN_REPLY_WINDOW`]. Counted
+    /// from consumption rather than publication (unknown), so it is an upper bound:
+    /// a reply is never dropped while its requester may still wait.
+    pub(crate) expires_in: Option<Duration>,
+}
+
+impl Request {
+    /// A delivery with both `reply_to` and `correlation_id` is a request.
+    pub(crate) fn of(properties: &BasicProperties) -> Option<Self> {
+        let reply_to = properties.reply_to().as_ref()?.as_str();
+        let correlation_id = properties.correlation_id().as_ref()?.as_str();
+        if reply_to.is_empty() {
+            return None;
+        }
+        if reply_to.contains('\0') || correlation_id.contains('\0') {
+            // Unanswerable: the reply's row could not be stored (a NUL in text).
+            tracing::warn!("a request whose reply_to or correlation_id holds a NUL byte gets no reply");
+            return None;
+        }
+        let expiration = properties.expiration().as_ref().map(|e| e.as_str().to_owned()).or_else(|| {
+            crate::base::amqp_value::header(properties, crate::base::headers::ORIGINAL_EXPIRATION)
+                .and_then(crate::base::amqp_value::string)
+        });
+        // RabbitMQ accepts only a count of milliseconds; anything else is ignored.
+        let expires_in = expiration
+            .and_then(|ms| ms.trim().parse::<u64>().ok())
+            .map(|ms| Duration::from_millis(ms).max(MIN_REPLY_WINDOW));
+        Some(Self { reply_to: reply_to.to_owned(), correlation_id: correlation_id.to_owned(), expires_in })
+    }
+}
+
+/// The body of the error reply to a request that failed permanently.
+pub(crate) fn error_reply(kind: &str, error: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({ "error": error, "kind": kind }))
+        .unwrap_or_else(|_| b"{}".to_vec())
+}

@@ -1,0 +1,286 @@
+//! A handler's [`Context`] (its delivery's metadata, and the outbox it publishes
+//! into) and its [`HandlerOutput`].
+
+use lapin::BasicProperties;
+use serde::Serialize;
+
+use crate::base::outgoing::{message_id, Message, Outgoing, PublishError};
+use crate::handler::HandlerError;
+
+/// What a handler's run gives a message: the delivery's metadata, and the outbox.
+///
+/// Take it as a third argument (`ctx: &mut Context`, or `&Context` to read only):
+///
+/// ```
+/// use diesel_async::AsyncPgConnection;
+/// use idemq::{idempotent_handler, Context, HandlerError};
+/// # #[derive(serde::Deserialize)] struct Order { id: String }
+/// # #[derive(serde::Serialize)] struct Shipped<'a> { order_id: &'a str }
+///
+/// #[idempotent_handler(key = "id")]
+/// async fn ship(conn: &mut AsyncPgConnection, order: Order, ctx: &mut Context) -> Result<(), HandlerError> {
+///     // ... write the shipment with `conn` ...
+///     # let _ = conn;
+///     ctx.publish("", "orders.shipped", &Shipped { order_id: &order.id })?;
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug)]
+pub struct Context {
+    scope: String,
+    key: String,
+    attempt: u32,
+    redelivered: bool,
+    properties: BasicProperties,
+    published: Vec<Outgoing>,
+    /// `dedup = false`: message ids are random (stored with their rows).
+    random_ids: bool,
+}
+
+impl Context {
+    pub(crate) fn new(
+        scope: &str,
+        key: &str,
+        attempt: u32,
+        redelivered: bool,
+        properties: &BasicProperties,
+    ) -> Self {
+        Self {
+            scope: scope.to_owned(),
+            key: key.to_owned(),
+            attempt,
+            redelivered,
+            properties: properties.clone(),
+            published: Vec::new(),
+            random_ids: false,
+        }
+    }
+
+    /// Gives published messages random ids (a handler without dedup rows).
+    pub(crate) fn use_random_ids(&mut self) {
+        self.random_ids = true;
+    }
+
+    /// Publishes `message` as JSON to `exchange` with `routing_key` once this
+    /// handler's transaction commits (never if it rolls back). Returns its message id.
+    ///
+    /// # Errors
+    /// [`PublishError::Serialize`] or [`PublishError::TooLong`]; with `?` a
+    /// transient handler error (retried).
+    pub fn publish<T: Serialize + ?Sized>(
+        &mut self,
+        exchange: &str,
+        routing_key: &str,
+        message: &T,
+    ) -> Result<String, PublishError> {
+        self.publish_outgoing(Outgoing::json(exchange, routing_key, message)?)
+    }
+
+    /// Publishes a [`Message`] where it says it goes; see [`Context::publish`].
+    ///
+    /// # Errors
+    /// As [`Context::publish`].
+    pub fn send<M: Message>(&mut self, message: &M) -> Result<String, PublishError> {
+        self.publish(M::EXCHANGE, message.routing_key(), message)
+    }
+
+    /// Publishes a message built by hand (headers, a body that is not JSON); its
+    /// message id is the handler's deterministic one, whatever it set.
+    ///
+    /// # Errors
+    /// None today; kept fallible like [`Context::publish`].
+    pub fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
+        outgoing.validate()?;
+        let id = if self.random_ids {
+            uuid::Uuid::new_v4().simple().to_string()
+        } else {
+            message_id(&self.scope, &self.key, &self.published.len().to_string())
+        };
+        self.published.push(Outgoing { message_id: Some(id.clone()), ..outgoing });
+        Ok(id)
+    }
+
+    /// The handler's dedup scope (its name, or `<namespace>/<name>`).
+    pub fn handler(&self) -> &str {
+        &self.scope
+    }
+
+    /// The message's stored dedup key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// This attempt's number: 1, then one more per retry.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Whether the broker redelivered this delivery (a consumer before may have
+    /// started it; its transaction, if any, did not commit).
+    pub fn redelivered(&self) -> bool {
+        self.redelivered
+    }
+
+    /// The delivery's AMQP `message_id`, if it has one.
+    pub fn message_id(&self) -> Option<&str> {
+        self.properties.message_id().as_ref().map(|id| id.as_str())
+    }
+
+    /// The delivery's AMQP `correlation_id`, if it has one.
+    pub fn correlation_id(&self) -> Option<&str> {
+        self.properties.correlation_id().as_ref().map(|id| id.as_str())
+    }
+
+    /// The delivery's AMQP `reply_to`, if it has one. A request (`reply_to` and
+    /// `correlation_id`) is answered with the handler's result by idemq itself.
+    pub fn reply_to(&self) -> Option<&str> {
+        self.properties.reply_to().as_ref().map(|queue| queue.as_str())
+    }
+
+    /// A header of the delivery, if it is a string (valid UTF-8: a byte string that
+    /// is not is `None`, never a lossy reading).
+    pub fn header(&self, name: &str) -> Option<String> {
+        crate::base::amqp_value::header(&self.properties, name).and_then(crate::base::amqp_value::string)
+    }
+
+    /// The messages published so far, taken by the runtime after the handler ran.
+    pub(crate) fn take_published(&mut self) -> Vec<Outgoing> {
+        std::mem::take(&mut self.published)
+    }
+}
+
+/// What a handler returned, serialized: stored with the dedup row and sent as the
+/// reply to a request. `()` (and any value serializing to `null`) stores nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HandlerOutput(pub(crate) Option<Vec<u8>>);
+
+impl HandlerOutput {
+    /// Nothing to store.
+    pub fn none() -> Self {
+        Self(None)
+    }
+
+    /// `value` as JSON.
+    ///
+    /// # Errors
+    /// A permanent [`HandlerError`] if it cannot be serialized: the same value
+    /// would fail again.
+    pub fn json<T: Serialize + ?Sized>(value: &T) -> Result<Self, HandlerError> {
+        let bytes = serde_json::to_vec(value).map_err(|err| {
+            HandlerError::permanent(format!("the handler's result cannot be serialized to JSON: {err}"))
+        })?;
+        Ok(Self((bytes != b"null").then_some(bytes)))
+    }
+
+    /// The reply body: the stored JSON, or `null`.
+    pub(crate) fn reply_body(stored: Option<&[u8]>) -> Vec<u8> {
+        stored.map_or_else(|| b"null".to_vec(), <[u8]>::to_vec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    use lapin::types::AMQPValue;
+
+    use crate::base::outgoing::{Expiry, Request, MIN_REPLY_WINDOW};
+
+    #[test]
+    fn message_ids_are_deterministic_and_keep_their_parts_apart() {
+        assert_eq!(message_id("h", "k", "0"), message_id("h", "k", "0"));
+        assert_eq!(message_id("h", "k", "0").len(), 32);
+        assert_ne!(message_id("h", "k", "0"), message_id("h", "k", "1"));
+        assert_ne!(message_id("h", "k", "0"), message_id("h", "k", "reply"));
+        // The separators keep `(ab, c)` apart from `(a, bc)`.
+        assert_ne!(message_id("ab", "c", "0"), message_id("a", "bc", "0"));
+    }
+
+    #[test]
+    fn published_messages_are_numbered_in_order() {
+        let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+        let first = ctx.publish("", "q", &1).unwrap();
+        let second = ctx.publish("", "q", &2).unwrap();
+        assert_eq!(first, message_id("h", "k", "0"));
+        assert_eq!(second, message_id("h", "k", "1"));
+        let published = ctx.take_published();
+        assert_eq!(published.len(), 2);
+        assert_eq!(published[1].body, b"2");
+    }
+
+    #[test]
+    fn without_dedup_two_deliveries_of_one_key_publish_under_different_ids() {
+        let ids: Vec<String> = (0..2)
+            .map(|_| {
+                let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+                ctx.use_random_ids();
+                ctx.publish("", "q", &1).unwrap()
+            })
+            .collect();
+        assert_ne!(ids[0], ids[1]);
+        assert_ne!(ids[0], message_id("h", "k", "0"));
+    }
+
+    #[test]
+    fn a_name_over_255_bytes_is_refused_when_published_not_by_the_broker() {
+        let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+        let err = ctx.publish("", &"q".repeat(256), &1).unwrap_err();
+        assert!(matches!(err, PublishError::TooLong { len: 256, .. }), "{err}");
+    }
+
+    #[test]
+    fn a_nul_byte_is_refused_when_published_and_a_request_holding_one_is_not_answered() {
+        let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default());
+        assert!(matches!(ctx.publish("", "q\0", &1), Err(PublishError::Nul { .. })));
+        let header = Outgoing::json("", "q", &1).unwrap().header("x-a", "b\0c");
+        assert!(matches!(ctx.publish_outgoing(header), Err(PublishError::Nul { .. })));
+        let request = BasicProperties::default().with_reply_to("r".into()).with_correlation_id("c\0".into());
+        assert!(Request::of(&request).is_none());
+        let fine = BasicProperties::default().with_reply_to("r".into()).with_correlation_id("c".into());
+        assert!(Request::of(&fine).is_some());
+    }
+
+    #[test]
+    fn replies_to_direct_reply_to_are_best_effort() {
+        let request = Request {
+            reply_to: "amq.rabbitmq.reply-to.g1h2AA".into(),
+            correlation_id: "c".into(),
+            expires_in: None,
+        };
+        assert!(!Outgoing::reply(&request, "id".into(), b"1".to_vec(), true).mandatory);
+        let named = Request { reply_to: "replies".into(), correlation_id: "c".into(), expires_in: None };
+        assert!(Outgoing::reply(&named, "id".into(), b"1".to_vec(), true).mandatory);
+    }
+
+    #[test]
+    fn a_reply_expires_within_its_requests_expiration_and_an_event_never() {
+        let request = |properties: BasicProperties| {
+            Request::of(&properties.with_reply_to("r".into()).with_correlation_id("c".into()))
+                .expect("a request")
+        };
+        let within = |properties| request(properties).expires_in;
+        let plain = BasicProperties::default();
+        assert_eq!(within(plain.clone()), None);
+        assert_eq!(within(plain.clone().with_expiration("2500".into())), Some(Duration::from_millis(2500)));
+        // `0` (deliver now or drop) is not how long the requester waits.
+        assert_eq!(within(plain.clone().with_expiration("0".into())), Some(MIN_REPLY_WINDOW));
+        assert_eq!(within(plain.clone().with_expiration("soon".into())), None);
+        // A retry copy carries the original's expiration in a header.
+        let mut headers = lapin::types::FieldTable::default();
+        headers
+            .insert(crate::base::headers::ORIGINAL_EXPIRATION.into(), AMQPValue::LongString("60000".into()));
+        assert_eq!(within(plain.clone().with_headers(headers)), Some(Duration::from_secs(60)));
+
+        let reply =
+            Outgoing::reply(&request(plain.with_expiration("2500".into())), "id".into(), vec![], true);
+        assert_eq!(reply.reply, Some(Expiry { within: Some(Duration::from_millis(2500)) }));
+        assert_eq!(Outgoing::json("", "q", &1).unwrap().reply, None, "an event never expires");
+    }
+
+    #[test]
+    fn unit_results_store_nothing() {
+        assert_eq!(HandlerOutput::json(&()).unwrap(), HandlerOutput::none());
+        assert_eq!(HandlerOutput::json(&Some(3)).unwrap().0.as_deref(), Some(&b"3"[..]));
+    }
+}

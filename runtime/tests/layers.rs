@@ -1,0 +1,149 @@
+//! The runtime's layers import one way (see the crate docs, *Layers*):
+//!
+//! ```text
+//! app (cli, metrics, testing) · connect · outbox      the front door
+//!   └─> engine (delivery, session, startup, relay, runtime)
+//!         └─> handler · store · broker                 siblings: none imports another
+//!               └─> tls
+//!                     └─> base (pure) · error · config
+//! ```
+//!
+//! This test reads `src/` and fails on any `crate::…` path in code that points up or
+//! sideways, and on any import circle between files.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// A file's layer: its rank, and its name for messages.
+fn layer(module: &str) -> (u8, &'static str) {
+    match module.split("::").next().unwrap_or("") {
+        "base" | "error" | "config" => (0, "base"),
+        "tls" => (1, "tls"),
+        "handler" => (2, "handler"),
+        "store" => (2, "store"),
+        "broker" => (2, "broker"),
+        "engine" => (3, "engine"),
+        _ => (4, "app"), // app, connect, outbox, lib
+    }
+}
+
+/// Every `.rs` file under `dir`, with its module path (`engine::delivery`).
+fn files(dir: &Path, prefix: &str, out: &mut Vec<(String, PathBuf)>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).expect("read src").filter_map(Result::ok).collect();
+    entries.sort_by_key(|entry| entry.path());
+    for entry in entries {
+        let path = entry.path();
+        let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
+        let module = match (prefix, name.as_str()) {
+            (_, "mod") | ("", "lib") => prefix.to_owned(),
+            ("", _) => name.clone(),
+            _ => format!("{prefix}::{name}"),
+        };
+        if path.is_dir() {
+            let sub = if prefix.is_empty() { name } else { format!("{prefix}::{name}") };
+            files(&path, &sub, out);
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            out.push((module, path));
+        }
+    }
+}
+
+/// The modules a file's code names with `crate::…` (comments skipped), longest
+/// known module prefix of each path.
+fn uses(text: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    for line in text.lines() {
+        let code = line.trim_start();
+        if code.starts_with("//") {
+            continue;
+        }
+        let code = code.split(" //").next().unwrap_or(code);
+        for (i, _) in code.match_indices("crate::") {
+            let path: String = code[i + "crate::".len()..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                .collect();
+            let segments: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
+            let module = (1..=segments.len())
+                .rev()
+                .map(|n| segments[..n].join("::"))
+                .find(|candidate| known.contains(candidate));
+            if let Some(module) = module {
+                found.insert(module);
+            }
+        }
+    }
+    found
+}
+
+fn graph() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut all = Vec::new();
+    files(&src, "", &mut all);
+    let known: BTreeSet<String> =
+        all.iter().map(|(module, _)| module.clone()).filter(|m| !m.is_empty()).collect();
+    all.iter()
+        .map(|(module, path)| {
+            let text = std::fs::read_to_string(path).expect("read a source file");
+            let mut used = uses(&text, &known);
+            used.remove(module);
+            (module.clone(), used)
+        })
+        .collect()
+}
+
+#[test]
+fn imports_point_down_the_layers_only() {
+    let mut wrong = Vec::new();
+    for (module, used) in graph() {
+        let (rank, name) = layer(&module);
+        for target in used {
+            let (target_rank, target_name) = layer(&target);
+            let sideways = rank == target_rank && rank == 2 && name != target_name;
+            if target_rank > rank || sideways {
+                wrong.push(format!("{module} ({name}) uses {target} ({target_name})"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "imports against the layers:\n  {}", wrong.join("\n  "));
+}
+
+#[test]
+fn no_file_imports_itself_back_through_others() {
+    let graph = graph();
+    // Depth-first search; a back edge is a circle.
+    fn visit<'a>(
+        node: &'a str,
+        graph: &'a BTreeMap<String, BTreeSet<String>>,
+        state: &mut BTreeMap<&'a str, bool>,
+        stack: &mut Vec<&'a str>,
+        circles: &mut Vec<String>,
+    ) {
+        state.insert(node, false);
+        stack.push(node);
+        for next in graph.get(node).into_iter().flatten() {
+            // A module and its parent `mod.rs` (which declares it) are one unit.
+            if node.starts_with(&format!("{next}::")) || next.starts_with(&format!("{node}::")) {
+                continue;
+            }
+            match state.get(next.as_str()) {
+                None => visit(next, graph, state, stack, circles),
+                Some(false) => {
+                    let from = stack.iter().position(|m| *m == next).unwrap_or(0);
+                    circles.push(format!("{} -> {next}", stack[from..].join(" -> ")));
+                }
+                Some(true) => {}
+            }
+        }
+        stack.pop();
+        state.insert(node, true);
+    }
+    let mut state = BTreeMap::new();
+    let mut circles = Vec::new();
+    for node in graph.keys() {
+        if !state.contains_key(node.as_str()) {
+            visit(node, &graph, &mut state, &mut Vec::new(), &mut circles);
+        }
+    }
+    assert!(circles.is_empty(), "import circles:\n  {}", circles.join("\n  "));
+}
