@@ -357,7 +357,7 @@ pub(crate) fn refused(dialect: Dialect, url: &str, host: &str, err: &rustls::Err
                 match cert {
                     CertificateError::NotValidForNameContext { presented, .. } => format!(
                         "the server's certificate is not valid for the host name {host} (it is for {})",
-                        presented.join(", ")
+                        presented.iter().map(|name| plain_name(name)).collect::<Vec<_>>().join(", ")
                     ),
                     _ => format!("the server's certificate is not valid for the host name {host}"),
                 },
@@ -400,4 +400,10 @@ pub(crate) fn refused(dialect: Dialect, url: &str, host: &str, err: &rustls::Err
         reason,
         fix,
     }
+}
+
+/// A name as rustls presents it (`DnsName("localhost")`, `IpAddress(..)`), as a
+/// person writes it.
+fn plain_name(presented: &str) -> &str {
+    presented.strip_prefix("DnsName(\"").and_then(|rest| rest.strip_suffix("\")")).unwrap_or(presented)
 }
