@@ -12,8 +12,9 @@
 //! attempt publishes under the same ids (only one attempt ever commits), and a relay
 //! re-send after a crash carries the id of its row: a downstream consumer keyed on
 //! the message id applies it once. Outside a handler, [`enqueue`] writes a row in the
-//! caller's transaction with the id the caller gave or a random (v4 UUID) one, stored
-//! with the row — stable across re-sends, which is all the downstream dedup needs.
+//! caller's transaction with the id the caller gave or a random one (128 bits of the
+//! operating system's randomness), stored with the row — stable across re-sends, which
+//! is all the downstream dedup needs.
 //!
 //! Replies expire; events never do. A reply whose requester is gone (an auto-delete or
 //! exclusive `reply_to` queue goes away with its client) is returned as unroutable on
@@ -57,7 +58,7 @@ pub use crate::handler::context::{Context, HandlerOutput};
 /// [`PublishError::Database`].
 pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result<String, PublishError> {
     outgoing.validate()?;
-    let id = outgoing.message_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let id = outgoing.message_id.clone().unwrap_or_else(crate::base::random_id);
     let row = Outgoing { message_id: Some(id.clone()), ..outgoing };
     crate::store::db::insert_outbox(conn, std::slice::from_ref(&row))
         .await

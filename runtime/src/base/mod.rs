@@ -20,3 +20,14 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
         s
     })
 }
+
+/// 32 hex digits of the operating system's randomness: an id no other process makes
+/// (a message id the caller did not give).
+///
+/// # Panics
+/// If the operating system has no randomness to give (as `uuid`'s v4 would).
+pub(crate) fn random_id() -> String {
+    let mut bytes = [0_u8; 16];
+    getrandom::fill(&mut bytes).expect("the operating system's random number generator");
+    hex(&bytes)
+}

@@ -847,11 +847,7 @@ impl Consumer {
             if let Some(request) = Request::of(&items[done.index].delivery.properties) {
                 let body = HandlerOutput::reply_body(done.output.0.as_deref());
                 // Without dedup rows two requests may share a key: random reply ids.
-                let id = if dedup {
-                    self.reply_id(done.key.as_str())
-                } else {
-                    uuid::Uuid::new_v4().simple().to_string()
-                };
+                let id = if dedup { self.reply_id(done.key.as_str()) } else { crate::base::random_id() };
                 rows.push(Outgoing::reply(&request, id, body, true));
             }
             match &done.output.0 {

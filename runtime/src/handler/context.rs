@@ -92,7 +92,7 @@ impl Context {
     pub fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
         outgoing.validate()?;
         let id = if self.random_ids {
-            uuid::Uuid::new_v4().simple().to_string()
+            crate::base::random_id()
         } else {
             message_id(&self.scope, &self.key, &self.published.len().to_string())
         };
