@@ -35,11 +35,13 @@ pub(super) enum Failure {
 
 impl Consumer {
     /// One of idemq's own statements, bounded on the client too: past
-    /// [`Shared::statement_deadline`](super::Shared::statement_deadline) (the server's `statement_timeout` and a margin)
+    /// [`Shared::statement_deadline`] (the server's `statement_timeout` and a margin)
     /// the server would have answered, if only with an error, so no answer means the
     /// network to it is gone — a half-open connection (a pooler or proxy that stays
     /// up, a black hole) must not hold a delivery for the whole outage. The error is a
     /// connection error: the transaction is retried on a fresh connection.
+    ///
+    /// [`Shared::statement_deadline`]: super::Shared::statement_deadline
     pub(super) async fn bounded<T>(
         &self,
         statement: impl Future<Output = diesel::QueryResult<T>>,

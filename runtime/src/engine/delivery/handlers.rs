@@ -54,7 +54,7 @@ impl Consumer {
         let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();
         for (position, (index, prepared)) in new.into_iter().enumerate() {
             match self.run_handler(conn, tx, &cancel, index, prepared).await? {
-                Handled::Done(ran) => done.push(ran),
+                Handled::Done(handled) => done.push(handled),
                 Handled::Failed(failed) => {
                     self.handler_failure(conn, tx, &new_indices, position, failed).await?;
                     return Ok(Step::Ended);

@@ -44,14 +44,14 @@
 //!   connection: all commit or none does. Concurrent duplicates block on the unique
 //!   index and then see the committed row; nothing checks first and acts later. The
 //!   same key twice in one batch is run once; the second waits for the first's fate.
-//! - COMMIT is *checked* ([`db::commit_checked`](crate::store::db::commit_checked)): a transaction aborted by a statement
+//! - COMMIT is *checked* ([`db::commit_checked`]): a transaction aborted by a statement
 //!   whose error the handler ignored, or ended by the handler itself, is rolled back
 //!   and counted as a handler failure, never acked as applied.
 //! - Only a delivery run alone is charged a failed attempt. In a batch of several,
 //!   a handler that fails (error, panic, timeout) is re-run alone, the others without
-//!   it ([`verdict::around`](crate::base::verdict::around)); a batch that fails as a whole (refused or aborted
-//!   COMMIT, a lock timeout: batches wait [`db::BATCH_LOCK_TIMEOUT`](crate::store::db::BATCH_LOCK_TIMEOUT) for a lock, far
-//!   below the deadlock detector's second) is re-run in halves ([`verdict::halves`](crate::base::verdict::halves)).
+//!   it ([`verdict::around`]); a batch that fails as a whole (refused or aborted
+//!   COMMIT, a lock timeout: batches wait [`db::BATCH_LOCK_TIMEOUT`] for a lock, far
+//!   below the deadlock detector's second) is re-run in halves ([`verdict::halves`]).
 //!   Outcomes are the ones per-message mode would give.
 //! - A COMMIT the server answered with an error is a rollback (a handler failure;
 //!   serialization failures and deadlocks are first run again in-process). Only a
@@ -79,13 +79,18 @@
 //!   recorded copy can only ever settle the message it was made from: the lineage
 //!   hashes the message's scope, key, `message_id`, body and replay generation
 //!   ([`crate::handler::identity`]), so two messages that differ to their handler never share one.
-//! - What handlers publish (through their
-//!   [`Context`](crate::handler::context::Context)) and return goes into the
+//! - What handlers publish (through their [`Context`]) and return goes into the
 //!   batch's transaction after the last handler, one statement for the outbox rows
 //!   (with a request's reply) and one for the results: published if and only if the
 //!   effect commits. A duplicated request's stored reply is committed to the outbox
 //!   before the duplicate is acked; a request's permanent failure is committed as its
 //!   dedup row (holding the error reply) before it is dead-lettered.
+//!
+//! [`db::commit_checked`]: crate::store::db::commit_checked
+//! [`db::BATCH_LOCK_TIMEOUT`]: crate::store::db::BATCH_LOCK_TIMEOUT
+//! [`verdict::around`]: crate::base::verdict::around
+//! [`verdict::halves`]: crate::base::verdict::halves
+//! [`Context`]: crate::handler::context::Context
 //!
 //! The files of this module, one concern each (this file holds the shared nouns and
 //! [`Consumer::process`], the life above):
@@ -316,7 +321,9 @@ impl Consumer {
     /// broker — unless `cut_off` fires first (the shutdown deadline passed): then the
     /// work in flight is dropped (an open transaction rolls back when its connection
     /// closes) and the deliveries are returned to the queue. A copy already being
-    /// published is given [`COPY_GRACE`](settle::COPY_GRACE) to be confirmed and acked first.
+    /// published is given [`COPY_GRACE`] to be confirmed and acked first.
+    ///
+    /// [`COPY_GRACE`]: settle::COPY_GRACE
     pub(crate) async fn process(self: &Arc<Self>, batch: Vec<Item>, cut_off: &CancellationToken) {
         let (items, prepared): (Vec<Delivered>, Vec<_>) =
             batch.into_iter().map(|item| (item.delivered, item.prepared)).unzip();

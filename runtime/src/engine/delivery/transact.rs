@@ -100,6 +100,7 @@ impl Tx<'_> {
     }
 }
 
+/// A statement of idemq's own failed: nothing is decided (see [`Consumer::diagnose`]).
 pub(super) fn infra(err: diesel::result::Error) -> Fault {
     Fault::Infra(InfraFault::Database(err))
 }
