@@ -40,7 +40,7 @@
 //!
 //! ## Design
 //!
-//! The life of a delivery is one state machine, in one module (`engine/delivery.rs`):
+//! The life of a delivery is one state machine, in one module (`engine/delivery/`, whose `mod.rs` tells it):
 //!
 //! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
 //! batch's rows in one statement) → handlers → checked COMMIT → ack | retry |

@@ -1,0 +1,270 @@
+//! What runs together: a batch is decided in parts — the whole first, then smaller
+//! parts around whatever could not be decided together (see `transact`) — each part
+//! retried in-process on database faults and contention, never charged as an
+//! attempt. A redelivered message runs alone: its copy checked, its start counted.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use diesel_async::pooled_connection::deadpool::Object;
+use diesel_async::pooled_connection::PoolableConnection;
+use diesel_async::AsyncPgConnection;
+use lapin::message::Delivery;
+
+use super::faults::{panic_message, Fault, InfraFault};
+use super::{Consumer, Decision, Delivered, Ran};
+use crate::base::backoff::Backoff;
+use crate::base::observe::{Batch, InfrastructureRetry};
+use crate::base::outcome::{FailureKind, Outcome};
+use crate::base::verdict;
+use crate::handler::prepare::{Prepared, Rejection};
+use crate::handler::ErrorClass;
+use crate::store::db;
+
+/// How often a transaction refused for contention (serialization failure,
+/// deadlock) is run again in-process before it counts as a failed attempt.
+const CONTENTION_RETRIES: u32 = 3;
+
+impl Consumer {
+    /// Decides every delivery of the batch: runs it in one transaction, and runs
+    /// again smaller whatever could not be decided together.
+    pub(super) async fn decide(
+        &self,
+        items: &[Delivered],
+        mut prepared: Vec<Option<Result<Prepared, Rejection>>>,
+    ) -> Vec<Decision> {
+        // A redelivered message may be what crashed the last consumer: it runs alone.
+        let _turn = if items.iter().any(Delivered::runs_alone) {
+            Turn::Alone(self.shared.turns.write().await)
+        } else {
+            Turn::Shared(self.shared.turns.read().await)
+        };
+        let mut decisions: Vec<Option<Decision>> = items.iter().map(|_| None).collect();
+        let mut parts: VecDeque<Vec<usize>> = VecDeque::from([(0..items.len()).collect()]);
+        let (mut splits, mut contended) = (0_u64, false);
+        let started = Instant::now();
+        while let Some(part) = parts.pop_front() {
+            let ran = self.run_part(items, &part, &mut prepared).await;
+            if !ran.next.is_empty() {
+                splits += 1;
+            }
+            contended |= ran.contended;
+            for (index, decision) in ran.decided {
+                decisions[index] = Some(decision);
+            }
+            for next in ran.next.into_iter().rev() {
+                parts.push_front(next);
+            }
+        }
+        self.width.adapt(splits > 0, contended);
+        self.shared.observers.batch(&Batch {
+            queue: &self.queue,
+            deliveries: items.len(),
+            splits,
+            took: started.elapsed(),
+        });
+        decisions
+            .into_iter()
+            .map(|decision| {
+                decision.unwrap_or_else(|| {
+                    // Every path decides every delivery; this only guards the invariant.
+                    tracing::error!(queue = %self.queue, "a delivery was left undecided; returning it to the queue");
+                    Decision::new(Outcome::Requeued { error: "left undecided".into() })
+                })
+            })
+            .collect()
+    }
+
+    /// Runs `part` (indices into the batch) until it is decided or split, retrying
+    /// in-process on infrastructure faults (not counted as attempts).
+    async fn run_part(
+        &self,
+        items: &[Delivered],
+        part: &[usize],
+        prepared: &mut [Option<Result<Prepared, Rejection>>],
+    ) -> Ran {
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
+        let mut contention = 0;
+        let mut marked: Option<i32> = None;
+        let mut last_logged: Option<String> = None;
+        // Held since the oldest of them was received, not since this run: waiting
+        // for a turn (behind a redelivered message, an earlier part of its batch)
+        // keeps a delivery unacked too, and the broker's consumer_timeout counts it.
+        let held_since =
+            part.iter().map(|&index| items[index].received_at).min().unwrap_or_else(Instant::now);
+        let all = |outcome: Outcome| Ran {
+            decided: part.iter().map(|&index| (index, Decision::new(outcome.clone()))).collect(),
+            ..Ran::default()
+        };
+        loop {
+            let fault = match self.attempt(items, part, prepared, &mut marked).await {
+                Ok(ran) => return ran,
+                Err(fault) => fault,
+            };
+            let fault = match fault {
+                Fault::Infra(fault) => fault,
+                Fault::Contention { error, .. } if contention < CONTENTION_RETRIES => {
+                    contention += 1;
+                    tracing::info!(queue = %self.queue, %error, contention, "transaction rolled back for contention; running it again");
+                    tokio::time::sleep(Duration::from_millis(10 * u64::from(contention))).await;
+                    continue;
+                }
+                Fault::Contention { error, key } => {
+                    // Only a delivery run alone reports contention (a batch splits).
+                    let error = format!("{error} (still after {CONTENTION_RETRIES} runs in-process)");
+                    let attempt = items[part[0]].counts.attempt;
+                    let outcome = verdict::handler_failed(ErrorClass::Transient, error, attempt, &self.retry);
+                    let decision = Decision {
+                        outcome,
+                        key: Some(key),
+                        began_at: None,
+                        marked: marked.is_some(),
+                        batch: 1,
+                        reply: None,
+                        handler_time: None,
+                    };
+                    return Ran { decided: vec![(part[0], decision)], ..Ran::default() };
+                }
+                Fault::Fatal(error) => {
+                    let outcome = Outcome::Requeued { error: error.to_string() };
+                    self.shared.fatal.raise(error);
+                    return all(outcome);
+                }
+            };
+            if held_since.elapsed() >= self.shared.database_retry_limit {
+                // Held longer, the broker's consumer_timeout (30 min by default) would
+                // close the channel and return every delivery on it.
+                let error = format!(
+                    "the database stayed unavailable for {:?} ({fault}); returned to the queue",
+                    self.shared.database_retry_limit
+                );
+                return all(Outcome::Requeued { error });
+            }
+            // Logged once per change of fault, not once per retry.
+            let message = fault.to_string();
+            let redacted = crate::base::redact::redact(&message);
+            self.shared
+                .observers
+                .infrastructure_retry(&InfrastructureRetry { queue: &self.queue, fault: &redacted });
+            if last_logged.as_deref() != Some(message.as_str()) {
+                tracing::error!(queue = %self.queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
+                last_logged = Some(message);
+            }
+            backoff.wait().await;
+        }
+    }
+
+    /// One run of `part`: decode, then (for messages that need the database) one
+    /// connection for the copy check and start mark of a message run alone, and the
+    /// transaction. A server error on one of idemq's own statements is diagnosed
+    /// (see [`Self::diagnose`]).
+    async fn attempt(
+        &self,
+        items: &[Delivered],
+        part: &[usize],
+        prepared: &mut [Option<Result<Prepared, Rejection>>],
+        marked: &mut Option<i32>,
+    ) -> Result<Ran, Fault> {
+        let alone = part.len() == 1 && items[part[0]].runs_alone();
+        let mut ran = Ran::default();
+        let mut runnable = Vec::with_capacity(part.len());
+        let mut rejected = None;
+        for &index in part {
+            let decoded = prepared[index].take().unwrap_or_else(|| self.prepare(&items[index].delivery));
+            match decoded {
+                Ok(decoded) => runnable.push((index, decoded)),
+                // A redelivered message's copy may exist: check that first.
+                Err(rejection) if alone => rejected = Some(rejection),
+                Err(rejection) => {
+                    let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message };
+                    ran.decided.push((index, Decision::new(outcome)));
+                }
+            }
+        }
+        if runnable.is_empty() && !alone {
+            return Ok(ran);
+        }
+        let mut conn =
+            self.shared.pool.get().await.map_err(|err| Fault::Infra(InfraFault::Pool(err.to_string())))?;
+        let result = if alone {
+            let prepared = runnable.pop().map(|(_, prepared)| prepared);
+            self.attempt_alone(&mut conn, items, part[0], prepared, rejected, marked).await
+        } else {
+            self.transact(&mut conn, items, runnable, None, ran).await
+        };
+        let result = match result {
+            Err(Fault::Infra(InfraFault::Database(err))) => Err(self.diagnose(&mut conn, err).await),
+            decided => decided,
+        };
+        if matches!(result, Err(Fault::Infra(_))) || PoolableConnection::is_broken(&mut *conn) {
+            // Never return a connection in an unknown state to the pool.
+            drop(Object::take(conn));
+        }
+        result
+    }
+
+    /// A redelivered message, alone: acked at once if its copy was confirmed before;
+    /// else its start is counted (committed before its handler runs), then the
+    /// transaction, which dead-letters it as poison once the starts reach the limit.
+    async fn attempt_alone(
+        &self,
+        conn: &mut AsyncPgConnection,
+        items: &[Delivered],
+        index: usize,
+        prepared: Option<Prepared>,
+        rejected: Option<Rejection>,
+        marked: &mut Option<i32>,
+    ) -> Result<Ran, Fault> {
+        let item = &items[index];
+        let infra = |err| Fault::Infra(InfraFault::Database(err));
+        let decided = |decision: Decision| Ran { decided: vec![(index, decision)], ..Ran::default() };
+        let key = prepared.as_ref().map(|prepared| prepared.key.as_str());
+        let copy_id = self.identity(item, key).copy_id(item.counts.attempt);
+        if self.bounded(db::copy_recorded(conn, &copy_id)).await.map_err(infra)? {
+            return Ok(decided(Decision::new(Outcome::AlreadyCopied { copy_id })));
+        }
+        let Some(prepared) = prepared else {
+            let rejection = rejected.expect("a message run alone is either decoded or rejected");
+            let outcome = Outcome::DeadLettered { kind: rejection.kind, error: rejection.message };
+            return Ok(decided(Decision::new(outcome)));
+        };
+        let starts = match *marked {
+            Some(starts) => starts,
+            None => {
+                let starts = self
+                    .bounded(db::mark_start(conn, &self.scope, prepared.key.as_str()))
+                    .await
+                    .map_err(infra)?;
+                *marked = Some(starts);
+                starts
+            }
+        };
+        let mut ran =
+            self.transact(conn, items, vec![(index, prepared)], Some(starts), Ran::default()).await?;
+        for (_, decision) in &mut ran.decided {
+            decision.marked = true;
+        }
+        Ok(ran)
+    }
+
+    /// Decodes the body; a panicking `Deserialize` impl or key is a decode failure.
+    pub(crate) fn prepare(&self, delivery: &Delivery) -> Result<Prepared, Rejection> {
+        let prepare = || self.handler.prepare(&delivery.data, &delivery.properties, self.shared.limits);
+        std::panic::catch_unwind(AssertUnwindSafe(prepare)).unwrap_or_else(|panic| {
+            Err(Rejection {
+                kind: FailureKind::Decode,
+                message: format!(
+                    "decoding the message or reading its key panicked: {}",
+                    panic_message(&*panic)
+                ),
+            })
+        })
+    }
+}
+
+/// A delivery's place beside the others: alone (redelivered) or shared.
+enum Turn<'a> {
+    Alone(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
+    Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
+}

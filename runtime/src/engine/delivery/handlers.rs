@@ -1,0 +1,217 @@
+//! The handler phase of the transaction (see `transact`): each new message's
+//! handler in the open transaction, in arrival order, and what a failure means — in
+//! a batch of several a split, alone a charged attempt.
+
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use diesel_async::pooled_connection::PoolableConnection;
+use diesel_async::{AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager};
+use futures_util::FutureExt;
+
+use super::faults::{answers, cancel_statement, panic_message, rollback, Failure, Fault, InfraFault};
+use super::transact::{infra, rerun_repeats, split, Done, Step, Tx};
+use super::{Consumer, Delivered};
+use crate::base::outcome::Outcome;
+use crate::base::outgoing::{self, Outgoing, Request};
+use crate::base::verdict;
+use crate::handler::context::Context;
+use crate::handler::prepare::{Fingerprint, Prepared};
+use crate::handler::{ErrorClass, HandlerError};
+use crate::store::db;
+
+/// What one handler's run came to.
+enum Handled {
+    Done(Done),
+    Failed(Failed),
+}
+
+/// A handler that failed in the open transaction.
+struct Failed {
+    index: usize,
+    key: crate::Key,
+    fingerprint: Fingerprint,
+    failure: Failure,
+    took: Duration,
+}
+
+impl Consumer {
+    /// The handlers of the new messages, in arrival order, in the open transaction;
+    /// the first failure ends the run ([`Self::handler_failure`]).
+    pub(super) async fn handle(
+        &self,
+        conn: &mut AsyncPgConnection,
+        tx: &mut Tx<'_>,
+        new: Vec<(usize, Prepared)>,
+    ) -> Result<Step<Vec<Done>>, Fault> {
+        if new.len() > 1 {
+            if let Err(err) = self.bounded(db::limit_batch_lock_waits(conn)).await {
+                return Err(rollback(conn, infra(err)).await);
+            }
+        }
+        let cancel = conn.cancel_token();
+        let mut done = Vec::with_capacity(new.len());
+        let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();
+        for (position, (index, prepared)) in new.into_iter().enumerate() {
+            match self.run_handler(conn, tx, &cancel, index, prepared).await? {
+                Handled::Done(handled) => done.push(handled),
+                Handled::Failed(failed) => {
+                    self.handler_failure(conn, tx, &new_indices, position, failed).await?;
+                    return Ok(Step::Ended);
+                }
+            }
+        }
+        Ok(Step::Next(done))
+    }
+
+    /// One handler in the open transaction, within the handler timeout. A handler
+    /// cut off (panic, timeout) has its statement cancelled on the server; one whose
+    /// connection then does not answer at all met an outage, not a failure of its own.
+    async fn run_handler(
+        &self,
+        conn: &mut AsyncPgConnection,
+        tx: &Tx<'_>,
+        cancel: &tokio_postgres::CancelToken,
+        index: usize,
+        prepared: Prepared,
+    ) -> Result<Handled, Fault> {
+        let Prepared { key, fingerprint, effect, .. } = prepared;
+        let delivered = &tx.items[index];
+        let mut ctx = Context::new(
+            &self.scope,
+            key.as_str(),
+            delivered.counts.attempt,
+            delivered.counts.redelivered,
+            &delivered.delivery.properties,
+        );
+        if !tx.dedup {
+            // Two deliveries with one key are two messages here: their outbox
+            // rows must not share ids.
+            ctx.use_random_ids();
+        }
+        let run = AssertUnwindSafe(effect(conn, &mut ctx)).catch_unwind();
+        let started = Instant::now();
+        let ran_for = tokio::time::timeout(self.shared.handler_timeout, run).await;
+        let took = started.elapsed();
+        let failure = match ran_for {
+            Ok(Ok(Ok(output))) => {
+                let published = ctx.take_published();
+                return Ok(Handled::Done(Done { index, key, fingerprint, output, published, took }));
+            }
+            Ok(Ok(Err(error))) => Failure::Returned(error),
+            // Both leave the transaction open and maybe a statement running: cancel
+            // it on the server (dropping the connection alone would not stop it, and
+            // it would keep its locks); `attempt` then drops the connection (it is in
+            // a transaction, so broken), which ends the transaction server-side.
+            Ok(Err(panic)) => {
+                cancel_statement(cancel, &self.shared.cancel_tls).await;
+                Failure::Cut(format!("the handler panicked: {}", panic_message(&*panic)))
+            }
+            Err(_elapsed) => {
+                cancel_statement(cancel, &self.shared.cancel_tls).await;
+                if !answers(conn).await {
+                    // Its connection does not answer either: the handler was most
+                    // likely waiting for an unreachable database, which is an
+                    // outage, not the handler's failed attempt. The transaction
+                    // runs again on a fresh connection (not counted).
+                    return Err(Fault::Infra(InfraFault::Broken(format!(
+                        "the handler did not finish within {:?}, and its database connection did \
+                         not answer after its statement was cancelled",
+                        self.shared.handler_timeout
+                    ))));
+                }
+                Failure::Cut(format!("the handler did not finish within {:?}", self.shared.handler_timeout))
+            }
+        };
+        Ok(Handled::Failed(Failed { index, key, fingerprint, failure, took }))
+    }
+
+    /// A handler failed, at `position` of the new messages: the transaction is
+    /// rolled back. In a batch of several the others run without it and it runs
+    /// alone; alone, its attempt is charged (a request's permanent failure is stored
+    /// first) and the repeats of its key run next.
+    async fn handler_failure(
+        &self,
+        conn: &mut AsyncPgConnection,
+        tx: &mut Tx<'_>,
+        new_indices: &[usize],
+        position: usize,
+        failed: Failed,
+    ) -> Result<(), Fault> {
+        let Failed { index, key, fingerprint, failure, took } = failed;
+        if let Failure::Returned(_) = &failure {
+            match self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await {
+                // A failed ROLLBACK means the connection broke: whatever the
+                // handler wrapped, this is an infrastructure fault.
+                Err(err) => return Err(infra(err)),
+                Ok(()) if PoolableConnection::is_broken(conn) => {
+                    return Err(Fault::Infra(InfraFault::Broken(failure.to_string())))
+                }
+                Ok(()) => {}
+            }
+        }
+        if new_indices.len() > 1 {
+            // Maybe a neighbour's doing (a lock, an aborted transaction): the
+            // others run without it (those after it never ran), and it runs alone.
+            tracing::debug!(queue = %self.queue, key = %key, error = %failure, batch = tx.batch, "a handler failed in a batch; running it alone");
+            tx.ran.next = split(new_indices, verdict::around(new_indices.len(), position), &tx.repeats);
+            tx.ran.contended = db::is_contention_message(&failure.to_string());
+            return Ok(());
+        }
+        let error = match failure {
+            Failure::Returned(error) => error,
+            Failure::Cut(message) => HandlerError::transient(message),
+        };
+        let class = error.class();
+        let outcome = self.handler_failed(error, tx.items[index].counts.attempt);
+        if class == ErrorClass::Permanent && tx.dedup {
+            self.store_failure(conn, &tx.items[index], &key, &fingerprint, &outcome).await?;
+        }
+        let mut decision = self.decision(outcome, key.as_str(), Some(tx.began_at), tx.batch);
+        decision.handler_time = Some(took);
+        tx.ran.decided.push((index, decision));
+        tx.ran.next = rerun_repeats(std::mem::take(&mut tx.repeats));
+        Ok(())
+    }
+
+    /// A request that failed permanently (its transaction rolled back): its failure
+    /// is committed as its dedup row, holding the error reply, with that reply in the
+    /// outbox — so a duplicate of it gets the same error, without running the handler
+    /// (see [`crate::forget`] to apply it after a fix). Other failures store nothing.
+    async fn store_failure(
+        &self,
+        conn: &mut AsyncPgConnection,
+        item: &Delivered,
+        key: &crate::Key,
+        fingerprint: &Fingerprint,
+        outcome: &Outcome,
+    ) -> Result<(), Fault> {
+        let (Some(request), Outcome::DeadLettered { kind, error }) =
+            (Request::of(&item.delivery.properties), outcome)
+        else {
+            return Ok(());
+        };
+        let body = outgoing::error_reply(kind.as_str(), error);
+        let reply = Outgoing::reply(&request, self.reply_id(key.as_str()), body, false);
+        let scope = &self.scope;
+        let stored = self
+            .bounded(conn.transaction::<bool, diesel::result::Error, _>(async |conn| {
+                let new =
+                    db::store_failure(conn, scope, key.as_str(), fingerprint.as_slice(), &reply.body).await?;
+                if new {
+                    db::insert_outbox(conn, std::slice::from_ref(&reply)).await?;
+                }
+                Ok(new)
+            }))
+            .await
+            .map_err(|err| Fault::Infra(InfraFault::Database(err)))?;
+        if stored {
+            self.shared.outbox.committed();
+        }
+        Ok(())
+    }
+
+    pub(super) fn handler_failed(&self, error: HandlerError, attempt: u32) -> Outcome {
+        verdict::handler_failed(error.class(), error.to_string(), attempt, &self.retry)
+    }
+}

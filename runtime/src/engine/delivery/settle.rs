@@ -1,0 +1,292 @@
+//! Telling the broker what was decided: one ack for what needs no copy, nacks, retry
+//! copies and dead letters (confirmed before the original is acked), a duplicated
+//! request's stored reply; then the bookkeeping (the copy's record, the start marks)
+//! and the `settled` event. [`Unsettled`] returns what a task left unsettled.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel_async::AsyncPgConnection;
+use lapin::message::Delivery;
+use lapin::Acker;
+use tokio_util::sync::CancellationToken;
+
+use super::{Consumer, Decision, Delivered, BOOKKEEPING_TIMEOUT};
+use crate::base::outcome::{Outcome, Settled};
+use crate::base::outgoing::Outgoing;
+use crate::base::retry::wait_queue_name;
+use crate::broker::acks::Acks;
+use crate::broker::dead_letter::{self, Letter};
+use crate::store::db;
+
+/// How long a copy being published when the shutdown cut-off fires may still take to
+/// be confirmed: cutting it off would leave the copy and the original both alive.
+pub(super) const COPY_GRACE: Duration = Duration::from_secs(5);
+
+impl Consumer {
+    /// Clears a settled delivery's start marks and reports it.
+    pub(super) async fn finish(&self, item: &Delivered, decision: Decision, settled_with_broker: bool) {
+        if decision.marked && !matches!(decision.outcome, Outcome::Requeued { .. } | Outcome::Abandoned) {
+            if let Some(key) = &decision.key {
+                self.bookkeeping("clear the start marks", async |conn| {
+                    db::clear_starts(conn, &self.scope, key).await
+                })
+                .await;
+            }
+        }
+        let settled = Settled {
+            queue: self.queue.clone(),
+            handler: self.handler.name(),
+            key: decision.key,
+            outcome: decision.outcome,
+            settled_with_broker,
+            delivery_count: item.counts.delivery_count,
+            attempt: item.counts.attempt,
+            redelivered: item.counts.redelivered,
+            session: self.session,
+            batch: decision.batch,
+            received_at: item.received_at,
+            began_at: decision.began_at,
+            settled_at: Instant::now(),
+            handler_time: decision.handler_time,
+        };
+        // One event per delivery, with what an operator greps for (cheap when the
+        // level is off; `RUST_LOG=idemq::delivery=debug` shows them).
+        tracing::debug!(
+            queue = %settled.queue,
+            handler = settled.handler,
+            key = settled.key.as_deref().unwrap_or("-"),
+            message_id = item.delivery.properties.message_id().as_ref().map_or("-", |id| id.as_str()),
+            attempt = settled.attempt,
+            outcome = settled.outcome.name(),
+            batch = settled.batch,
+            duration_ms = settled.settled_at.saturating_duration_since(settled.received_at).as_secs_f64() * 1e3,
+            "settled"
+        );
+        self.shared.observers.settled(&settled);
+    }
+
+    /// Tells the broker what was decided without a copy: one ack for everything
+    /// applied or skipped (see [`Acks::ack`]), then nacks. Returns, per delivery,
+    /// whether its frame was sent (`false`: the channel is gone and the broker will
+    /// redeliver; the dedup row or the copy record makes that harmless).
+    pub(super) async fn settle(&self, settled: &[(Delivered, Decision)]) -> Vec<bool> {
+        let mut sent = vec![false; settled.len()];
+        let acked: Vec<usize> =
+            (0..settled.len()).filter(|&i| !needs_requeue(&settled[i].1.outcome)).collect();
+        #[cfg(feature = "fault-injection")]
+        for &i in &acked {
+            self.fault(crate::engine::fault::FaultPoint::AfterCommit, &settled[i].1).await;
+        }
+        if !acked.is_empty() {
+            let deliveries: Vec<&Delivery> = acked.iter().map(|&i| &settled[i].0.delivery).collect();
+            for (&i, result) in acked.iter().zip(self.acks.ack(&deliveries).await) {
+                sent[i] = report(result, self, &settled[i].1);
+            }
+        }
+        for (i, (item, decision)) in settled.iter().enumerate() {
+            if needs_requeue(&decision.outcome) {
+                sent[i] = report(self.acks.requeue(&item.delivery).await, self, decision);
+            }
+        }
+        sent
+    }
+
+    /// Publishes the retry copy or dead letter `decision` asks for, then acks the
+    /// original; a copy that cannot be published requeues the original instead.
+    pub(super) async fn settle_copy(
+        &self,
+        item: &Delivered,
+        decision: &mut Decision,
+        cut_off: &CancellationToken,
+    ) -> bool {
+        let (delivery, counts) = (&item.delivery, &item.counts);
+        if let Some(reply) = decision.reply.take() {
+            return self.settle_reply(delivery, decision, reply, cut_off).await;
+        }
+        // (target queue, kind, error, retry_of) of the copy.
+        let (target, kind, error, retry_of) = match &decision.outcome {
+            Outcome::Retry { error, delay } => {
+                tracing::warn!(queue = %self.queue, key = ?decision.key, attempt = counts.attempt, ?delay, %error, "handler failed; retrying later");
+                let (error, delay) = (error.clone(), *delay);
+                let jitter = tokio::time::sleep(self.retry.jitter_for(delay));
+                if tokio::select! { () = jitter => false, () = cut_off.cancelled() => true } {
+                    decision.outcome = Outcome::Abandoned;
+                    return report(self.acks.requeue(delivery).await, self, decision);
+                }
+                (wait_queue_name(&self.queue, delay), None, error, Some(self.queue.as_str()))
+            }
+            Outcome::DeadLettered { kind, error } => {
+                tracing::warn!(queue = %self.queue, key = ?decision.key, kind = %kind, %error, "dead-lettering");
+                (self.dead_letter_queue.clone(), Some(*kind), error.clone(), None)
+            }
+            _ => return report(self.acks.ack_one(delivery).await, self, decision),
+        };
+        let copy_id = self.identity(item, decision.key.as_deref()).copy_id(counts.attempt);
+        let letter = Letter {
+            kind,
+            error: &error,
+            handler: self.handler.name(),
+            queue: &self.queue,
+            attempts: counts.attempt,
+            copy_id: &copy_id,
+            retry_of,
+        };
+        let publish = dead_letter::publish(&self.publisher, &target, delivery, &letter, self.frame_max);
+        tokio::pin!(publish);
+        let published = tokio::select! {
+            published = &mut publish => published,
+            // A copy half-way must not be split from its ack: give it a moment.
+            () = cut_off.cancelled() => tokio::time::timeout(COPY_GRACE, &mut publish)
+                .await
+                .unwrap_or(Err(dead_letter::PublishError::CutOff { queue: target.clone() })),
+        };
+        if let Err(err) = published {
+            tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
+            if matches!(err, dead_letter::PublishError::Nacked { .. }) {
+                // A nack is the broker refusing on this channel, and on RabbitMQ 3.10 a
+                // channel that first published to a quorum queue during its leader
+                // election stays refused (seen with the outbox relay on a cluster):
+                // the session ends on the closed publishing channel and reconnects
+                // with fresh ones, instead of nacking this copy until the broker's
+                // own delivery limit dead-letters the original.
+                let _ = tokio::time::timeout(
+                    BOOKKEEPING_TIMEOUT,
+                    self.publisher.close(200, "a copy was nacked: reconnecting".into()),
+                )
+                .await;
+            }
+            decision.outcome = Outcome::Requeued { error: err.to_string() };
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = cut_off.cancelled() => {}
+            }
+            return report(self.acks.requeue(delivery).await, self, decision);
+        }
+        // Were the ack lost now, the redelivered original finds this record and
+        // is acked without a second copy (a crash before it: see the README).
+        self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
+        #[cfg(feature = "fault-injection")]
+        self.fault(crate::engine::fault::FaultPoint::AfterCopy, decision).await;
+        report(self.acks.ack_one(delivery).await, self, decision)
+    }
+
+    /// A duplicated request: its stored reply goes into the outbox (committed on its
+    /// own, before the ack: a crash between them only sends the reply once more,
+    /// under the same message id), then the duplicate is acked. If the row cannot be
+    /// written, the delivery is requeued and answered when it comes back.
+    async fn settle_reply(
+        &self,
+        delivery: &Delivery,
+        decision: &mut Decision,
+        reply: Outgoing,
+        cut_off: &CancellationToken,
+    ) -> bool {
+        let write = async {
+            let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
+            db::insert_outbox(&mut conn, std::slice::from_ref(&reply)).await.map_err(|err| err.to_string())
+        };
+        let written = tokio::time::timeout(BOOKKEEPING_TIMEOUT, write)
+            .await
+            .unwrap_or_else(|_| Err(format!("the outbox insert took over {BOOKKEEPING_TIMEOUT:?}")));
+        if let Err(error) = written {
+            tracing::error!(queue = %self.queue, key = ?decision.key, %error, "could not queue the stored reply of a duplicated request; the delivery is requeued");
+            decision.outcome =
+                Outcome::Requeued { error: format!("the stored reply could not be queued: {error}") };
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = cut_off.cancelled() => {}
+            }
+            return report(self.acks.requeue(delivery).await, self, decision);
+        }
+        self.shared.outbox.committed();
+        report(self.acks.ack_one(delivery).await, self, decision)
+    }
+
+    /// Runs a best-effort statement of idemq's own on a pooled connection, bounded;
+    /// a failure is logged, never fatal to the delivery.
+    async fn bookkeeping<F>(&self, what: &str, statement: F)
+    where
+        F: for<'c> AsyncFnOnce(&'c mut AsyncPgConnection) -> diesel::QueryResult<()>,
+    {
+        let run = async {
+            let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
+            statement(&mut conn).await.map_err(|err| err.to_string())
+        };
+        match tokio::time::timeout(BOOKKEEPING_TIMEOUT, run).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(queue = %self.queue, %error, "could not {what}"),
+            Err(_) => tracing::warn!(queue = %self.queue, "could not {what} within {BOOKKEEPING_TIMEOUT:?}"),
+        }
+    }
+
+    #[cfg(feature = "fault-injection")]
+    async fn fault(&self, point: crate::engine::fault::FaultPoint, decision: &Decision) {
+        if let Some(hook) = &self.shared.fault_hook {
+            let context = crate::engine::fault::FaultContext {
+                point,
+                channel: self.channel.clone(),
+                key: decision.key.clone(),
+                outcome: decision.outcome.clone(),
+            };
+            hook(context).await;
+        }
+    }
+}
+
+/// Whether the delivery goes back to the queue (the rest without a copy is acked).
+fn needs_requeue(outcome: &Outcome) -> bool {
+    matches!(outcome, Outcome::Abandoned | Outcome::Requeued { .. })
+}
+
+/// Nacks (requeue) the deliveries of a batch whose task ends without settling them:
+/// nothing may hold a delivery until the broker's `consumer_timeout`.
+pub(super) struct Unsettled {
+    acks: Arc<Acks>,
+    deliveries: Vec<(u64, Acker)>,
+}
+
+impl Unsettled {
+    pub(super) fn new<'a>(acks: &Arc<Acks>, items: impl Iterator<Item = &'a Delivered>) -> Self {
+        let deliveries =
+            items.map(|item| (item.delivery.delivery_tag, item.delivery.acker.clone())).collect();
+        Self { acks: Arc::clone(acks), deliveries }
+    }
+
+    pub(super) fn disarm(&mut self) {
+        self.deliveries.clear();
+    }
+}
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        let deliveries = std::mem::take(&mut self.deliveries);
+        if deliveries.is_empty() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            tracing::error!("a batch ended without settling its deliveries; returning them to the queue");
+            let acks = Arc::clone(&self.acks);
+            runtime.spawn(async move {
+                for (tag, acker) in deliveries {
+                    let _ = acks.requeue_tag(tag, &acker).await;
+                }
+            });
+        }
+    }
+}
+
+/// Whether an ack/nack frame was sent; logs when it was not.
+fn report(sent: lapin::Result<bool>, consumer: &Consumer, decision: &Decision) -> bool {
+    match sent {
+        Ok(true) => true,
+        Ok(false) => {
+            tracing::warn!(queue = %consumer.queue, key = ?decision.key, "the channel is gone: not settled, the broker will redeliver");
+            false
+        }
+        Err(err) => {
+            tracing::warn!(queue = %consumer.queue, key = ?decision.key, error = %err, "settling failed: the broker will redeliver");
+            false
+        }
+    }
+}
