@@ -40,7 +40,13 @@ impl Registration {
 }
 
 /// Configures a [`Runtime`]. Start with [`Runtime::builder`].
-#[must_use = "a builder does nothing until `.build()` and `Runtime::run`"]
+///
+/// Each setter takes the builder and returns it; [`build`](Self::build) checks the
+/// whole and is fallible (a runtime's settings depend on each other and on its
+/// handlers). [`RelayBuilder::build`](crate::RelayBuilder::build) is not: a relay's
+/// settings are checked by [`Relay::run`](crate::Relay::run), which reports them as
+/// this `build` does, with [`Error::Config`].
+#[must_use = "a RuntimeBuilder does nothing until `.build()?` and `Runtime::run`: a setting whose result is dropped is lost"]
 pub struct RuntimeBuilder {
     pub(super) amqp_url: String,
     pub(super) database_url: String,
@@ -64,6 +70,8 @@ pub struct RuntimeBuilder {
     pub(super) consumer_timeout: Duration,
     pub(super) observers: Observers,
     pub(super) relay: Option<crate::engine::relay::Settings>,
+    /// Set by `relay_poll_interval`: `build` refuses it with the relay off.
+    pub(super) relay_poll_interval: Option<Duration>,
     pub(super) retention: Option<crate::store::retention::Retention>,
     pub(super) prefetch: Option<u16>,
     #[cfg(feature = "metrics")]
@@ -111,6 +119,7 @@ impl RuntimeBuilder {
             consumer_timeout: crate::broker::consumer_timeout::DEFAULT,
             observers: Observers::default(),
             relay: Some(crate::engine::relay::Settings::default()),
+            relay_poll_interval: None,
             retention: None,
             prefetch: None,
             #[cfg(feature = "metrics")]
@@ -362,14 +371,22 @@ impl RuntimeBuilder {
     /// it off when relays run on their own (`Relay::run`); the runtime then wakes
     /// them with a `NOTIFY` (at most one per 50 ms) after commits that wrote rows.
     pub fn relay(mut self, enabled: bool) -> Self {
-        self.relay = enabled.then(|| self.relay.unwrap_or_default());
+        self.relay = enabled.then(|| {
+            let mut settings = self.relay.unwrap_or_default();
+            if let Some(interval) = self.relay_poll_interval {
+                settings.poll_interval = interval;
+            }
+            settings
+        });
         self
     }
 
     /// How often the runtime's relay looks for outbox rows it was not woken for
     /// (written by other processes or by [`enqueue`](crate::enqueue) in
-    /// application code; default 1 s).
+    /// application code; default 1 s). With the relay off (`.relay(false)`, before
+    /// or after) there is nothing to poll: `build` refuses the pair.
     pub fn relay_poll_interval(mut self, interval: std::time::Duration) -> Self {
+        self.relay_poll_interval = Some(interval);
         if let Some(settings) = &mut self.relay {
             settings.poll_interval = interval;
         }
@@ -446,7 +463,8 @@ impl RuntimeBuilder {
         }
         if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
             return Err(Error::Config(format!(
-                "batch_size must be 1..={MAX_BATCH_SIZE}, not {} (1 is per-message mode)",
+                "batch_size must be 1..={MAX_BATCH_SIZE}, not {}: give `.batch_size(1)` for per-message mode, \
+                 or more for group commit (default {DEFAULT_BATCH_SIZE})",
                 self.batch_size
             )));
         }
@@ -469,6 +487,101 @@ impl RuntimeBuilder {
             }
         }
         self.check_handler_names()?;
+        if self.relay.is_none() && self.relay_poll_interval.is_some() {
+            return Err(Error::Config(
+                "relay_poll_interval is set but the relay is off (`.relay(false)`): drop one of the two"
+                    .into(),
+            ));
+        }
         Ok(Runtime { builder: self, stats: Arc::default() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handler::context::{Context, HandlerOutput};
+    use crate::handler::key::{Key, KeyError, Metadata};
+    use crate::handler::{BoxFuture, HandlerError};
+    use diesel_async::AsyncPgConnection;
+
+    /// A handler that does nothing (the checks read only its options).
+    struct Noop;
+
+    impl Handler for Noop {
+        type Message = serde_json::Value;
+
+        fn name(&self) -> &'static str {
+            "noop"
+        }
+
+        fn key_path(&self) -> &'static str {
+            "id"
+        }
+
+        fn key(&self, _: &Self::Message, metadata: &Metadata<'_>) -> Result<Key, KeyError> {
+            Ok(metadata.hash_key())
+        }
+
+        fn handle<'a>(
+            &'a self,
+            _: &'a mut AsyncPgConnection,
+            _: &'a mut Context,
+            _: Self::Message,
+        ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>> {
+            Box::pin(async { Ok(HandlerOutput::none()) })
+        }
+    }
+
+    /// A builder that passes every check but the one under test.
+    fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::new()
+            .amqp_url("amqp://guest:secret@127.0.0.1:5672/%2f")
+            .database_url("postgres://postgres:secret@127.0.0.1:5432/idemq")
+            .consume("payments", Noop)
+    }
+
+    fn config_error(builder: RuntimeBuilder) -> String {
+        match builder.build() {
+            Err(Error::Config(message)) => message,
+            other => panic!("expected Error::Config, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_test_builder_builds() {
+        builder().build().expect("a valid configuration");
+    }
+
+    #[test]
+    fn a_batch_size_of_zero_is_refused_with_the_fix() {
+        let message = config_error(builder().batch_size(0));
+        assert!(message.contains("not 0") && message.contains(".batch_size(1)"), "{message}");
+    }
+
+    #[test]
+    fn a_relay_poll_interval_with_the_relay_off_is_refused_either_way_round() {
+        for builder in [
+            builder().relay(false).relay_poll_interval(Duration::from_millis(50)),
+            builder().relay_poll_interval(Duration::from_millis(50)).relay(false),
+        ] {
+            let message = config_error(builder);
+            assert!(message.contains("relay_poll_interval") && message.contains("drop one"), "{message}");
+        }
+        builder().relay(false).build().expect("the relay off alone");
+        builder().relay_poll_interval(Duration::from_millis(50)).build().expect("the interval alone");
+    }
+
+    #[test]
+    fn a_poll_interval_survives_turning_the_relay_off_and_on_again() {
+        let builder = builder().relay(false).relay_poll_interval(Duration::from_millis(50)).relay(true);
+        assert_eq!(builder.relay.map(|settings| settings.poll_interval), Some(Duration::from_millis(50)));
+    }
+
+    #[test]
+    fn debug_redacts_the_urls() {
+        let printed = format!("{:?}", builder());
+        assert!(!printed.contains("secret"), "{printed}");
+        assert!(printed.contains("payments"), "{printed}");
     }
 }
