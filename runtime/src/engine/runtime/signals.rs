@@ -1,11 +1,26 @@
-//! The process's shutdown signals, as tokens.
+//! The process's shutdown signals, as tokens. Nothing here exits the process: that
+//! is a binary's decision (`idemq::cli` returns exit status 130 on a second signal).
 
 use tokio_util::sync::CancellationToken;
 
 /// The process's shutdown signals, as tokens: the first SIGINT or SIGTERM cancels
 /// `graceful` (drain, then exit), a second one `immediate` (exit now: safe, the
 /// broker redelivers whatever was unacked). Nothing here exits the process — that is
-/// the binary's decision (`idemq::cli` returns exit status 130 on `immediate`).
+/// the binary's decision (`idemq::cli` returns exit status 130 on `immediate`):
+///
+/// ```no_run
+/// # async fn example(runtime: idemq::Runtime) -> std::process::ExitCode {
+/// let signals = idemq::shutdown_signals();
+/// tokio::select! {
+///     result = runtime.run(signals.graceful.clone()) => match result {
+///         Ok(()) => std::process::ExitCode::SUCCESS,
+///         Err(_) => std::process::ExitCode::FAILURE,
+///     },
+///     // Dropping `run` drops the connections: the broker requeues what was unacked.
+///     () = signals.immediate.cancelled() => std::process::ExitCode::from(130),
+/// }
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ShutdownSignals {
@@ -31,10 +46,12 @@ pub fn shutdown_signals() -> ShutdownSignals {
     signals
 }
 
-/// A token cancelled by the first SIGINT or SIGTERM; a second signal exits the
-/// process at once with status 130 (safe: the broker redelivers whatever was
-/// unacked). A convenience for small binaries; [`shutdown_signals`] leaves the exit
-/// to the caller.
+/// A token cancelled by the first SIGINT or SIGTERM: give it to
+/// [`Runtime::run`](crate::Runtime::run), which then drains and returns. It never
+/// exits the process, and a later signal does nothing more (the drain is bounded by
+/// the [shutdown deadline](crate::RuntimeBuilder::shutdown_deadline)); a binary that
+/// wants a second signal to exit at once takes [`shutdown_signals`] and exits on
+/// [`ShutdownSignals::immediate`].
 ///
 /// Must be called inside a Tokio runtime.
 pub fn shutdown_signal() -> CancellationToken {
@@ -42,11 +59,8 @@ pub fn shutdown_signal() -> CancellationToken {
     let cancel = token.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
-        tracing::info!("shutting down: finishing in-flight deliveries (signal again to exit now)");
+        tracing::info!("shutting down: finishing in-flight deliveries");
         cancel.cancel();
-        wait_for_signal().await;
-        tracing::warn!("second signal: exiting now; unacked deliveries will be redelivered");
-        std::process::exit(130);
     });
     token
 }
