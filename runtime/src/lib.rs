@@ -215,6 +215,9 @@
 //! - `fault-injection`: test-only `fault` hooks (enabled by idemq's own tests as a dev-dependency; never in production builds).
 
 #![warn(missing_docs)]
+// A library never ends the process: a binary decides (`idemq::cli` returns exit
+// status 130 on a second signal, see `ShutdownSignals`).
+#![deny(clippy::exit)]
 
 // The layers, each importing only those below it (`tests/layers.rs` holds the
 // rule): app → engine → {store, broker, handler} → tls → base; `error` and

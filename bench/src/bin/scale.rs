@@ -128,13 +128,18 @@ async fn child(args: &[String]) -> ExitCode {
         .consume(queue.clone(), apply)
         .relay(false)
         .build();
+    // A second signal exits at once with 130, as `idemq::cli` does.
+    let signals = idemq::shutdown_signals();
     match built {
-        Ok(runtime) => match runtime.run(idemq::shutdown_signal()).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(err) => {
-                eprintln!("scale child: {err}");
-                ExitCode::FAILURE
-            }
+        Ok(runtime) => tokio::select! {
+            result = runtime.run(signals.graceful.clone()) => match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(err) => {
+                    eprintln!("scale child: {err}");
+                    ExitCode::FAILURE
+                }
+            },
+            () = signals.immediate.cancelled() => ExitCode::from(130),
         },
         Err(err) => {
             eprintln!("scale child: {err}");

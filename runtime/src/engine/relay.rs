@@ -71,7 +71,13 @@ const DEFAULT_REPLY_TTL: Duration = Duration::from_secs(3600);
 
 /// Configures a [`Relay`] run on its own (a runtime runs one by default; see
 /// [`RuntimeBuilder::relay`](crate::RuntimeBuilder::relay)).
-#[derive(Debug, Clone)]
+///
+/// [`build`](Self::build) is infallible, unlike
+/// [`RuntimeBuilder::build`](crate::RuntimeBuilder::build): a relay's settings are
+/// few and independent, and [`Relay::run`] checks them before it connects, with the
+/// same [`Error::Config`] (as it checks the environment's URLs).
+#[derive(Clone)]
+#[must_use = "a RelayBuilder does nothing until `.build()` and `Relay::run`: a setting whose result is dropped is lost"]
 pub struct RelayBuilder {
     amqp_url: String,
     database_url: String,
@@ -79,6 +85,16 @@ pub struct RelayBuilder {
     env_urls: EnvUrls,
     settings: Settings,
     observers: Observers,
+}
+
+impl std::fmt::Debug for RelayBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayBuilder")
+            .field("amqp_url", &redact(&self.amqp_url))
+            .field("database_url", &redact(&self.database_url))
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What a relay's loop needs besides its connections.
@@ -103,6 +119,17 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// Refuses what the relay's loop cannot run with.
+    fn check(&self) -> Result<(), Error> {
+        if self.batch_size == 0 {
+            return Err(Error::Config(
+                "the relay's batch_size must be at least 1, not 0: give `.batch_size(1)` or more (default 256)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Sets the reply TTL, at least [`MIN_REPLY_WINDOW`](crate::base::outgoing::MIN_REPLY_WINDOW).
     pub(crate) fn set_reply_ttl(&mut self, ttl: Duration) {
         self.reply_ttl = ttl.max(crate::base::outgoing::MIN_REPLY_WINDOW);
@@ -112,7 +139,6 @@ impl Settings {
 impl RelayBuilder {
     /// The broker (default: `AMQP_URL`, or the file `AMQP_URL_FILE` names, else
     /// [`DEFAULT_AMQP_URL`]).
-    #[must_use]
     pub fn amqp_url(mut self, url: impl Into<String>) -> Self {
         self.amqp_url = url.into();
         self.env_urls.overridden("AMQP_URL");
@@ -121,7 +147,6 @@ impl RelayBuilder {
 
     /// The database holding `idemq_outbox` (default: `DATABASE_URL`, or the file
     /// `DATABASE_URL_FILE` names, else [`DEFAULT_DATABASE_URL`]).
-    #[must_use]
     pub fn database_url(mut self, url: impl Into<String>) -> Self {
         self.database_url = url.into();
         self.env_urls.overridden("DATABASE_URL");
@@ -129,22 +154,20 @@ impl RelayBuilder {
     }
 
     /// How often the relay looks for rows without being woken (default 1 s).
-    #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
         self
     }
 
-    /// The most rows one pass claims and publishes (default 256).
-    #[must_use]
+    /// The most rows one pass claims and publishes (default 256; at least 1:
+    /// [`Relay::run`] refuses 0).
     pub fn batch_size(mut self, size: usize) -> Self {
-        self.settings.batch_size = size.max(1);
+        self.settings.batch_size = size;
         self
     }
 
     /// The longest a row that failed to publish waits before the next try (default
     /// 60 s; the wait doubles per failure from 100 ms).
-    #[must_use]
     pub fn max_backoff(mut self, max: Duration) -> Self {
         self.settings.max_backoff = max;
         self
@@ -166,20 +189,18 @@ impl RelayBuilder {
     /// metric `idemq_outbox_replies_expired_total`), and a pass that deletes some logs
     /// one warning. Several relays on one outbox each apply their own: give them the
     /// same.
-    #[must_use]
     pub fn reply_ttl(mut self, ttl: Duration) -> Self {
         self.settings.set_reply_ttl(ttl);
         self
     }
 
     /// Adds a subscriber told of every pass that claimed rows ([`Observe::relay`]).
-    #[must_use]
     pub fn observe(mut self, observer: impl Observe) -> Self {
         self.observers.push(std::sync::Arc::new(observer));
         self
     }
 
-    /// The relay.
+    /// The relay. Infallible: [`Relay::run`] checks the settings (see the type's docs).
     pub fn build(self) -> Relay {
         Relay { builder: self }
     }
@@ -219,10 +240,12 @@ impl Relay {
     ///
     /// # Errors
     /// Start-up failures: the database unreachable, idemq's migrations not applied;
-    /// [`Error::Config`] for a URL the environment gave twice or in an unreadable file.
+    /// [`Error::Config`] for a URL the environment gave twice or in an unreadable file,
+    /// or a [`batch_size`](RelayBuilder::batch_size) of 0 (checked before connecting).
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let RelayBuilder { amqp_url, database_url, env_urls, settings, observers } = self.builder;
         env_urls.check()?;
+        settings.check()?;
         let pool = relay_pool(&database_url)?;
         let connect_error = |message: String| Error::DatabaseConnect { url: redact(&database_url), message };
         let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
@@ -788,5 +811,31 @@ mod tests {
         assert_eq!(retry_delay(0, max), Duration::from_millis(100));
         assert_eq!(retry_delay(3, max), Duration::from_millis(800));
         assert_eq!(retry_delay(30, max), max);
+    }
+
+    #[tokio::test]
+    async fn a_batch_size_of_zero_is_refused_with_the_fix_before_connecting() {
+        // Nothing listens on port 1: the refusal must come before any connection.
+        let relay = Relay::builder()
+            .amqp_url("amqp://guest:guest@127.0.0.1:1/%2f")
+            .database_url("postgres://postgres@127.0.0.1:1/idemq")
+            .batch_size(0)
+            .build();
+        match relay.run(CancellationToken::new()).await {
+            Err(Error::Config(message)) => {
+                assert!(message.contains("not 0") && message.contains(".batch_size(1)"), "{message}");
+            }
+            other => panic!("expected Error::Config, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn debug_redacts_the_urls() {
+        let builder = Relay::builder()
+            .amqp_url("amqp://guest:secret@127.0.0.1:5672/%2f")
+            .database_url("postgres://postgres:secret@127.0.0.1:5432/idemq");
+        let printed = format!("{builder:?}");
+        assert!(!printed.contains("secret"), "{printed}");
+        assert!(printed.contains("127.0.0.1:5672"), "{printed}");
     }
 }

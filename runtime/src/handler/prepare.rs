@@ -66,6 +66,15 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     ) -> Result<Prepared, Rejection>;
 }
 
+/// `handler`, erased for the runtime's registrations. The erased type is `Arc<H>`,
+/// not `H`: [`ErasedHandler::prepare`] takes `&self` (the engine calls it through a
+/// shared `Arc<dyn ErasedHandler>`) yet returns a `'static` effect that owns the
+/// handler, which it gets by cloning that inner `Arc`. So the one place an `Arc`
+/// wraps an `Arc` is here.
+pub(crate) fn erase<H: Handler>(handler: H) -> Arc<dyn ErasedHandler> {
+    Arc::new(Arc::new(handler))
+}
+
 impl<H: Handler> ErasedHandler for Arc<H> {
     fn name(&self) -> &'static str {
         H::name(self)

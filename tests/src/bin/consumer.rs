@@ -122,9 +122,20 @@ async fn main() -> ExitCode {
         let delays = delays.split(',').filter_map(|d| d.trim().parse().ok()).map(Duration::from_millis);
         builder = builder.retry(RetryPolicy::new(delays));
     }
-    let result = match builder.build() {
-        Ok(runtime) => runtime.run(idemq::shutdown_signal()).await,
-        Err(err) => Err(err),
+    let runtime = match builder.build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("consumer: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // The first signal drains; a second exits at once with 130, as `idemq::cli`
+    // does (safe: the broker redelivers whatever was unacked). The exit is this
+    // binary's: the library's signal helpers never end the process.
+    let signals = idemq::shutdown_signals();
+    let result = tokio::select! {
+        result = runtime.run(signals.graceful.clone()) => result,
+        () = signals.immediate.cancelled() => return ExitCode::from(130),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,120 @@
+//! What a [`RuntimeBuilder`] would do, read without running it: its URLs, policies
+//! and declarations, for the CLI (`declare`, `status`, `dlq`, `run --queue`) and the
+//! test kit.
+
+#[cfg(feature = "cli")]
+use super::builder::Registration;
+use super::RuntimeBuilder;
+#[cfg(feature = "cli")]
+use crate::base::observe::Observers;
+use crate::base::retry::RetryPolicy;
+#[cfg(feature = "cli")]
+use crate::engine::startup::Startup;
+#[cfg(feature = "cli")]
+use crate::error::Error;
+
+impl RuntimeBuilder {
+    /// The broker URL this builder holds.
+    #[cfg(feature = "cli")]
+    pub(crate) fn configured_amqp_url(&self) -> &str {
+        &self.amqp_url
+    }
+
+    /// The database URL this builder holds.
+    #[cfg(feature = "cli")]
+    pub(crate) fn configured_database_url(&self) -> &str {
+        &self.database_url
+    }
+
+    /// A start-up wait with this builder's timeout and backoff, for what the CLI
+    /// does before `run` (its set-up and migrations need the database).
+    #[cfg(feature = "cli")]
+    pub(crate) fn startup(&self) -> Startup {
+        Startup::new(self.startup_timeout, self.reconnect_max, Observers::default())
+    }
+
+    /// Keeps only the consumers of `queues`; a queue nobody consumes is an error.
+    #[cfg(feature = "cli")]
+    pub(crate) fn only_queues(mut self, queues: &[String]) -> Result<Self, Error> {
+        for queue in queues {
+            if !self.consumers.iter().any(|r| &r.queue == queue || r.handler.queue() == Some(queue.as_str()))
+            {
+                let known: Vec<&str> = self.consumers.iter().map(|r| r.queue.as_str()).collect();
+                return Err(Error::Config(format!(
+                    "--queue {queue}: no handler consumes it; the consumed queues are {}",
+                    known.join(", ")
+                )));
+            }
+        }
+        self.consumers.retain(|r| queues.contains(&r.queue));
+        Ok(self)
+    }
+
+    /// Every consumer's retry policy, as `run` uses it.
+    pub(crate) fn retry_policies(&self) -> Vec<RetryPolicy> {
+        self.consumers.iter().map(|r| r.retry_policy(&self.retry)).collect()
+    }
+
+    /// Every queue the runtime would declare (the topology's, their dead-letter
+    /// queues, the consumers' wait queues), with what it is.
+    #[cfg(feature = "cli")]
+    pub(crate) fn declarations(&self) -> Vec<(String, String)> {
+        let mut plan = Vec::new();
+        for queue in self.topology.queues() {
+            plan.push((queue.name().to_owned(), queue.describe()));
+            plan.push((
+                queue.dead_letter_name().to_owned(),
+                "its dead-letter queue (no delivery limit)".to_owned(),
+            ));
+        }
+        for (Registration { queue, .. }, retry) in self.consumers.iter().zip(self.retry_policies()) {
+            for (name, delay) in retry.wait_queues(queue) {
+                plan.push((name, format!("retries of {queue} after {delay:?}")));
+            }
+        }
+        plan
+    }
+
+    /// The exchanges the topology declares.
+    #[cfg(feature = "cli")]
+    pub(crate) fn exchange_names(&self) -> Vec<String> {
+        self.topology.exchange_names().map(str::to_owned).collect()
+    }
+
+    /// Declares what `run` declares — the topology and the consumers' wait queues —
+    /// through the runtime's own declaration, strictly: a queue that is unavailable
+    /// (its node down) is an error here, not skipped.
+    #[cfg(feature = "cli")]
+    pub(crate) async fn declare_all(&self, connection: &lapin::Connection) -> Result<(), Error> {
+        let declared: Vec<_> =
+            self.consumers.iter().map(|r| self.topology.queue_or_default(&r.queue)).collect();
+        let waits: Vec<_> = self
+            .consumers
+            .iter()
+            .zip(self.retry_policies())
+            .zip(&declared)
+            .flat_map(|((Registration { queue, .. }, retry), declared)| {
+                retry.wait_queues(queue).into_iter().map(move |(name, delay)| (declared, name, delay))
+            })
+            .collect();
+        self.topology.declare_available(connection, &waits, |_| true).await
+    }
+
+    /// Every consumed or declared queue with its dead-letter queue.
+    #[cfg(feature = "cli")]
+    pub(crate) fn consumed_queues(&self) -> Vec<(String, String)> {
+        let mut queues: Vec<(String, String)> = self
+            .topology
+            .queues()
+            .iter()
+            .map(|queue| (queue.name().to_owned(), queue.dead_letter_name().to_owned()))
+            .collect();
+        for Registration { queue, .. } in &self.consumers {
+            if !queues.iter().any(|(name, _)| name == queue) {
+                let declared = self.topology.queue_or_default(queue);
+                queues.push((queue.clone(), declared.dead_letter_name().to_owned()));
+            }
+        }
+        queues
+    }
+}

@@ -1,0 +1,419 @@
+//! [`Runtime::run`] in four phases, over one [`TaskTracker`] for the subsystems
+//! beside the consumers and the tokens they stop on (as tokio-util's `TaskTracker`
+//! docs show: spawn on the tracker, cancel the token, `close()`, `wait()`):
+//!
+//! 1. **assemble**: observers, the metrics server, the pool (a database outage is
+//!    waited out here), what every delivery shares;
+//! 2. **spawn**: on the tracker, the relay (or, with it off, the `NOTIFY` sender),
+//!    the outbox backlog gauge and the retention sweep;
+//! 3. **supervise**: broker sessions one after another, reconnecting, until the
+//!    shutdown token or a fatal fault stops them;
+//! 4. **drain**: in-flight deliveries get the shutdown deadline, the connections
+//!    close, then the tracker's tasks stop and are waited for, the relay last (it
+//!    publishes what the drain committed).
+//!
+//! Two tokens, in order: `stop` (a child of the caller's shutdown token, also
+//! cancelled by a fatal fault) ends intake, the sweep and the gauge; `relay_stop`,
+//! cancelled only after the drain, ends the relay.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::builder::{Registration, RuntimeBuilder};
+use super::{dedup_scope, with_heartbeat, Runtime};
+use crate::base::backoff::Backoff;
+use crate::base::observe::{ConnectionEvent, Observe, Observers};
+use crate::broker::brokers::Brokers;
+use crate::engine::delivery::{BatchLimits, Fatal, Shared};
+use crate::engine::relay::{relay_pool, OutboxSignal, Worker};
+use crate::engine::session::{self, Connections, ConsumerSpec, SessionContext, SessionEnd};
+use crate::engine::startup::Startup;
+use crate::error::{redact, Dependency, Error};
+use crate::handler::prepare::InputLimits;
+use crate::store::db::{self, SessionLimits};
+use crate::store::retention::CheckedRetention;
+
+impl Runtime {
+    /// Connects, declares the topology, consumes until `shutdown` is cancelled, then
+    /// drains: consumers are cancelled, in-flight deliveries get the shutdown deadline
+    /// to finish (and are acked if they commit), the rest are cut off (rolled back)
+    /// and return to the queue; channels and connections are closed cleanly.
+    ///
+    /// A connection or channel lost while running (broker restart, closed
+    /// connection, missed heartbeats, a consumer cancelled by the broker) is not an
+    /// error: the runtime reconnects with backoff, declares the topology again and
+    /// resumes every consumer. Deliveries that were in flight on the lost channel
+    /// cannot be acked any more; the broker redelivers them and their dedup rows make
+    /// that harmless.
+    ///
+    /// Starting during an outage is waited out: an unreachable database or broker
+    /// (refused, reset, silent) is tried again with the reconnect backoff, each
+    /// attempt logged and reported as [`ConnectionEvent::Unreachable`], until it
+    /// answers, `shutdown` is cancelled (then `Ok`), or the
+    /// [startup timeout](RuntimeBuilder::startup_timeout) is spent.
+    ///
+    /// # Errors
+    /// At start-up, what waiting cannot mend (a refused login, a missing vhost,
+    /// database or queue, a topology that differs, idemq's tables missing) and
+    /// [`Error::StartupTimeout`]; while running, a topology mismatch found on a
+    /// reconnect and faults no retry fixes (idemq's tables dropped).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropping the future drops the connections, so the broker
+    /// requeues every unacked delivery (safe, but not graceful). Cancel `shutdown`
+    /// instead.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let Some(assembly) = Assembly::assemble(self, &shutdown).await? else {
+            // Shut down while start-up waited for the database: nothing was started.
+            return Ok(());
+        };
+        let mut running = assembly.spawn()?;
+        let (result, connections, started) = running.supervise().await;
+        running.drain(result, connections, started).await
+    }
+}
+
+/// Phase 1: what the subsystems share, made before any of them is spawned.
+struct Assembly {
+    builder: RuntimeBuilder,
+    shared: Arc<Shared>,
+    startup: Startup,
+    retention: Option<CheckedRetention>,
+    /// The runtime's own relay's wake-up; `None` with the relay off.
+    relay_wake: Option<Arc<Notify>>,
+    #[cfg(feature = "metrics")]
+    metrics: Option<Arc<crate::engine::metrics::Metrics>>,
+    /// Serves `/metrics` and health from the start: `/healthz` answers while start-up
+    /// waits, and `/readyz` says what for. Stopped when dropped.
+    #[cfg(feature = "metrics")]
+    serving: Option<crate::engine::metrics::Serving>,
+}
+
+impl Assembly {
+    /// `None` when `shutdown` was cancelled while waiting for the database.
+    async fn assemble(runtime: Runtime, shutdown: &CancellationToken) -> Result<Option<Self>, Error> {
+        let Runtime { builder: mut b, stats } = runtime;
+        // `build` refused a retention too short for the retry policies; the sweep takes
+        // only what that check lets through, so it is made again (before anything starts).
+        let retention =
+            b.retention.take().map(|retention| retention.check(&b.retry_policies())).transpose()?;
+        #[cfg(feature = "metrics")]
+        let metrics = b.http_addr.map(|_| {
+            let queues: Vec<String> = b.consumers.iter().map(|r| r.queue.clone()).collect();
+            crate::engine::metrics::Metrics::new(&queues)
+        });
+        // The built-in stats are a subscriber like any other, heard first.
+        let mut observers = Observers::default();
+        observers.push(stats as Arc<dyn Observe>);
+        for observer in b.observers.0.iter() {
+            observers.push(Arc::clone(observer));
+        }
+        #[cfg(feature = "metrics")]
+        if let Some(metrics) = &metrics {
+            observers.push(Arc::clone(metrics) as Arc<dyn Observe>);
+        }
+        #[cfg(feature = "metrics")]
+        let serving = match (b.http_addr, &metrics) {
+            (Some(addr), Some(metrics)) => Some(crate::engine::metrics::serve(addr, Arc::clone(metrics))?),
+            _ => None,
+        };
+
+        let mut startup = Startup::new(b.startup_timeout, b.reconnect_max, observers.clone());
+        let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
+        let pool = db::build_pool(&b.database_url, b.concurrency, limits).map_err(|err| {
+            Error::DatabaseConnect { url: redact(&b.database_url), message: err.to_string() }
+        })?;
+        if !startup.database(&pool, &b.database_url, shutdown).await? {
+            return Ok(None);
+        }
+        let relay_wake = b.relay.map(|_| Arc::new(Notify::new()));
+        let shared = Arc::new(Shared {
+            pool,
+            cancel_tls: crate::tls::postgres::Target::parse(&b.database_url)?.tls,
+            limits: InputLimits { max_body_bytes: b.max_body_bytes },
+            handler_timeout: b.handler_timeout,
+            statement_deadline: limits.client_deadline(),
+            database_retry_limit: b.database_retry_limit,
+            observers,
+            outbox: OutboxSignal::new(relay_wake.clone()),
+            turns: tokio::sync::RwLock::new(()),
+            // Consumers stop on the caller's signal, or when a delivery meets a fault no
+            // retry can fix (then `run` returns that error after draining).
+            fatal: Fatal::new(shutdown.child_token()),
+            #[cfg(feature = "fault-injection")]
+            fault_hook: b.fault_hook.clone(),
+        });
+        Ok(Some(Self {
+            builder: b,
+            shared,
+            startup,
+            retention,
+            relay_wake,
+            #[cfg(feature = "metrics")]
+            metrics,
+            #[cfg(feature = "metrics")]
+            serving,
+        }))
+    }
+
+    /// Phase 2: the subsystems beside the consumers, on one tracker.
+    fn spawn(self) -> Result<Running, Error> {
+        let Self { builder: b, shared, startup, retention, relay_wake, .. } = self;
+        let background = TaskTracker::new();
+        let stop = shared.fatal.stop.clone();
+        // The relay outlives the consumers' drain (it publishes what they commit) and
+        // stops after it; without one, relays elsewhere are notified.
+        let relay_stop = CancellationToken::new();
+        let relay = match (b.relay, relay_wake) {
+            (Some(settings), Some(wake)) => {
+                let worker = Worker {
+                    pool: relay_pool(&b.database_url)?,
+                    brokers: Brokers::parse(&b.amqp_url)?,
+                    database_url: b.database_url.clone(),
+                    settings,
+                    wake,
+                    observers: shared.observers.clone(),
+                };
+                background.spawn(worker.run(relay_stop.clone()))
+            }
+            _ => {
+                let (shared, stop) = (Arc::clone(&shared), relay_stop.clone());
+                background
+                    .spawn(async move { shared.outbox.notify_elsewhere(shared.pool.clone(), stop).await })
+            }
+        };
+        #[cfg(feature = "metrics")]
+        if let Some(metrics) = &self.metrics {
+            background.spawn(watch_backlog(Arc::clone(metrics), shared.pool.clone(), stop.clone()));
+        }
+        if let Some(retention) = retention {
+            let (shared, stop) = (Arc::clone(&shared), stop.clone());
+            background.spawn(async move { sweep_every(&shared, retention, stop).await });
+        }
+        let (amqp_url, reconnect_max, shutdown_deadline) =
+            (b.amqp_url.clone(), b.reconnect_max, b.shutdown_deadline);
+        Ok(Running {
+            ctx: session_context(b, shared)?,
+            startup,
+            amqp_url,
+            reconnect_max,
+            shutdown_deadline,
+            stop,
+            background,
+            relay,
+            relay_stop,
+            #[cfg(feature = "metrics")]
+            serving: self.serving,
+        })
+    }
+}
+
+/// What every broker session shares: the consumers, with the runtime's settings
+/// and each handler's own options resolved.
+fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionContext, Error> {
+    let consumers = b
+        .consumers
+        .into_iter()
+        .map(|registration| {
+            // The handler's own options (`batch = N`, `retry(..)`, `on_conflict`)
+            // override the runtime's; `consume_with`'s policy overrides both.
+            let retry = registration.retry_policy(&b.retry);
+            let Registration { queue, handler, .. } = registration;
+            let size = handler.batch_size().map_or(b.batch_size, |size| size.clamp(1, b.batch_size));
+            ConsumerSpec {
+                declared: b.topology.queue_or_default(&queue),
+                retry,
+                on_conflict: handler.on_conflict().unwrap_or(b.on_conflict),
+                batch: BatchLimits { size, linger: b.linger, pipelines: b.concurrency },
+                prefetch: b
+                    .prefetch
+                    .unwrap_or_else(|| u16::try_from(b.concurrency.saturating_mul(size)).unwrap_or(u16::MAX)),
+                scope: dedup_scope(b.namespace.as_deref(), handler.name()),
+                queue,
+                handler,
+            }
+        })
+        .collect();
+    Ok(SessionContext {
+        brokers: Brokers::parse(&b.amqp_url)?.map(|url| with_heartbeat(url, b.heartbeat)),
+        topology: b.topology,
+        consumers,
+        shared,
+        permits: Arc::new(Semaphore::new(b.concurrency)),
+        tracker: TaskTracker::new(),
+        hard_stop: CancellationToken::new(),
+    })
+}
+
+/// Phases 3 and 4: the sessions, and what runs beside them until the drain.
+struct Running {
+    ctx: SessionContext,
+    startup: Startup,
+    amqp_url: String,
+    reconnect_max: Duration,
+    shutdown_deadline: Duration,
+    /// What the consumers stop on: the caller's shutdown, or a fatal fault.
+    stop: CancellationToken,
+    /// The relay, the backlog gauge and the retention sweep.
+    background: TaskTracker,
+    relay: JoinHandle<()>,
+    relay_stop: CancellationToken,
+    #[cfg(feature = "metrics")]
+    serving: Option<crate::engine::metrics::Serving>,
+}
+
+/// How the sessions ended, the connections to close after the drain, and whether
+/// a session ever connected and consumed.
+type Supervised = (Result<(), Error>, Option<Box<Connections>>, bool);
+
+impl Running {
+    /// Phase 3: runs broker sessions until shutdown or a fatal fault, reconnecting
+    /// with backoff after a loss. Sessions are numbered per session that connected:
+    /// failed attempts keep the number, so session 1 is start-up, when an
+    /// unreachable broker is waited for (see [`Startup`]).
+    async fn supervise(&mut self) -> Supervised {
+        let (ctx, stop, url) = (&self.ctx, &self.stop, self.amqp_url.as_str());
+        let mut session = 1;
+        let mut backoff = Backoff::new(Duration::from_millis(100), self.reconnect_max);
+        let (result, connections) = loop {
+            let starting = session == 1;
+            if starting {
+                if let Err(err) = self.startup.check_deadline(Dependency::Broker, url) {
+                    break (Err(err), None);
+                }
+            }
+            let cut_at = if starting { self.startup.cut_at(Dependency::Broker) } else { None };
+            match session::run(ctx, session, stop, cut_at).await {
+                SessionEnd::Shutdown(connections) => break (Ok(()), connections),
+                SessionEnd::Fatal(err) => break (Err(err), None),
+                SessionEnd::Lost { reason, connected: false } if starting => {
+                    match self.startup.wait(Dependency::Broker, url, &reason, stop).await {
+                        Ok(true) => {}
+                        Ok(false) => break (Ok(()), None),
+                        Err(err) => break (Err(err), None),
+                    }
+                }
+                SessionEnd::Lost { reason, connected } => {
+                    if connected {
+                        // Logged once per loss, not once per attempt.
+                        tracing::warn!(session, %reason, "connection to the broker lost; reconnecting");
+                        ctx.notify(&ConnectionEvent::Lost { session, reason });
+                        backoff = Backoff::new(Duration::from_millis(100), self.reconnect_max);
+                        session += 1;
+                    } else {
+                        tracing::debug!(session, %reason, attempt = backoff.attempts, "reconnect attempt failed");
+                    }
+                    tokio::select! {
+                        () = stop.cancelled() => break (Ok(()), None),
+                        () = backoff.wait() => {}
+                    }
+                }
+            }
+        };
+        let started = session > 1 || connections.is_some();
+        (result, connections, started)
+    }
+
+    /// Phase 4: in-flight deliveries get the shutdown deadline (then are cut off and
+    /// return to the queue), the connections close, and the tracker's tasks stop
+    /// and are waited for. A fatal fault a delivery raised wins over `result`.
+    async fn drain(
+        self,
+        result: Result<(), Error>,
+        connections: Option<Box<Connections>>,
+        started: bool,
+    ) -> Result<(), Error> {
+        let Self { ctx, stop, background, relay, relay_stop, shutdown_deadline, .. } = self;
+        ctx.tracker.close();
+        if tokio::time::timeout(shutdown_deadline, ctx.tracker.wait()).await.is_err() {
+            tracing::warn!(deadline = ?shutdown_deadline, "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
+            ctx.hard_stop.cancel();
+            ctx.tracker.wait().await;
+        }
+        if let Some(connections) = connections {
+            connections.close("shutdown").await;
+        }
+        // The sweep and the gauge stop with the consumers (already, unless start-up
+        // failed); a sweep cut off loses nothing: each batch is its own transaction.
+        stop.cancel();
+        #[cfg(feature = "metrics")]
+        drop(self.serving);
+        relay_stop.cancel();
+        if !started {
+            // Stopped (or failed) before ever consuming: nothing was committed here
+            // for the relay to publish, and it may be in the middle of an attempt at
+            // the unreachable broker that would hold the shutdown for seconds. Its
+            // rows, if any, wait in the outbox for the next relay.
+            relay.abort();
+        }
+        match relay.await {
+            Err(err) if !err.is_cancelled() => tracing::error!(error = %err, "the outbox relay task failed"),
+            _ => {}
+        }
+        background.close();
+        background.wait().await;
+        match ctx.shared.fatal.take() {
+            Some(fatal) => Err(fatal),
+            None => result,
+        }
+    }
+}
+
+/// The outbox backlog, and a sign of life from the database for `/readyz`, every
+/// 5 s until `stop`.
+#[cfg(feature = "metrics")]
+async fn watch_backlog(
+    metrics: Arc<crate::engine::metrics::Metrics>,
+    pool: diesel_async::pooled_connection::deadpool::Pool<diesel_async::AsyncPgConnection>,
+    stop: CancellationToken,
+) {
+    loop {
+        let backlog = async {
+            let mut conn = pool.get().await.ok()?;
+            db::outbox_backlog(&mut conn).await.ok()
+        };
+        let backlog = tokio::select! {
+            backlog = tokio::time::timeout(Duration::from_secs(5), backlog) => backlog.ok().flatten(),
+            () = stop.cancelled() => return,
+        };
+        metrics.set_backlog(backlog);
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+/// Sweeps the dedup table every interval until `stop` (a sweep cut off by `stop`
+/// loses nothing: each batch is its own transaction).
+async fn sweep_every(
+    shared: &Shared,
+    retention: crate::store::retention::CheckedRetention,
+    stop: CancellationToken,
+) {
+    loop {
+        let swept = async {
+            let mut conn = shared.pool.get().await.map_err(|err| err.to_string())?;
+            crate::store::retention::sweep(&mut conn, &retention).await.map_err(|err| err.to_string())
+        };
+        tokio::select! {
+            result = swept => match result {
+                Ok(sweep) => {
+                    tracing::info!(?sweep, "retention sweep");
+                    shared.observers.swept(&sweep);
+                }
+                Err(error) => tracing::warn!(error = %redact(&error), "the retention sweep failed; trying again later"),
+            },
+            () = stop.cancelled() => return,
+        }
+        tokio::select! {
+            () = tokio::time::sleep(retention.retention().interval()) => {}
+            () = stop.cancelled() => return,
+        }
+    }
+}
