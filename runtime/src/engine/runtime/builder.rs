@@ -72,6 +72,8 @@ pub struct RuntimeBuilder {
     pub(super) relay: Option<crate::engine::relay::Settings>,
     /// Set by `relay_poll_interval`: `build` refuses it with the relay off.
     pub(super) relay_poll_interval: Option<Duration>,
+    /// Set by `reply_ttl`: `build` refuses it with the relay off.
+    pub(super) reply_ttl: Option<Duration>,
     pub(super) retention: Option<crate::store::retention::Retention>,
     pub(super) prefetch: Option<u16>,
     #[cfg(feature = "metrics")]
@@ -120,6 +122,7 @@ impl RuntimeBuilder {
             observers: Observers::default(),
             relay: Some(crate::engine::relay::Settings::default()),
             relay_poll_interval: None,
+            reply_ttl: None,
             retention: None,
             prefetch: None,
             #[cfg(feature = "metrics")]
@@ -376,6 +379,9 @@ impl RuntimeBuilder {
             if let Some(interval) = self.relay_poll_interval {
                 settings.poll_interval = interval;
             }
+            if let Some(ttl) = self.reply_ttl {
+                settings.set_reply_ttl(ttl);
+            }
             settings
         });
         self
@@ -396,8 +402,10 @@ impl RuntimeBuilder {
     /// How long the reply to a request may wait in the outbox before this runtime's
     /// relay deletes it unpublished (default 1 h; a request's own `expiration` ends it
     /// sooner). See [`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl); relays
-    /// run on their own take theirs.
+    /// run on their own take theirs. With the relay off (`.relay(false)`, before or
+    /// after) this runtime publishes no replies: `build` refuses the pair.
     pub fn reply_ttl(mut self, ttl: Duration) -> Self {
+        self.reply_ttl = Some(ttl);
         if let Some(settings) = &mut self.relay {
             settings.set_reply_ttl(ttl);
         }
@@ -493,6 +501,13 @@ impl RuntimeBuilder {
                     .into(),
             ));
         }
+        if self.relay.is_none() && self.reply_ttl.is_some() {
+            return Err(Error::Config(
+                "reply_ttl is set but the relay is off (`.relay(false)`): the relays that run on their own \
+                 take theirs (RelayBuilder::reply_ttl); drop one of the two"
+                    .into(),
+            ));
+        }
         Ok(Runtime { builder: self, stats: Arc::default() })
     }
 }
@@ -557,6 +572,20 @@ mod tests {
     fn a_batch_size_of_zero_is_refused_with_the_fix() {
         let message = config_error(builder().batch_size(0));
         assert!(message.contains("not 0") && message.contains(".batch_size(1)"), "{message}");
+    }
+
+    #[test]
+    fn a_reply_ttl_with_the_relay_off_is_refused_either_way_round() {
+        for builder in [
+            builder().relay(false).reply_ttl(Duration::from_secs(60)),
+            builder().reply_ttl(Duration::from_secs(60)).relay(false),
+        ] {
+            let message = builder.build().expect_err("refused").to_string();
+            assert!(message.contains("reply_ttl") && message.contains("drop one"), "{message}");
+        }
+        builder().reply_ttl(Duration::from_secs(60)).build().expect("the TTL alone");
+        let kept = builder().relay(false).reply_ttl(Duration::from_secs(60)).relay(true);
+        kept.build().expect("set while off, kept by relay(true)");
     }
 
     #[test]
