@@ -106,7 +106,7 @@
 //!   the transactional [`outbox`], in its own transaction; the [`Relay`] publishes
 //!   committed rows with confirms and `mandatory`, at least once with one stable,
 //!   deterministic `message_id`, and deletes them (module docs of [`outbox`] and
-//!   `engine/relay.rs`). A handler's result is stored with its dedup row and is the reply
+//!   `engine/relay/`). A handler's result is stored with its dedup row and is the reply
 //!   to a request (`reply_to` + `correlation_id`); a duplicated request gets the
 //!   stored reply again, byte for byte. A reply expires — after the reply TTL
 //!   ([`RuntimeBuilder::reply_ttl`], 1 h) or its request's `expiration`, whichever
