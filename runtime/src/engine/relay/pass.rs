@@ -1,0 +1,285 @@
+//! One relay pass, in one transaction: claim the due rows, publish them pipelined,
+//! await the confirms, then delete, postpone or expire each (the module docs' diagram).
+
+use std::time::Duration;
+
+use diesel::QueryResult;
+use diesel_async::pooled_connection::deadpool::Pool;
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use lapin::options::BasicPublishOptions;
+use lapin::{Confirmation, PublisherConfirm};
+
+use crate::store::db::{self, OutboxRow};
+
+use super::error::{Refusal, RelayError};
+use super::link::Link;
+use super::settings::Settings;
+use super::CONFIRM_TIMEOUT;
+
+/// What one pass did.
+pub(super) struct Pass {
+    pub(super) claimed: usize,
+    pub(super) published: usize,
+    pub(super) postponed: usize,
+    /// Replies deleted unpublished, and the first's details (logged once committed).
+    pub(super) expired: usize,
+    first_expired: Option<Expired>,
+    /// The broker connection failed during the pass: reconnect.
+    pub(super) lost: Option<RelayError>,
+}
+
+/// An expired reply, as its warning shows it.
+struct Expired {
+    message_id: String,
+    reply_to: String,
+    correlation_id: Option<String>,
+    attempts: i32,
+    last_error: Option<String>,
+}
+
+impl Pass {
+    fn empty() -> Self {
+        Self { claimed: 0, published: 0, postponed: 0, expired: 0, first_expired: None, lost: None }
+    }
+}
+
+/// What the broker said of one row: `Some(Ok)` confirmed (and routed, if mandatory),
+/// `Some(Err)` refused, `None` unknown (the connection went).
+type Published = Option<Result<(), Refusal>>;
+
+/// Claims due rows, publishes them and records what the broker said, in one
+/// transaction. `Err`: the database failed (nothing recorded; the rows stay).
+pub(super) async fn pass(
+    pool: &Pool<AsyncPgConnection>,
+    settings: Settings,
+    link: &mut Link,
+) -> Result<Pass, RelayError> {
+    let mut conn = pool.get().await.map_err(RelayError::Pool)?;
+    let limit = i64::try_from(settings.batch_size).unwrap_or(i64::MAX);
+    let pass = conn
+        .transaction::<Pass, diesel::result::Error, _>(async |conn| {
+            let claimed = db::claim_outbox(conn, limit, settings.reply_ttl).await?;
+            if claimed.is_empty() {
+                return Ok(Pass::empty());
+            }
+            publish_and_record(conn, link, claimed, settings).await
+        })
+        .await
+        .map_err(RelayError::database("run a relay pass"))?;
+    // Once committed: each reply is deleted, and warned of, once.
+    if let Some(first) = &pass.first_expired {
+        tracing::warn!(
+            expired = pass.expired,
+            message_id = %first.message_id,
+            reply_to = %first.reply_to,
+            correlation_id = ?first.correlation_id,
+            attempts = first.attempts,
+            last_error = ?first.last_error,
+            reply_ttl = ?settings.reply_ttl,
+            "outbox relay: replies expired before they could be delivered (older than the reply TTL, or past their request's expiration: the requester stopped waiting); deleted unpublished (the first shown; RUST_LOG=idemq::relay=debug lists each)"
+        );
+    }
+    Ok(pass)
+}
+
+/// The pass's work on the claimed rows, inside its transaction.
+async fn publish_and_record(
+    conn: &mut AsyncPgConnection,
+    link: &mut Link,
+    claimed: Vec<OutboxRow>,
+    settings: Settings,
+) -> QueryResult<Pass> {
+    let claimed_count = claimed.len();
+    // Expired replies go without a publish: their requester stopped waiting.
+    let (expired, rows): (Vec<OutboxRow>, Vec<OutboxRow>) = claimed.into_iter().partition(|row| row.expired);
+    let (results, lost) = publish_all(link, &rows).await;
+    let Recorded { mut sent, postponed, first_error } = record(conn, &rows, results, settings).await?;
+    let published = sent.len();
+    for row in &expired {
+        tracing::debug!(message_id = %row.message_id, reply_to = %row.routing_key, correlation_id = ?row.correlation_id, attempts = row.attempts, last_error = ?row.last_error, "outbox relay: a reply expired before it could be delivered; deleted unpublished");
+    }
+    sent.extend(expired.iter().map(|row| row.id));
+    db::delete_outbox(conn, &sent).await?;
+    if let Some((message_id, error)) = first_error {
+        tracing::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::relay=debug lists each)");
+    }
+    let first_expired = expired.first().map(|row| Expired {
+        message_id: row.message_id.clone(),
+        reply_to: row.routing_key.clone(),
+        correlation_id: row.correlation_id.clone(),
+        attempts: row.attempts,
+        last_error: row.last_error.clone(),
+    });
+    Ok(Pass { claimed: claimed_count, published, postponed, expired: expired.len(), first_expired, lost })
+}
+
+/// What [`record`] did with the published rows.
+struct Recorded {
+    /// Rows to delete: confirmed, or best effort.
+    sent: Vec<i64>,
+    postponed: usize,
+    /// The first postponed row's message id and refusal, for the pass's warning.
+    first_error: Option<(String, Refusal)>,
+}
+
+/// Postpones each refused row (a best-effort one is dropped instead) and collects
+/// the rows to delete; a row left unknown stays as it is, for the next pass.
+async fn record(
+    conn: &mut AsyncPgConnection,
+    rows: &[OutboxRow],
+    results: Vec<Published>,
+    settings: Settings,
+) -> QueryResult<Recorded> {
+    let mut recorded = Recorded { sent: Vec::new(), postponed: 0, first_error: None };
+    for (row, result) in rows.iter().zip(results) {
+        match result {
+            Some(Ok(())) => recorded.sent.push(row.id),
+            Some(Err(error)) if !row.mandatory => {
+                // Best effort (direct reply-to): never retried.
+                tracing::warn!(message_id = %row.message_id, routing_key = %row.routing_key, %error, "outbox relay: a best-effort reply could not be published; dropped");
+                recorded.sent.push(row.id);
+            }
+            Some(Err(error)) => {
+                let delay = retry_delay(row.attempts, settings.max_backoff);
+                // One line per row at debug; the pass says it once at warn.
+                tracing::debug!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, ?delay, %error, "outbox relay: could not publish; it stays in the outbox and is retried");
+                db::postpone_outbox(conn, row.id, delay, &error.to_string(), settings.reply_ttl).await?;
+                recorded.postponed += 1;
+                recorded.first_error.get_or_insert_with(|| (row.message_id.clone(), error));
+            }
+            // Unknown (the connection went): left for the next pass.
+            None => {}
+        }
+    }
+    Ok(recorded)
+}
+
+/// Publishes `rows` pipelined and awaits their confirms. Per row, what the broker
+/// said ([`Published`]); and the fault, if the connection or channel failed.
+async fn publish_all(link: &mut Link, rows: &[OutboxRow]) -> (Vec<Published>, Option<RelayError>) {
+    let mut results: Vec<Published> = rows.iter().map(|_| None).collect();
+    let (confirms, mut lost) = publish(link, rows, &mut results).await;
+    let nacked = await_confirms(rows, confirms, &mut results, &mut lost).await;
+    // A nack is the broker refusing on *this channel*, and on RabbitMQ 3.10 a channel
+    // that first published to a quorum queue while it was electing a new leader
+    // (a relay that reconnected right after losing the leader's node) is nacked for
+    // good — seen on a cluster: the outbox stopped draining until a restart. The
+    // nacked rows are postponed as usual; the next pass publishes on a fresh channel.
+    if nacked && lost.is_none() {
+        if let Err(reason) = link.reopen_channel().await {
+            lost = Some(reason);
+        }
+    }
+    // The connection or channel failed: the first row left unknown is postponed (it
+    // may be what closed the channel — too large, say — and would otherwise come
+    // first in every pass, holding up every row behind it). If the broker had it,
+    // it goes out once more under its id: at least once, as always.
+    if let Some(reason) = &lost {
+        if let Some(first) = results.iter_mut().find(|result| result.is_none()) {
+            *first = Some(Err(Refusal::ChannelFailed { reason: reason.report() }));
+        }
+    }
+    (results, lost)
+}
+
+/// Publishes each row whose exchange exists (the others are refused at once), until
+/// the connection fails. The confirms to await, by row index, and the fault.
+async fn publish(
+    link: &mut Link,
+    rows: &[OutboxRow],
+    results: &mut [Published],
+) -> (Vec<(usize, PublisherConfirm)>, Option<RelayError>) {
+    let mut confirms = Vec::with_capacity(rows.len());
+    for (index, row) in rows.iter().enumerate() {
+        match link.exchange_exists(&row.exchange).await {
+            Ok(true) => {}
+            Ok(false) => {
+                results[index] = Some(Err(Refusal::NoExchange { exchange: row.exchange.clone() }));
+                continue;
+            }
+            Err(reason) => return (confirms, Some(reason)),
+        }
+        let options = BasicPublishOptions { mandatory: row.mandatory, ..BasicPublishOptions::default() };
+        let published = link
+            .channel
+            .basic_publish(
+                row.exchange.as_str().into(),
+                row.routing_key.as_str().into(),
+                options,
+                &row.body,
+                properties(row),
+            )
+            .await;
+        match published {
+            Ok(confirm) => confirms.push((index, confirm)),
+            Err(source) => return (confirms, Some(RelayError::Broker { action: "publish", source })),
+        }
+    }
+    (confirms, None)
+}
+
+/// Awaits each confirm (at most [`CONFIRM_TIMEOUT`]) into `results`; a failure sets
+/// `lost` if nothing did before. `true`: the broker nacked one.
+async fn await_confirms(
+    rows: &[OutboxRow],
+    confirms: Vec<(usize, PublisherConfirm)>,
+    results: &mut [Published],
+    lost: &mut Option<RelayError>,
+) -> bool {
+    let mut nacked = false;
+    for (index, confirm) in confirms {
+        let row = &rows[index];
+        results[index] = match tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await {
+            Ok(Ok(Confirmation::Ack(None) | Confirmation::NotRequested)) => Some(Ok(())),
+            Ok(Ok(Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)))) => {
+                Some(Err(Refusal::Unroutable {
+                    exchange: row.exchange.clone(),
+                    routing_key: row.routing_key.clone(),
+                }))
+            }
+            Ok(Ok(Confirmation::Nack(None))) => {
+                nacked = true;
+                Some(Err(Refusal::Nacked))
+            }
+            Ok(Err(source)) => {
+                lost.get_or_insert(RelayError::Broker { action: "await a confirm", source });
+                None
+            }
+            Err(_) => {
+                lost.get_or_insert(RelayError::ConfirmTimeout(CONFIRM_TIMEOUT));
+                None
+            }
+        };
+    }
+    nacked
+}
+
+fn properties(row: &OutboxRow) -> lapin::BasicProperties {
+    let headers =
+        row.headers.as_deref().and_then(|headers| serde_json::from_str(headers).ok()).unwrap_or_default();
+    crate::base::outgoing::properties(
+        &row.message_id,
+        row.content_type.as_deref(),
+        row.correlation_id.as_deref(),
+        &headers,
+    )
+}
+
+/// 100 ms, doubling per failure, at most `max`.
+fn retry_delay(attempts: i32, max: Duration) -> Duration {
+    let exponent = u32::try_from(attempts.clamp(0, 20)).unwrap_or(20);
+    Duration::from_millis(100).saturating_mul(2_u32.saturating_pow(exponent)).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_rows_back_off_doubling_up_to_the_bound() {
+        let max = Duration::from_secs(60);
+        assert_eq!(retry_delay(0, max), Duration::from_millis(100));
+        assert_eq!(retry_delay(3, max), Duration::from_millis(800));
+        assert_eq!(retry_delay(30, max), max);
+    }
+}
