@@ -76,7 +76,7 @@ pub(super) async fn pass(
             attempts = first.attempts,
             last_error = ?first.last_error,
             reply_ttl = ?settings.reply_ttl,
-            "outbox relay: replies expired before they could be delivered (older than the reply TTL, or past their request's expiration: the requester stopped waiting); deleted unpublished (the first shown; RUST_LOG=idemq::relay=debug lists each)"
+            "outbox relay: replies expired before they could be delivered (older than the reply TTL, or past their request's expiration: the requester stopped waiting); deleted unpublished (the first shown; RUST_LOG=idemq::engine::relay=debug lists each)"
         );
     }
     Ok(pass)
@@ -101,7 +101,7 @@ async fn publish_and_record(
     sent.extend(expired.iter().map(|row| row.id));
     db::delete_outbox(conn, &sent).await?;
     if let Some((message_id, error)) = first_error {
-        tracing::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::relay=debug lists each)");
+        tracing::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::engine::relay=debug lists each)");
     }
     let first_expired = expired.first().map(|row| Expired {
         message_id: row.message_id.clone(),
