@@ -34,6 +34,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Confirmation, Connection};
 
+use crate::app::cli::common::{connect_broker, CliResult};
 use crate::base::headers;
 use crate::engine::runtime::RuntimeBuilder;
 use crate::handler::identity;
@@ -43,8 +44,6 @@ const BROWSE_FOR: Duration = Duration::from_secs(30);
 
 /// The most dead letters one command looks at.
 const MAX_BROWSE: u16 = 10_000;
-
-type CliResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliResult {
     let (action, sub) = matches.subcommand().ok_or("dlq needs list, show, replay or purge")?;
@@ -68,7 +67,7 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
         }
     }
     dlqs.retain(|(dlq, _)| queues.iter().any(|(_, wanted)| wanted == dlq));
-    let connection = crate::app::cli::connect_broker(builder.configured_amqp_url()).await?;
+    let connection = connect_broker(builder.configured_amqp_url()).await?;
     let filter = Filter::of(sub, only.cloned());
     let options = Options::of(sub);
     let mut index = 0;

@@ -1,0 +1,238 @@
+//! The dedup rows: BEGIN with the batch's claim (one round trip), the rows that
+//! exist, the results and permanent failures stored with them, and forgetting one.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::{Array, Bytea, Text};
+use diesel_async::{
+    AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager,
+};
+
+use crate::store::schema::idemq_dedup;
+
+diesel::define_sql_function! {
+    /// The current top-level transaction's id (assigning one if it has none yet).
+    fn txid_current() -> diesel::sql_types::BigInt;
+}
+
+/// How long a statement in a batch of several deliveries may wait for a lock. Far
+/// below PostgreSQL's `deadlock_timeout` (1 s): two batches that lock the same rows
+/// in different orders fail fast, and the runtime re-runs them smaller (a delivery
+/// run alone waits with the session's full `lock_timeout`).
+pub(crate) const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// What a transaction's dedup insert found.
+#[derive(Debug)]
+pub(crate) struct Claim {
+    /// The transaction's id if it inserted any row, for [`commit_checked`].
+    pub(crate) xid: Option<i64>,
+    /// The keys whose rows it inserted: those messages are new. The others were
+    /// applied before (their rows are committed).
+    pub(crate) inserted: HashSet<String>,
+}
+
+diesel::define_sql_function! {
+    /// `unnest(text[])`: one row per key.
+    #[sql_name = "unnest"]
+    fn unnest_text(array: Array<Text>) -> Text;
+}
+
+diesel::define_sql_function! {
+    /// `unnest(bytea[])`: one row per fingerprint.
+    #[sql_name = "unnest"]
+    fn unnest_bytea(array: Array<Bytea>) -> Bytea;
+}
+
+/// BEGIN, then the dedup rows of `rows` (key, fingerprint; keys distinct) inserted
+/// where absent — pipelined, one round trip for both, one statement for the whole
+/// batch (its keys and fingerprints go as two array parameters, so there is no limit
+/// of bind parameters to mind). Rows are inserted in key order: two batches sharing
+/// keys take their index locks in the same order and cannot deadlock on them.
+///
+/// `RETURNING` says which keys were inserted (matched by key: its order is not
+/// guaranteed). On an error the transaction may be open: roll back (diesel counts it
+/// as open from the start, so a connection dropped half-way is never returned to the
+/// pool as clean).
+pub(crate) async fn begin_and_claim(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    rows: &[(&str, &[u8])],
+) -> QueryResult<Claim> {
+    use diesel::connection::TransactionDepthChange;
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()?
+        .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
+    let mut sorted = rows.to_vec();
+    sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    // Both through shared references, polled together: tokio-postgres sends them
+    // back to back in this order, and the server runs them in order.
+    let (mut first, mut second) = (&*conn, &*conn);
+    let began = first.batch_execute("BEGIN");
+    // `txid_current()` is evaluated per inserted row. (Function calls, not SQL
+    // literals: a literal would make diesel prepare the statement anew every time.)
+    let (began, inserted) = if let [(key, fingerprint)] = sorted.as_slice() {
+        // One row: a plain single-row insert (per-message mode's hot path).
+        let insert = diesel::insert_into(idemq_dedup::table)
+            .values((
+                idemq_dedup::handler.eq(scope),
+                idemq_dedup::key.eq(*key),
+                idemq_dedup::fingerprint.eq(*fingerprint),
+            ))
+            .on_conflict_do_nothing()
+            .returning((idemq_dedup::key, txid_current()))
+            .get_results::<(String, i64)>(&mut second);
+        futures_util::join!(began, insert)
+    } else {
+        let keys: Vec<&str> = sorted.iter().map(|(key, _)| *key).collect();
+        let fingerprints: Vec<&[u8]> = sorted.iter().map(|(_, fingerprint)| *fingerprint).collect();
+        let insert = diesel::insert_into(idemq_dedup::table)
+            .values(diesel::select((
+                scope.into_sql::<Text>(),
+                unnest_text(keys),
+                unnest_bytea(fingerprints).nullable(),
+            )))
+            .into_columns((idemq_dedup::handler, idemq_dedup::key, idemq_dedup::fingerprint))
+            .on_conflict_do_nothing()
+            .returning((idemq_dedup::key, txid_current()))
+            .get_results::<(String, i64)>(&mut second);
+        futures_util::join!(began, insert)
+    };
+    match (began, inserted) {
+        (Ok(()), Ok(inserted)) => Ok(Claim {
+            xid: <[_]>::first(&inserted).map(|(_, xid)| *xid),
+            inserted: inserted.into_iter().map(|(key, _)| key).collect(),
+        }),
+        (Ok(()), Err(err)) => Err(err),
+        (Err(err), Ok(inserted)) if !inserted.is_empty() => {
+            // BEGIN failed yet the insert ran, on its own, and committed: a dedup row
+            // without its effect would turn the message into a duplicate. (Not seen:
+            // a BEGIN fails only with the connection, which fails the insert too.)
+            let keys: Vec<String> = inserted.into_iter().map(|(key, _)| key).collect();
+            tracing::error!(error = %err, scope, ?keys, "BEGIN failed but the dedup insert committed; deleting the rows");
+            diesel::delete(
+                idemq_dedup::table
+                    .filter(idemq_dedup::handler.eq(scope))
+                    .filter(idemq_dedup::key.eq_any(&keys)),
+            )
+            .execute(conn)
+            .await?;
+            Err(err)
+        }
+        (Err(err), _) => Err(err),
+    }
+}
+
+/// BEGIN and the new transaction's id (pipelined, one round trip), for a handler
+/// without dedup rows (`dedup = false`): every delivery of `keys` is new.
+pub(crate) async fn begin_without_claim(conn: &mut AsyncPgConnection, keys: &[&str]) -> QueryResult<Claim> {
+    use diesel::connection::TransactionDepthChange;
+    AnsiTransactionManager::transaction_manager_status_mut(conn)
+        .transaction_state()?
+        .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
+    let (mut first, mut second) = (&*conn, &*conn);
+    let began = first.batch_execute("BEGIN");
+    let xid = diesel::select(txid_current()).get_result::<i64>(&mut second);
+    let (began, xid) = futures_util::join!(began, xid);
+    began?;
+    Ok(Claim { xid: Some(xid?), inserted: keys.iter().map(|key| (*key).to_owned()).collect() })
+}
+
+/// Makes the open transaction wait at most [`BATCH_LOCK_TIMEOUT`] for a lock: for a
+/// transaction that runs several handlers (one running alone keeps the session's
+/// limit, and only its failures are charged as attempts).
+pub(crate) async fn limit_batch_lock_waits(conn: &mut AsyncPgConnection) -> QueryResult<()> {
+    conn.batch_execute(&format!("SET LOCAL lock_timeout = {}", BATCH_LOCK_TIMEOUT.as_millis())).await
+}
+
+/// What an existing dedup row holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stored {
+    /// The applied payload's fingerprint (`None`: stored without one).
+    pub(crate) fingerprint: Option<Vec<u8>>,
+    /// What the handler returned, or a failed request's error reply.
+    pub(crate) result: Option<Vec<u8>>,
+    /// The row records a request's permanent failure.
+    pub(crate) failed: bool,
+}
+
+/// The existing dedup rows of `keys`, by key (a key without a row is absent).
+pub(crate) async fn stored_rows(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    keys: &[&str],
+) -> QueryResult<HashMap<String, Stored>> {
+    // `key = ANY($2)`: one cached statement for any number of keys, on the primary key.
+    #[derive(Queryable)]
+    struct Row {
+        key: String,
+        fingerprint: Option<Vec<u8>>,
+        result: Option<Vec<u8>>,
+        failed: bool,
+    }
+    let rows: Vec<Row> = idemq_dedup::table
+        .filter(idemq_dedup::handler.eq(scope))
+        .filter(idemq_dedup::key.eq_any(keys))
+        .select((idemq_dedup::key, idemq_dedup::fingerprint, idemq_dedup::result, idemq_dedup::failed))
+        .load(conn)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|Row { key, fingerprint, result, failed }| (key, Stored { fingerprint, result, failed }))
+        .collect())
+}
+
+/// Stores what the handlers of a batch returned with their (just inserted) dedup
+/// rows: one statement for the batch.
+pub(crate) async fn store_results(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    results: &[(&str, &[u8])],
+) -> QueryResult<()> {
+    if results.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<&str> = results.iter().map(|(key, _)| *key).collect();
+    let values: Vec<&[u8]> = results.iter().map(|(_, value)| *value).collect();
+    diesel::sql_query(
+        "UPDATE idemq_dedup AS d SET result = u.result \
+         FROM unnest($2::text[], $3::bytea[]) AS u(key, result) \
+         WHERE d.handler = $1 AND d.key = u.key",
+    )
+    .bind::<Text, _>(scope)
+    .bind::<Array<Text>, _>(keys)
+    .bind::<Array<Bytea>, _>(values)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Records a request's permanent failure as its dedup row (holding the error
+/// reply), in the caller's transaction. Returns whether the row was new.
+pub(crate) async fn store_failure(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    key: &str,
+    fingerprint: &[u8],
+    reply: &[u8],
+) -> QueryResult<bool> {
+    let inserted = diesel::insert_into(idemq_dedup::table)
+        .values((
+            idemq_dedup::handler.eq(scope),
+            idemq_dedup::key.eq(key),
+            idemq_dedup::fingerprint.eq(fingerprint),
+            idemq_dedup::result.eq(reply),
+            idemq_dedup::failed.eq(true),
+        ))
+        .on_conflict_do_nothing()
+        .execute(conn)
+        .await?;
+    Ok(inserted == 1)
+}
+
+/// Deletes one dedup row.
+pub(crate) async fn forget(conn: &mut AsyncPgConnection, scope: &str, key: &str) -> QueryResult<bool> {
+    let deleted = diesel::delete(idemq_dedup::table.find((scope, key))).execute(conn).await?;
+    Ok(deleted == 1)
+}

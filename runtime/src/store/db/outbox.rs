@@ -1,0 +1,170 @@
+//! The outbox table's statements: rows written in a handler's transaction, claimed,
+//! deleted and postponed by the relay, counted for the backlog; and the `NOTIFY`
+//! that wakes relays.
+
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel::sql_types::{Array, BigInt, Bool, Bytea, Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+use crate::base::outgoing::Outgoing;
+use crate::store::schema::idemq_outbox;
+
+/// The `LISTEN`/`NOTIFY` channel relays wake on.
+pub(crate) const CHANNEL: &str = "idemq_outbox";
+
+/// Writes outbox rows (each with its message id set) in the caller's transaction:
+/// one statement for any number (every column an array parameter).
+pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing]) -> QueryResult<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = rows.iter().map(|row| row.message_id.as_deref().unwrap_or_default()).collect();
+    let exchanges: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).collect();
+    let routing_keys: Vec<&str> = rows.iter().map(|row| row.routing_key.as_str()).collect();
+    let bodies: Vec<&[u8]> = rows.iter().map(|row| row.body.as_slice()).collect();
+    let content_types: Vec<Option<&str>> = rows.iter().map(|row| row.content_type.as_deref()).collect();
+    let correlation_ids: Vec<Option<&str>> = rows.iter().map(|row| row.correlation_id.as_deref()).collect();
+    let headers: Vec<Option<String>> = rows
+        .iter()
+        .map(|row| (!row.headers.is_empty()).then(|| serde_json::to_string(&row.headers).unwrap_or_default()))
+        .collect();
+    let mandatory: Vec<bool> = rows.iter().map(|row| row.mandatory).collect();
+    let replies: Vec<bool> = rows.iter().map(|row| row.reply.is_some()).collect();
+    // A reply's own window, from now (the transaction's start: about when its request
+    // was consumed); NULL for events and for requests without an `expiration`.
+    let windows: Vec<Option<i64>> = rows
+        .iter()
+        .map(|row| row.reply.and_then(|reply| reply.within).map(|within| millis(within, MAX_WINDOW)))
+        .collect();
+    diesel::sql_query(
+        "INSERT INTO idemq_outbox \
+         (message_id, exchange, routing_key, body, content_type, correlation_id, headers, mandatory, reply, \
+          expires_at) \
+         SELECT m, e, r, b, c, k, h, y, p, now() + w * interval '1 millisecond' \
+         FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], $7::text[], \
+                     $8::bool[], $9::bool[], $10::bigint[]) AS u(m, e, r, b, c, k, h, y, p, w)",
+    )
+    .bind::<Array<Text>, _>(ids)
+    .bind::<Array<Text>, _>(exchanges)
+    .bind::<Array<Text>, _>(routing_keys)
+    .bind::<Array<Bytea>, _>(bodies)
+    .bind::<Array<Nullable<Text>>, _>(content_types)
+    .bind::<Array<Nullable<Text>>, _>(correlation_ids)
+    .bind::<Array<Nullable<Text>>, _>(headers)
+    .bind::<Array<Bool>, _>(mandatory)
+    .bind::<Array<Bool>, _>(replies)
+    .bind::<Array<Nullable<BigInt>>, _>(windows)
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// The longest window a duration is bound as (100 years, in ms): what PostgreSQL's
+/// timestamps can be moved by without overflowing (`Duration::MAX` means "never").
+const MAX_WINDOW: i64 = 100 * 365 * 86_400 * 1000;
+
+/// `duration` in whole milliseconds, at most `max`.
+fn millis(duration: Duration, max: i64) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX).min(max)
+}
+
+/// An outbox row as the relay publishes it.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct OutboxRow {
+    #[diesel(sql_type = BigInt)]
+    pub(crate) id: i64,
+    #[diesel(sql_type = Text)]
+    pub(crate) message_id: String,
+    #[diesel(sql_type = Text)]
+    pub(crate) exchange: String,
+    #[diesel(sql_type = Text)]
+    pub(crate) routing_key: String,
+    #[diesel(sql_type = Bytea)]
+    pub(crate) body: Vec<u8>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) content_type: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) correlation_id: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) headers: Option<String>,
+    #[diesel(sql_type = Bool)]
+    pub(crate) mandatory: bool,
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    pub(crate) attempts: i32,
+    /// Why its last publish failed.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) last_error: Option<String>,
+    /// A reply past its expiry: deleted, never published.
+    #[diesel(sql_type = Bool)]
+    pub(crate) expired: bool,
+}
+
+/// When a reply row expires: its request's own deadline or `created_at` plus the
+/// reply TTL (`$ttl`, ms), whichever comes first (`least` skips a NULL); NULL for an
+/// event, which never expires.
+fn reply_expiry(ttl: &str) -> String {
+    format!("CASE WHEN reply THEN least(expires_at, created_at + {ttl} * interval '1 millisecond') END")
+}
+
+/// Locks up to `limit` rows that are due, oldest first, skipping rows another
+/// relay holds (in the caller's transaction: held until it ends). A reply older than
+/// `reply_ttl`, or past its request's own deadline, comes back `expired`.
+pub(crate) async fn claim_outbox(
+    conn: &mut AsyncPgConnection,
+    limit: i64,
+    reply_ttl: Duration,
+) -> QueryResult<Vec<OutboxRow>> {
+    diesel::sql_query(format!(
+        "SELECT id, message_id, exchange, routing_key, body, content_type, correlation_id, headers, mandatory, \
+                attempts, last_error, coalesce({} <= now(), false) AS expired \
+         FROM idemq_outbox WHERE available_at <= now() ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        reply_expiry("$2")
+    ))
+    .bind::<BigInt, _>(limit)
+    .bind::<BigInt, _>(millis(reply_ttl, MAX_WINDOW))
+    .load(conn)
+    .await
+}
+
+/// Deletes rows whose messages were published.
+pub(crate) async fn delete_outbox(conn: &mut AsyncPgConnection, ids: &[i64]) -> QueryResult<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    diesel::delete(idemq_outbox::table.filter(idemq_outbox::id.eq_any(ids))).execute(conn).await.map(drop)
+}
+
+/// Puts a row whose publish failed back for later, after `delay` — a reply no later
+/// than when it expires (with `reply_ttl`), so it is deleted then, not a backoff later.
+pub(crate) async fn postpone_outbox(
+    conn: &mut AsyncPgConnection,
+    id: i64,
+    delay: Duration,
+    error: &str,
+    reply_ttl: Duration,
+) -> QueryResult<()> {
+    diesel::sql_query(format!(
+        "UPDATE idemq_outbox SET attempts = attempts + 1, \
+         available_at = least(now() + $2 * interval '1 millisecond', {}), last_error = $3 WHERE id = $1",
+        reply_expiry("$4")
+    ))
+    .bind::<BigInt, _>(id)
+    .bind::<BigInt, _>(millis(delay, MAX_WINDOW))
+    .bind::<Text, _>(error)
+    .bind::<BigInt, _>(millis(reply_ttl, MAX_WINDOW))
+    .execute(conn)
+    .await
+    .map(drop)
+}
+
+/// Rows waiting in the outbox (due or not).
+pub(crate) async fn outbox_backlog(conn: &mut AsyncPgConnection) -> QueryResult<i64> {
+    idemq_outbox::table.count().get_result(conn).await
+}
+
+/// Wakes the relays listening on [`CHANNEL`] (outside any transaction).
+pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
+    conn.batch_execute(&format!("NOTIFY {CHANNEL}")).await
+}
