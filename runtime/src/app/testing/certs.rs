@@ -10,6 +10,7 @@ use rcgen::{
 };
 
 use super::cluster::ClusterError;
+use super::host::{self, io};
 
 /// Where every set of certificates lives: `<BASE>-<pid>-<n>`.
 const BASE: &str = "/tmp/idemq-kit-certs";
@@ -180,20 +181,7 @@ impl Drop for TestCertificates {
 /// A process of its own that removes `dir` once this process has ended (a set kept
 /// in a `static` is never dropped).
 fn watchdog(dir: &Path) -> Result<std::process::Child, ClusterError> {
-    use std::os::unix::process::CommandExt;
-    let script = format!(
-        "while kill -0 {owner} 2>/dev/null; do sleep 1; done; rm -rf {dir}",
-        owner = std::process::id(),
-        dir = dir.display()
-    );
-    std::process::Command::new("sh")
-        .args(["-c", &script])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .process_group(0)
-        .spawn()
-        .map_err(|source| io("start the certificates' watchdog", source))
+    host::watchdog(&format!("rm -rf {}", dir.display()), "the certificates")
 }
 
 /// Why making the files failed.
@@ -234,10 +222,6 @@ fn leaf(
     Ok(params)
 }
 
-fn io(action: &str, source: std::io::Error) -> ClusterError {
-    ClusterError::Io { action: action.to_owned(), source }
-}
-
 fn set_mode(path: &Path, mode: u32) -> Result<(), ClusterError> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
@@ -246,14 +230,7 @@ fn set_mode(path: &Path, mode: u32) -> Result<(), ClusterError> {
 
 /// Removes the directories of runs whose process is gone.
 fn remove_stale() {
-    let Ok(entries) = std::fs::read_dir("/tmp") else { return };
-    let prefix = format!("{}-", BASE.trim_start_matches("/tmp/"));
-    for entry in entries.filter_map(Result::ok) {
-        let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|name| name.strip_prefix(&prefix)) else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|pid| pid.parse::<u32>().ok()) else { continue };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
+    for dir in host::stale_dirs(BASE) {
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

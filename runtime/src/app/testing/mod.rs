@@ -39,6 +39,7 @@
 #[cfg(feature = "testing")]
 mod certs;
 mod cluster;
+mod host;
 #[cfg(feature = "testing")]
 mod kit;
 #[cfg(feature = "testing")]

@@ -10,6 +10,7 @@ use tokio::process::Command;
 
 use super::certs::{CertifiedKey, TestCertificates};
 use super::cluster::ClusterError;
+use super::host::{self, io, is_root};
 
 /// Every server's directory is `<BASE>-<pid>-<n>`.
 const BASE: &str = "/tmp/idemq-kit-pg";
@@ -262,22 +263,9 @@ impl Drop for PostgresServer {
 /// A process of its own (it outlives ours) that waits for this process to end, then
 /// stops the server and removes its files.
 fn watchdog(dir: &Path, bin: &Path) -> Result<std::process::Child, ClusterError> {
-    use std::os::unix::process::CommandExt;
     let stop = format!("{}/pg_ctl stop -m immediate -D {}/data", bin.display(), dir.display());
     let stop = if is_root() { format!("runuser -u postgres -- {stop}") } else { stop };
-    let script = format!(
-        "while kill -0 {owner} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf {dir}",
-        owner = std::process::id(),
-        dir = dir.display(),
-    );
-    std::process::Command::new("sh")
-        .args(["-c", &script])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .process_group(0)
-        .spawn()
-        .map_err(|source| io("start the server's watchdog", source))
+    host::watchdog(&format!("{stop} >/dev/null 2>&1; rm -rf {}", dir.display()), "a PostgreSQL server")
 }
 
 /// The newest PostgreSQL's binaries (`/usr/lib/postgresql/<version>/bin`).
@@ -346,30 +334,12 @@ fn chown(dir: &Path) -> Result<(), ClusterError> {
 /// Removes the directories of runs whose process is gone (their watchdog was killed
 /// too, say) and stops what still runs there.
 fn remove_stale() {
-    let Ok(entries) = std::fs::read_dir("/tmp") else { return };
-    let prefix = format!("{}-", BASE.trim_start_matches("/tmp/"));
-    for entry in entries.filter_map(Result::ok) {
-        let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|name| name.strip_prefix(&prefix)) else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|pid| pid.parse::<u32>().ok()) else { continue };
-        if Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        if let Ok(pid) = std::fs::read_to_string(entry.path().join("data/postmaster.pid")) {
+    for dir in host::stale_dirs(BASE) {
+        if let Ok(pid) = std::fs::read_to_string(dir.join("data/postmaster.pid")) {
             if let Some(postmaster) = pid.lines().next() {
                 let _ = std::process::Command::new("kill").args(["-9", postmaster.trim()]).status();
             }
         }
-        let _ = std::fs::remove_dir_all(entry.path());
+        let _ = std::fs::remove_dir_all(dir);
     }
-}
-
-fn io(action: &str, source: std::io::Error) -> ClusterError {
-    ClusterError::Io { action: action.to_owned(), source }
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
-        status.lines().any(|line| line.starts_with("Uid:") && line.split_whitespace().nth(1) == Some("0"))
-    })
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::process::Command;
 
 use super::{ClusterBuilder, ClusterError, ClusterNode};
+use crate::app::testing::host::is_root;
 
 /// Where the nodes' files live (one directory per node) and the lock beside it.
 pub(super) const BASE: &str = "/tmp/idemq-kit-cluster";
@@ -61,9 +62,7 @@ pub(super) fn start_watchdog() -> Result<std::process::Child, ClusterError> {
     Ok(child)
 }
 
-pub(super) fn io(action: &str, source: std::io::Error) -> ClusterError {
-    ClusterError::Io { action: action.to_owned(), source }
-}
+pub(super) use crate::app::testing::host::io;
 
 /// Kills nodes left over by a killed run (found by name) and wipes their data.
 pub(super) async fn remove_stale() -> Result<(), ClusterError> {
@@ -263,10 +262,4 @@ fn kill_pid(pid: u32) {
         .args(["-9", &pid.to_string()])
         .stderr(std::process::Stdio::null())
         .status();
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
-        status.lines().any(|line| line.starts_with("Uid:") && line.split_whitespace().nth(1) == Some("0"))
-    })
 }
