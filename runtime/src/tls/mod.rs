@@ -122,16 +122,22 @@ impl Settings {
         let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
             .map_err(|err| Error::Config(format!("TLS: {err}")))?;
-        let roots = Arc::new(self.root_store(dialect)?);
         let builder = match self.verify {
-            Verify::Full => builder.with_root_certificates(roots),
+            Verify::Full => builder.with_root_certificates(Arc::new(self.root_store(dialect)?)),
             Verify::ChainOnly => {
+                let roots = Arc::new(self.root_store(dialect)?);
                 let inner = WebPkiServerVerifier::builder_with_provider(roots, Arc::clone(&provider))
                     .build()
                     .map_err(|err| Error::Config(format!("TLS: {err}")))?;
                 builder.dangerous().with_custom_certificate_verifier(Arc::new(ChainOnly { inner }))
             }
             Verify::Nothing => {
+                // No root is consulted. A CA file given beside is still read, so that a
+                // wrong path is refused rather than ignored; the system store is not
+                // loaded (libpq's default `prefer` connects this way every time).
+                if let Roots::File(_) = self.roots {
+                    self.root_store(dialect)?;
+                }
                 builder.dangerous().with_custom_certificate_verifier(Arc::new(NoVerification { provider }))
             }
         };
@@ -179,8 +185,7 @@ impl Settings {
                 // Unreadable entries of the system store are skipped, as every
                 // client of it does; an empty store fails every handshake, which
                 // then says so.
-                let found = rustls_native_certs::load_native_certs();
-                let (added, _) = store.add_parsable_certificates(found.certs);
+                let (added, _) = store.add_parsable_certificates(system_roots().iter().cloned());
                 if added == 0 {
                     tracing::warn!(
                         "TLS: the system trust store has no certificates; give the CA file with {}PATH",
@@ -191,6 +196,13 @@ impl Settings {
         }
         Ok(store)
     }
+}
+
+/// The operating system's trust store, read once per process (it is hundreds of
+/// files; every connection that verifies against it would read them again).
+fn system_roots() -> &'static [CertificateDer<'static>] {
+    static ROOTS: std::sync::OnceLock<Vec<CertificateDer<'static>>> = std::sync::OnceLock::new();
+    ROOTS.get_or_init(|| rustls_native_certs::load_native_certs().certs)
 }
 
 /// Every certificate of a PEM file.
@@ -320,12 +332,6 @@ pub(crate) fn rustls_error<'a>(err: &'a (dyn std::error::Error + 'static)) -> Op
             return Some(tls);
         }
         if let Some(inner) = err.downcast_ref::<std::io::Error>().and_then(std::io::Error::get_ref) {
-            if let Some(tls) = rustls_error(inner) {
-                return Some(tls);
-            }
-        }
-        if let Some(inner) = err.downcast_ref::<std::sync::Arc<std::io::Error>>().and_then(|io| io.get_ref())
-        {
             if let Some(tls) = rustls_error(inner) {
                 return Some(tls);
             }

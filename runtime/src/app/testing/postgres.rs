@@ -202,16 +202,7 @@ impl PostgresServer {
 
     /// Runs a PostgreSQL program as `postgres` (when we are root).
     async fn run(&self, args: &[&str]) -> Result<(), ClusterError> {
-        let mut command = if is_root() {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--"]).args(args);
-            command
-        } else {
-            let mut command = Command::new(args[0]);
-            command.args(&args[1..]);
-            command
-        };
-        let output = command
+        let output = Command::from(as_postgres(args))
             .current_dir(&self.dir)
             .stdin(std::process::Stdio::null())
             .output()
@@ -236,27 +227,30 @@ impl Drop for PostgresServer {
     fn drop(&mut self) {
         let pg_ctl = self.bin.join("pg_ctl").display().to_string();
         let data = self.data();
-        let args = ["stop", "-m", "immediate", "-w", "-D", data.as_str()];
-        let _ = if is_root() {
-            std::process::Command::new("runuser")
-                .args(["-u", "postgres", "--", &pg_ctl])
-                .args(args)
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .status()
-        } else {
-            std::process::Command::new(&pg_ctl)
-                .args(args)
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .status()
-        };
+        let _ = as_postgres(&[&pg_ctl, "stop", "-m", "immediate", "-w", "-D", &data])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
         let _ = std::fs::remove_dir_all(&self.dir);
         let _ = std::process::Command::new("kill")
             .args(["-9", "--", &format!("-{}", self.watchdog.id())])
             .stderr(std::process::Stdio::null())
             .status();
         let _ = self.watchdog.wait();
+    }
+}
+
+/// `args` (a program and its arguments) as a command run as `postgres` when we are
+/// root (the server refuses to run as root), as ourselves otherwise.
+fn as_postgres(args: &[&str]) -> std::process::Command {
+    if is_root() {
+        let mut command = std::process::Command::new("runuser");
+        command.args(["-u", "postgres", "--"]).args(args);
+        command
+    } else {
+        let mut command = std::process::Command::new(args[0]);
+        command.args(&args[1..]);
+        command
     }
 }
 
