@@ -88,7 +88,11 @@ pub(crate) async fn main(args: &[String], urls: &Urls) -> ExitCode {
         }
         Err(err) => {
             // Driver errors may quote a URL, password and all.
-            eprintln!("bench --child {}: {}", spec.contender.name(), idemq::redact(&err.to_string()));
+            eprintln!(
+                "bench --child {}: {}",
+                spec.contender.name(),
+                idemq::connect::redact(&err.to_string())
+            );
             ExitCode::FAILURE
         }
     }

@@ -32,7 +32,7 @@ impl Urls {
     pub(crate) fn from_env() -> Self {
         let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
         Self {
-            amqp: env("AMQP_URL", idemq::DEFAULT_AMQP_URL),
+            amqp: env("AMQP_URL", idemq::connect::DEFAULT_AMQP_URL),
             database: env("DATABASE_URL", DEFAULT_DATABASE_URL),
         }
     }

@@ -89,7 +89,7 @@ async fn main() -> ExitCode {
         }
         Err(err) => {
             // Driver errors may quote a URL, password and all.
-            eprintln!("bench: {}", idemq::redact(&err.to_string()));
+            eprintln!("bench: {}", idemq::connect::redact(&err.to_string()));
             ExitCode::FAILURE
         }
     }

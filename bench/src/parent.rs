@@ -152,7 +152,7 @@ impl Bench<'_> {
         let rate = |r: &&RunResult| r.report.as_ref().map_or(0.0, |report| report.rate());
         let best = swept.iter().filter(|r| r.ok()).max_by(|a, b| rate(a).total_cmp(&rate(b)));
         let best = best.or_else(|| swept.iter().max_by(|a, b| rate(a).total_cmp(&rate(b))));
-        Ok(best.and_then(|r| r.run.concurrency).unwrap_or(idemq::DEFAULT_CONCURRENCY))
+        Ok(best.and_then(|r| r.run.concurrency).unwrap_or(idemq::RuntimeBuilder::DEFAULT_CONCURRENCY))
     }
 
     /// One run, start to finish; its result is printed and kept. An error here is
@@ -291,7 +291,7 @@ impl Bench<'_> {
             Err(err) if !self.admin.status().connected() => {
                 eprintln!(
                     "bench: the broker connection was lost during the run ({}); connecting again",
-                    idemq::redact(&err.to_string())
+                    idemq::connect::redact(&err.to_string())
                 );
                 self.admin = Connection::connect(&self.urls.amqp, ConnectionProperties::default()).await?;
                 queues.delete(&self.admin).await

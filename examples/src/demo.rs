@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
 use diesel_async::RunQueryDsl;
-use idemq::{Runtime, StatsSnapshot};
+use idemq::{observe::StatsSnapshot, Runtime};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation};
 use tokio_util::sync::CancellationToken;

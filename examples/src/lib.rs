@@ -161,7 +161,7 @@ pub enum SetupError {
     #[error(transparent)]
     Idemq(#[from] idemq::Error),
     /// A database statement failed.
-    #[error("{context}: {}", idemq::redact(&.source.to_string()))]
+    #[error("{context}: {}", idemq::connect::redact(&.source.to_string()))]
     Database {
         /// What was being done (any URL in it redacted).
         context: String,
@@ -178,7 +178,7 @@ fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) ->
 /// Creates the database if missing, applies idemq's migrations and the demo's tables.
 ///
 /// Several processes may run it at once: the demo's tables are created under idemq's
-/// migration lock ([`idemq::MIGRATION_LOCK`]), as idemq's own are.
+/// migration lock ([`idemq::store::MIGRATION_LOCK`]), as idemq's own are.
 ///
 /// On a database where all of it exists it runs no DDL and touches no other database,
 /// so `payments run` works as a role with only SELECT, INSERT, UPDATE and DELETE on
@@ -209,7 +209,7 @@ pub async fn migrate(database_url: &str) -> Result<(), SetupError> {
     // `pg_type_typname_nsp_index`; the lock makes them take turns. Three queries, so
     // the schema commits before the lock is released (one multi-statement query is
     // one transaction). On an error the connection is dropped, which frees the lock.
-    let lock = idemq::MIGRATION_LOCK;
+    let lock = idemq::store::MIGRATION_LOCK;
     for (sql, context) in [
         (format!("SELECT pg_advisory_lock({lock})"), "take the migration lock"),
         (SCHEMA.to_owned(), "create the demo tables"),

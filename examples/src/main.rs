@@ -31,7 +31,7 @@ async fn main() -> ExitCode {
     // The demo's database unless the environment names one. A problem with the
     // environment (a URL and its file both set, an unreadable file) is the CLI's to
     // report: it reads the same variables, after `--help` had its chance.
-    let builder = match idemq::env_url("DATABASE_URL", DEFAULT_DATABASE_URL) {
+    let builder = match idemq::connect::env_url("DATABASE_URL", DEFAULT_DATABASE_URL) {
         Ok(database_url) => Runtime::builder().database_url(database_url),
         Err(_) => Runtime::builder(),
     };
@@ -70,11 +70,11 @@ async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
     let urls = idemq::cli::amqp_url(matches).and_then(|amqp| Ok((amqp, idemq::cli::database_url(matches)?)));
     let (amqp_url, database_url) = match urls {
         Ok((amqp_url, database_url)) => (
-            amqp_url.unwrap_or_else(|| idemq::DEFAULT_AMQP_URL.to_owned()),
+            amqp_url.unwrap_or_else(|| idemq::connect::DEFAULT_AMQP_URL.to_owned()),
             database_url.unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned()),
         ),
         Err(err) => {
-            eprintln!("payments: {}", idemq::redact(&err.to_string()));
+            eprintln!("payments: {}", idemq::connect::redact(&err.to_string()));
             return ExitCode::FAILURE;
         }
     };
@@ -99,7 +99,7 @@ async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             // Driver errors may quote a URL, password and all.
-            eprintln!("payments: {}", idemq::redact(&err.to_string()));
+            eprintln!("payments: {}", idemq::connect::redact(&err.to_string()));
             ExitCode::FAILURE
         }
     }

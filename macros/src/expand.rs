@@ -65,9 +65,9 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         // `#[message(key)]`), or an error on the message type saying what to write.
         None => (
             quote_spanned! {message_ty.span()=>
-                <#message_ty as ::idemq::KeyedMessage>::message_key(__idemq_message)
+                <#message_ty as ::idemq::key::KeyedMessage>::message_key(__idemq_message)
             },
-            quote_spanned! {message_ty.span()=> <#message_ty as ::idemq::KeyedMessage>::KEY_PATH },
+            quote_spanned! {message_ty.span()=> <#message_ty as ::idemq::key::KeyedMessage>::KEY_PATH },
         ),
     };
     // A lane reads its field the way the key does (any type a key may have).
@@ -83,7 +83,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             fn lane(
                 &self,
                 __idemq_message: &<Self as ::idemq::Handler>::Message,
-            ) -> ::core::option::Option<::core::result::Result<::idemq::Key, ::idemq::KeyError>> {
+            ) -> ::core::option::Option<::core::result::Result<::idemq::Key, ::idemq::key::KeyError>> {
                 let #message_binding = __idemq_message;
                 ::core::option::Option::Some(#lane_expr)
             }
@@ -181,7 +181,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                 &self,
                 __idemq_message: &<Self as ::idemq::Handler>::Message,
                 __idemq_metadata: &::idemq::Metadata<'_>,
-            ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+            ) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
                 let _ = __idemq_metadata;
                 let #message_binding = __idemq_message;
                 #key_expr
@@ -260,16 +260,16 @@ fn key_expr(spec: &KeySpec) -> TokenStream {
         KeySpec::Single { lit, source } => source_expr(lit, source),
         KeySpec::Template { lit, parts } => {
             let parts = parts.iter().map(|part| match part {
-                Part::Literal(text) => quote! { ::idemq::TemplatePart::Literal(#text) },
+                Part::Literal(text) => quote! { ::idemq::key::TemplatePart::Literal(#text) },
                 Part::Value(source) => {
                     let value = source_expr(lit, source);
-                    quote! { ::idemq::TemplatePart::Value(#value) }
+                    quote! { ::idemq::key::TemplatePart::Value(#value) }
                 }
             });
             quote! { ::idemq::Key::from_template(&[#(#parts),*]) }
         }
         KeySpec::Function(path) => quote_spanned! {path.span()=>
-            ::idemq::KeyFn::key(&#path, __idemq_message, __idemq_metadata)
+            ::idemq::key::KeyFn::key(&#path, __idemq_message, __idemq_metadata)
         },
     }
 }
@@ -295,7 +295,7 @@ fn source_expr(lit: &syn::LitStr, source: &Source) -> TokenStream {
 fn field_expr(lit: &syn::LitStr, segments: &[syn::Member]) -> TokenStream {
     let span = Span::mixed_site().located_at(lit.span());
     let message = Ident::new(MESSAGE, span);
-    quote_spanned! {span=> ::idemq::KeyField::to_key(&(*#message) #(. #segments)*) }
+    quote_spanned! {span=> ::idemq::key::KeyField::to_key(&(*#message) #(. #segments)*) }
 }
 
 /// Whether the tokens hold an `impl` (e.g. `Result<(), impl Error>`).

@@ -53,11 +53,11 @@ use proc_macro::TokenStream;
 /// }
 ///
 /// let _ = Topology::new().message::<PaymentApplied>();
-/// assert_eq!(<Refund as idemq::KeyedMessage>::KEY_PATH, "refundId");
+/// assert_eq!(<Refund as idemq::key::KeyedMessage>::KEY_PATH, "refundId");
 /// ```
 ///
 /// `exchange` and `routing_key` go together and implement `idemq::Message`;
-/// `#[message(key)]` (one field) implements `idemq::KeyedMessage`. Registration in
+/// `#[message(key)]` (one field) implements `idemq::key::KeyedMessage`. Registration in
 /// the topology is explicit: nothing is declared behind your back.
 #[proc_macro_derive(Message, attributes(message))]
 pub fn derive_message(input: TokenStream) -> TokenStream {

@@ -9,7 +9,7 @@
 //!
 //! `exchange` and `routing_key` (together) implement `idemq::Message` (the typed
 //! publisher, `ctx.send(&msg)`, and `Topology::message::<T>()`); `#[message(key)]`
-//! implements `idemq::KeyedMessage` (handlers of the type need no `key = "..."`).
+//! implements `idemq::key::KeyedMessage` (handlers of the type need no `key = "..."`).
 //! The key's name in messages is its serde name (`#[serde(rename = "...")]`).
 
 use proc_macro2::{Span, TokenStream};
@@ -146,12 +146,12 @@ impl Model {
             }
         });
         let key = self.key.as_ref().map(|(member, wire, span)| {
-            let to_key = quote_spanned! {*span=> ::idemq::KeyField::to_key(&self.#member) };
+            let to_key = quote_spanned! {*span=> ::idemq::key::KeyField::to_key(&self.#member) };
             quote! {
-                impl #impl_generics ::idemq::KeyedMessage for #ident #ty_generics #where_clause {
+                impl #impl_generics ::idemq::key::KeyedMessage for #ident #ty_generics #where_clause {
                     const KEY_PATH: &'static str = #wire;
 
-                    fn message_key(&self) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+                    fn message_key(&self) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
                         #to_key
                     }
                 }

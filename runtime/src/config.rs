@@ -27,7 +27,7 @@ pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postg
 ///
 /// ```no_run
 /// # fn main() -> Result<(), idemq::Error> {
-/// let url = idemq::env_url("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/app")?;
+/// let url = idemq::connect::env_url("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/app")?;
 /// # let _ = url;
 /// # Ok(())
 /// # }

@@ -9,6 +9,9 @@
 //! `cacertfile`, and `AsyncPgConnection::establish` refuses `sslmode=verify-full`
 //! and never encrypts. The README's *TLS* section has the details.
 //!
+//! The URLs themselves: [`env_url`] reads one as the runtime does (`AMQP_URL` or
+//! `AMQP_URL_FILE`, …), [`redact`] hides its password for a log line.
+//!
 //! ```no_run
 //! # async fn example() -> Result<(), idemq::Error> {
 //! let db = idemq::connect::database("postgres://app@db.internal/app?sslmode=verify-full&sslrootcert=/etc/ca.pem").await?;
@@ -19,6 +22,9 @@
 use diesel_async::AsyncPgConnection;
 
 use crate::error::Error;
+
+pub use crate::base::redact::redact;
+pub use crate::config::{env_url, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 
 /// Connects to PostgreSQL at `url`, with TLS as its libpq parameters say
 /// (`sslmode=prefer` by default, as libpq) and the dead-peer detection idemq's own

@@ -103,7 +103,7 @@
 //!   value's deliveries to one pipeline, in arrival order: never applied concurrently
 //!   or out of order within a process, and batches stop colliding on its rows.
 //! - **Exactly once across hops:** a handler publishes through its [`Context`] into
-//!   the transactional [`outbox`], in its own transaction; the [`Relay`] publishes
+//!   the transactional [`outbox`], in its own transaction; the [`Relay`](outbox::Relay) publishes
 //!   committed rows with confirms and `mandatory`, at least once with one stable,
 //!   deterministic `message_id`, and deletes them (module docs of [`outbox`] and
 //!   `engine/relay/`). A handler's result is stored with its dedup row and is the reply
@@ -121,13 +121,37 @@
 //!   is a refusal, not an outage. [`connect`] connects the application's own code the
 //!   same way.
 //!
+//! ## Where things are
+//!
+//! The crate root holds what a handler author needs: the attribute
+//! [`idempotent_handler`] and the derive [`Message`], [`Runtime`] and its
+//! [`RuntimeBuilder`], [`Topology`] / [`Queue`] / [`Exchange`], [`Handler`],
+//! [`HandlerError`] / [`Permanent`] / [`ErrorClass`], [`Context`] /
+//! [`HandlerOutput`], [`Key`] / [`Metadata`], [`RetryPolicy`], [`OnConflict`],
+//! [`Outcome`] / [`FailureKind`], [`Error`] / [`Dependency`], [`migrate`] and the
+//! shutdown signals. Everything else lives in one module, under one path:
+//!
+//! | module | what |
+//! |---|---|
+//! | [`outbox`] | [`outbox::enqueue`] from your own transactions, [`outbox::Outgoing`], the [`outbox::Relay`] run on its own |
+//! | [`observe`] | the [`observe::Observe`] trait, its events, [`observe::Stats`] |
+//! | [`key`] | key extraction for handlers and key types written by hand |
+//! | [`store`] | idemq's tables for operators: [`store::schema`], migrations, retention ([`store::sweep`]), [`store::forget`] |
+//! | [`connect`] | connections as idemq makes them, the URLs from the environment, [`connect::redact`] |
+//! | [`headers`] | the `x-idemq-*` header names |
+//! | `cli`, `testing` | the application's command line (feature `cli`); the test kit (feature `testing`) |
+//!
+//! [`diesel`], [`diesel_async`] and [`lapin`] are re-exported at the versions idemq
+//! is built with, as their types appear in idemq's signatures. The old root names of
+//! 0.1 still work for one release, deprecated with their new path (CHANGELOG.md).
+//!
 //! ## Layers
 //!
 //! The source is in layers, and each imports only those below it (`tests/layers.rs`
 //! fails on an import that points up or sideways, and on any import circle):
 //!
 //! ```text
-//! app/ (cli + dlq, testing) · connect · outbox     what applications call
+//! lib (the public face) · app/ (cli + dlq, testing) · connect · outbox
 //!   └─> engine/   the delivery state machine (delivery), broker sessions, start-up,
 //!   │             the relay, the runtime that supervises them, metrics
 //!   └─> handler/ · store/ · broker/                siblings: none imports another
@@ -143,11 +167,14 @@
 //! ```
 //!
 //! Where a type lives decides who may use it: a value several layers need
-//! (`OnConflict`, `ErrorClass`, `ConnectionEvent`, `Outgoing`) lives in `base`, the
-//! lowest that needs it. Two choices differ from the first sketch of this layout:
-//! `base` rather than `core` (a module named `core` at the root shadows the `core`
-//! crate in paths), and the metrics server lives in `engine` beside the runtime that
-//! starts and stops it (`RuntimeBuilder::http_addr`), not in `app`.
+//! (`OnConflict`, `ErrorClass`, `ConnectionEvent`, `Sweep`, `Outgoing`) lives in
+//! `base`, the lowest that needs it. The public modules above are a face over the
+//! layers (`idemq::observe` re-exports from `base`, `idemq::store` is the layer
+//! itself), so the layout can change without moving a public path. Two choices
+//! differ from the first sketch of this layout: `base` rather than `core` (a module
+//! named `core` at the root shadows the `core` crate in paths), and the metrics
+//! server lives in `engine` beside the runtime that starts and stops it
+//! (`RuntimeBuilder::http_addr`), not in `app`.
 //!
 //! ## Handlers
 //!
@@ -159,7 +186,7 @@
 //! through the outbox and reads the delivery's metadata. Besides a field path the key
 //! may be a template (`"{tenant}:{order.id}"`, see [`Key::from_template`]),
 //! `"@message_id"`, `"@header:<name>"`, `"@hash"` (see [`Metadata`]), a `key_fn`
-//! ([`KeyFn`]) or the message type's own (`#[derive(Message)]`, [`KeyedMessage`]);
+//! ([`key::KeyFn`]) or the message type's own (`#[derive(Message)]`, [`key::KeyedMessage`]);
 //! `queue`, `retry(..)`, `on_conflict`, `batch` and `dedup = false` tune the runtime
 //! per handler (the attribute's docs list them all). The key is a
 //! field path into the decoded message (`"order.id"` for nested fields) of a string,
@@ -172,7 +199,7 @@
 //! dead-letter without retrying.
 //!
 //! The stored key ([`Key`]) is the key as written — integers in decimal, uuids
-//! hyphenated — when it has at most [`MAX_STORED_KEY_BYTES`] (256) UTF-8 bytes and
+//! hyphenated — when it has at most [`key::MAX_STORED_KEY_BYTES`] (256) UTF-8 bytes and
 //! does not start with `sha256:`; any other key is stored as `sha256:` and the hex
 //! SHA-256 of its bytes. A stored `sha256:…` therefore always means "hashed": a raw
 //! key spelled like a long key's hash is hashed itself and cannot collide with it.
@@ -227,48 +254,73 @@ mod base;
 mod broker;
 mod config;
 pub mod connect;
+mod deprecated;
 mod engine;
 mod error;
 mod handler;
 pub mod outbox;
-mod store;
+pub mod store;
 mod tls;
+
+// What a handler author needs, at the root; everything else in one module each.
+pub use base::outcome::{FailureKind, Outcome};
+pub use base::outgoing::Message;
+pub use base::retry::RetryPolicy;
+pub use base::verdict::OnConflict;
+pub use broker::topology::{Exchange, Queue, Topology};
+pub use engine::runtime::{shutdown_signal, shutdown_signals, Runtime, RuntimeBuilder, ShutdownSignals};
+pub use error::{Dependency, Error};
+pub use handler::context::{Context, HandlerOutput};
+pub use handler::key::{Key, Metadata};
+pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
+pub use idemq_macros::{idempotent_handler, Message};
+pub use store::migrate::migrate;
+
+// The crates whose types appear in idemq's signatures, at the versions idemq is
+// built with: a handler's connection (`diesel_async::AsyncPgConnection`, queried with
+// `diesel`), the broker connection of [`connect::broker`] (`lapin`), and the token
+// [`Runtime::run`] stops on.
+pub use diesel;
+pub use diesel_async;
+pub use lapin;
+pub use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "cli")]
 pub use app::cli;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub use app::testing;
+pub use base::headers;
 #[cfg(feature = "fault-injection")]
 pub use engine::fault;
-pub use store::schema;
 
-pub use base::headers::{self, MAX_ERROR_HEADER_BYTES};
-pub use base::observe::{
-    Batch, Commit, ConnectionEvent, ConnectionObserver, InfrastructureRetry, Observe, RelayPass,
-};
-pub use base::outcome::{FailureKind, Outcome, Settled, Stats, StatsSnapshot};
-pub use base::redact::redact;
-pub use base::retry::RetryPolicy;
-pub use base::verdict::OnConflict;
-pub use broker::topology::{
-    Exchange, Queue, QueueType, Topology, BROKER_LIMIT_MARGIN, DEFAULT_DELIVERY_LIMIT,
-};
-pub use config::env_url;
-pub use engine::relay::{Relay, RelayBuilder};
-pub use engine::runtime::{
-    shutdown_signal, shutdown_signals, Observer, Runtime, RuntimeBuilder, ShutdownSignals, DEFAULT_AMQP_URL,
-    DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_DATABASE_URL,
-};
-pub use error::{Dependency, Error};
-pub use handler::key::{
-    FromMessage, FromMessageAndMetadata, Key, KeyError, KeyField, KeyFn, KeyedMessage, Metadata,
-    TemplatePart, MAX_STORED_KEY_BYTES,
-};
-pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
-pub use idemq_macros::{idempotent_handler, Message};
-pub use outbox::{enqueue, forget, Context, HandlerOutput, Message, Outgoing, PublishError};
-pub use store::migrate::{migrate, MIGRATIONS, MIGRATION_LOCK};
-pub use store::retention::{sweep, CheckedRetention, Retention, Sweep, GC_LOCK};
+/// Watching the runtime: the [`observe::Observe`] trait every report goes through,
+/// its events, and the built-in counters ([`observe::Stats`]).
+///
+/// Add any number of observers with [`RuntimeBuilder::observe`]; for a single
+/// callback, [`on_settled`](observe::on_settled) and
+/// [`on_connection`](observe::on_connection) wrap a closure.
+pub mod observe {
+    pub use crate::base::observe::Sweep;
+    pub use crate::base::observe::{
+        on_connection, on_settled, Batch, Commit, ConnectionEvent, InfrastructureRetry, Observe, RelayPass,
+    };
+    pub use crate::base::outcome::{Settled, Stats, StatsSnapshot};
+}
+
+/// Message keys: how a handler's dedup key is taken from a message ([`Key`]
+/// and [`Metadata`] are at the crate root). The attribute
+/// `#[idempotent_handler(key = "...")]` writes these impls; they are public for
+/// handlers written by hand and for key types of your own ([`key::KeyField`]).
+pub mod key {
+    pub use crate::handler::key::{
+        FromMessage, FromMessageAndMetadata, KeyError, KeyField, KeyFn, KeyedMessage, TemplatePart,
+        MAX_STORED_KEY_BYTES,
+    };
+}
+
+#[doc(hidden)]
+#[allow(deprecated)]
+pub use deprecated::*;
 
 /// The README's examples, compiled as doc tests so they stay true.
 #[cfg(doctest)]

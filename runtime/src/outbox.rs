@@ -1,10 +1,10 @@
 //! The transactional outbox: messages published exactly when their transaction commits.
 //!
-//! A handler publishes through its [`Context`]: `ctx.publish(exchange, routing_key,
+//! A handler publishes through its [`Context`](crate::Context): `ctx.publish(exchange, routing_key,
 //! &msg)` only *buffers* the message. After the handler returned `Ok`, the runtime
 //! writes the buffered messages of the whole batch into `idemq_outbox` in one
 //! statement, in the transaction that holds the dedup rows, and COMMITs. Rolled back,
-//! nothing is published; committed, the [relay](crate::Relay) publishes each row with
+//! nothing is published; committed, the [relay](crate::outbox::Relay) publishes each row with
 //! publisher confirms and `mandatory`, and deletes it once the broker confirmed it.
 //!
 //! Message ids are deterministic: the `n`-th message a handler publishes for key `k`
@@ -19,28 +19,28 @@
 //! Replies expire; events never do. A reply whose requester is gone (an auto-delete or
 //! exclusive `reply_to` queue goes away with its client) is returned as unroutable on
 //! every try, so the relay deletes a reply row unpublished once it is older than the
-//! reply TTL ([`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl), default
+//! reply TTL ([`RelayBuilder::reply_ttl`](crate::outbox::RelayBuilder::reply_ttl), default
 //! 1 h) or its request's own AMQP `expiration` has passed since the request was
 //! consumed, whichever comes first.
 
 use diesel_async::AsyncPgConnection;
 
-pub use crate::base::outgoing::{Message, Outgoing, PublishError, MAX_HEADER_BYTES, STATUS_HEADER};
-pub use crate::handler::context::{Context, HandlerOutput};
+pub use crate::base::outgoing::{Outgoing, PublishError, MAX_HEADER_BYTES, STATUS_HEADER};
+pub use crate::engine::relay::{Relay, RelayBuilder};
 
 /// Writes `outgoing` into the outbox in the caller's open transaction (any
 /// diesel-async transaction: it is published once that commits, never if it rolls
 /// back). Returns the message id: the one given with [`Outgoing::message_id`], or a
 /// random one stored with the row.
 ///
-/// Inside a handler, use [`Context::publish`] instead (deterministic ids, one
+/// Inside a handler, use [`Context::publish`](crate::Context::publish) instead (deterministic ids, one
 /// statement per batch). The relay of a running [`Runtime`](crate::Runtime) picks
 /// the row up within its poll interval, or at once if something notifies it.
 ///
 /// ```no_run
 /// # async fn example(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), Box<dyn std::error::Error>> {
 /// use diesel_async::AsyncConnection;
-/// use idemq::{enqueue, Outgoing};
+/// use idemq::{outbox::enqueue, outbox::Outgoing};
 ///
 /// conn.transaction::<_, Box<dyn std::error::Error + Send + Sync>, _>(async |conn| {
 ///     // ... the application's own writes ...
@@ -64,30 +64,6 @@ pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result
         .await
         .map_err(PublishError::Database)?;
     Ok(id)
-}
-
-/// Deletes the dedup row of `key` under `handler` (its scope: the name, or
-/// `<namespace>/<name>`), so the next message with that key is applied as new.
-/// Returns whether there was one.
-///
-/// For operators: a request whose permanent failure was stored (its duplicates get
-/// the same error reply) can be applied after the cause is fixed by forgetting its
-/// key and replaying its dead letter. Forgetting the key of an *applied* message
-/// makes its next copy apply again: only do it for a message whose effect you know
-/// did not happen.
-///
-/// ```no_run
-/// # async fn example(conn: &mut diesel_async::AsyncPgConnection) -> diesel::QueryResult<()> {
-/// // The handler `apply_payment` may now apply payment p-17 again (its dead letter replayed).
-/// idemq::forget(conn, "apply_payment", "p-17").await?;
-/// # Ok(())
-/// # }
-/// ```
-///
-/// # Errors
-/// The database's.
-pub async fn forget(conn: &mut AsyncPgConnection, handler: &str, key: &str) -> diesel::QueryResult<bool> {
-    crate::store::db::forget(conn, handler, key).await
 }
 
 /// Rows waiting in the outbox (due or postponed): the relay's backlog.

@@ -10,14 +10,17 @@ use diesel::prelude::*;
 use diesel_async::AsyncPgConnection;
 use diesel_async::RunQueryDsl;
 use idemq::idempotent_handler;
-use idemq::{ConnectionEvent, Outcome, Queue, RetryPolicy, RuntimeBuilder, Settled, Stats, Topology};
+use idemq::{
+    observe::ConnectionEvent, observe::Settled, observe::Stats, Outcome, Queue, RetryPolicy, RuntimeBuilder,
+    Topology,
+};
 use idemq_example_payments::{ledger, record_payment, PaymentRequested};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::{amqp_url, unique, with_timeout, Broker, TestDb, TestVhost};
 
-use idemq::schema::idemq_dedup;
+use idemq::store::schema::idemq_dedup;
 
 /// How a test's runtimes run their transactions. The correctness suites run each
 /// of their tests in both modes ([`in_both_modes!`](crate::in_both_modes)): the
@@ -345,10 +348,12 @@ impl Running {
         let sink = Arc::clone(&events);
         let connection_sink = Arc::clone(&connection_events);
         let runtime = builder
-            .observer(move |settled| sink.lock().expect("events lock").push(settled.clone()))
-            .on_connection_event(move |event| {
-                connection_sink.lock().expect("events lock").push(event.clone())
-            })
+            .observe(idemq::observe::on_settled(move |settled| {
+                sink.lock().expect("events lock").push(settled.clone());
+            }))
+            .observe(idemq::observe::on_connection(move |event| {
+                connection_sink.lock().expect("events lock").push(event.clone());
+            }))
             .build()
             .expect("build the runtime");
         let stats = runtime.stats();

@@ -62,10 +62,10 @@ pub fn database_admin_url() -> String {
     env_or("DATABASE_URL", DEFAULT_DATABASE_URL)
 }
 
-/// `idemq::env_url`, with a blank value taken as unset. Panics on a problem with the
+/// `idemq::connect::env_url`, with a blank value taken as unset. Panics on a problem with the
 /// environment (a URL and its file both set, an unreadable file).
 fn env_or(var: &str, default: &str) -> String {
-    match idemq::env_url(var, default) {
+    match idemq::connect::env_url(var, default) {
         Ok(v) if !v.trim().is_empty() => v,
         Ok(_) => default.to_owned(),
         Err(err) => panic!("{err}"),
@@ -199,7 +199,7 @@ impl Drop for TestDb {
 
 async fn connect_pg(url: &str) -> AsyncPgConnection {
     AsyncPgConnection::establish(url).await.unwrap_or_else(|e| {
-        panic!("{}", idemq::redact(&format!("cannot connect to PostgreSQL at {url}: {e}")))
+        panic!("{}", idemq::connect::redact(&format!("cannot connect to PostgreSQL at {url}: {e}")))
     })
 }
 
@@ -437,7 +437,10 @@ impl Broker {
             }
         }
         let connection = connected.unwrap_or_else(|| {
-            panic!("{}", idemq::redact(&format!("cannot connect to RabbitMQ: {}", failures.join("; "))))
+            panic!(
+                "{}",
+                idemq::connect::redact(&format!("cannot connect to RabbitMQ: {}", failures.join("; ")))
+            )
         });
         let channel = connection.create_channel().await.expect("cannot open AMQP channel");
         channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select failed");

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use idemq::ConnectionEvent;
+use idemq::observe::ConnectionEvent;
 use idemq_tests::fixture::{ledger_payment, payment, publish_stream, slow_payment, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, Broker};

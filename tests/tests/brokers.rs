@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use idemq::observe::ConnectionEvent;
 use idemq::testing::NetworkProxy;
-use idemq::ConnectionEvent;
 use idemq_tests::fixture::{ledger_payment, payment, publish_stream, slow_payment, Bed, Running};
 use idemq_tests::{eventually, Broker};
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
-use idemq::{ConnectionEvent, Outcome};
+use idemq::{observe::ConnectionEvent, Outcome};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{
     ledger_payment, payment, publish_stream, slow_payment, Bed, ConsumerProcess, Running,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use idemq::testing::Cluster;
-use idemq::{idempotent_handler, ConnectionEvent, Error, Outcome};
+use idemq::{idempotent_handler, observe::ConnectionEvent, Error, Outcome};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{next_attempt, payment, Bed, Running};
 use idemq_tests::{eventually, unique};

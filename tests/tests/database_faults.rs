@@ -9,7 +9,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use idemq::{Outcome, StatsSnapshot};
+use idemq::{observe::StatsSnapshot, Outcome};
 use idemq_tests::fixture::{publish_stream, slower_payment, stream_deliveries, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::Mode;

@@ -298,7 +298,7 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_the_consumer_lives_on() 
         assert_eq!(header_str(props, headers::ERROR_KIND).as_deref(), Some(kind.as_str()), "{name}");
         let error = header_str(props, headers::ERROR).unwrap_or_default();
         assert!(error.contains(says), "{name}: x-idemq-error {error:?} should mention {says:?}");
-        assert!(error.len() <= idemq::MAX_ERROR_HEADER_BYTES, "{name}");
+        assert!(error.len() <= idemq::headers::MAX_ERROR_HEADER_BYTES, "{name}");
         assert_eq!(&letter.delivery.data, body, "{name}: the body is byte-for-byte the original");
     }
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);

@@ -39,8 +39,10 @@ async fn never_retried(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> R
     Err(HandlerError::transient("the downstream is down"))
 }
 
-/// `queue = "..."` and `RuntimeBuilder::handler`: the handler brings its queue.
+/// `queue = "..."` and the deprecated `RuntimeBuilder::handler` (kept for one
+/// release beside `.consume(queue, handler)`): the handler brings its queue.
 #[tokio::test(flavor = "multi_thread")]
+#[allow(deprecated)]
 async fn a_handler_that_names_its_queue_consumes_it() {
     let bed = Bed::isolated().await;
     let payment = payment(100);
@@ -62,9 +64,10 @@ async fn a_handler_that_names_its_queue_consumes_it() {
 /// `.handler(h)` without a queue, or a `queue` that disagrees with `.consume`, is
 /// refused when the runtime is built, saying what to write.
 #[test]
+#[allow(deprecated)]
 fn a_handler_without_a_queue_or_with_another_one_is_refused_at_build() {
     let err = idemq::Runtime::builder().handler(tolerant).build().unwrap_err().to_string();
-    assert!(err.contains("names no queue") && err.contains("queue = "), "{err}");
+    assert!(err.contains("names no queue") && err.contains(".consume(queue, handler)"), "{err}");
     let err = idemq::Runtime::builder().consume("elsewhere", on_orders).build().unwrap_err().to_string();
     assert!(err.contains("'orders.placed'") && err.contains("'elsewhere'"), "{err}");
 }

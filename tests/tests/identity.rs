@@ -421,7 +421,7 @@ async fn message_ids_that_are_not_utf8_are_keyed_one_to_one_and_break_no_connect
     );
     assert_eq!(applied(&good), 1);
     assert!(
-        !connections.iter().any(|event| matches!(event, idemq::ConnectionEvent::Lost { .. })),
+        !connections.iter().any(|event| matches!(event, idemq::observe::ConnectionEvent::Lost { .. })),
         "the connection never dropped: {connections:?}"
     );
     assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);

@@ -3,7 +3,7 @@
 
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemq::schema::idemq_dedup;
+use idemq::store::schema::idemq_dedup;
 use idemq::{idempotent_handler, FailureKind, HandlerError, Message, Metadata, Outcome};
 use idemq_tests::fixture::{Bed, Running};
 use lapin::types::{AMQPValue, FieldTable};
@@ -104,7 +104,7 @@ async fn stored_keys(bed: &Bed, handler: &str) -> Vec<String> {
         .expect("read the dedup rows")
 }
 
-fn outcomes_of(events: &[idemq::Settled]) -> Vec<Outcome> {
+fn outcomes_of(events: &[idemq::observe::Settled]) -> Vec<Outcome> {
     events.iter().map(|event| event.outcome.clone()).collect()
 }
 

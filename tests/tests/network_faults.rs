@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use diesel_async::SimpleAsyncConnection;
 use idemq::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
-use idemq::{ConnectionEvent, Exchange, Observe, Outcome, Queue, RuntimeBuilder, Topology};
+use idemq::{observe::ConnectionEvent, observe::Observe, Exchange, Outcome, Queue, RuntimeBuilder, Topology};
 use idemq_example_payments::{apply_payment, PaymentApplied, PaymentRequested, EVENTS_EXCHANGE};
 use idemq_tests::fixture::{publish_stream, slow_payment, slower_payment, Bed, Running};
 use idemq_tests::{eventually, in_both_modes, unique, Broker, Mode};
@@ -223,7 +223,7 @@ async fn a_database_black_holed_past_the_handler_timeout_with_a_commit_in_flight
 struct Retries(Arc<std::sync::Mutex<Vec<String>>>);
 
 impl Observe for Retries {
-    fn infrastructure_retry(&self, retry: &idemq::InfrastructureRetry<'_>) {
+    fn infrastructure_retry(&self, retry: &idemq::observe::InfrastructureRetry<'_>) {
         self.0.lock().unwrap().push(retry.fault.to_owned());
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::{AnsiTransactionManager, SimpleAsyncConnection, TransactionManager};
-use idemq::{Observe, Retention, RetryPolicy, Settled};
+use idemq::{observe::Observe, observe::Settled, store::Retention, RetryPolicy};
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
 use idemq_tests::{free_addr, http_get};
 
@@ -20,13 +20,13 @@ impl Observe for Counter {
         self.settled.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn batch(&self, _: &idemq::Batch<'_>) {
+    fn batch(&self, _: &idemq::observe::Batch<'_>) {
         self.batches.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// A second `.observer(..)` no longer replaces the first: every subscriber hears
-/// every delivery, beside the built-in stats.
+/// Observers add up: every subscriber hears every delivery, beside the built-in
+/// stats and the recording observer `Running` adds.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_observer_hears_every_delivery() {
     let bed = Bed::new().await;
@@ -40,9 +40,9 @@ async fn every_observer_hears_every_delivery() {
         .runtime()
         .observe(Arc::clone(&a))
         .observe(Arc::clone(&b))
-        .observer(move |_| {
+        .observe(idemq::observe::on_settled(move |_| {
             seen.fetch_add(1, Ordering::Relaxed);
-        })
+        }))
         .consume(&bed.queue, ledger_payment);
     let running = Running::start(runtime);
     running.wait_settled(5).await;
@@ -100,7 +100,7 @@ async fn the_sweep_deletes_what_is_past_the_retention_and_keeps_the_rest() {
     .expect("seed the rows");
     let retention =
         Retention::keep(Duration::from_secs(30 * 86_400)).batch(10).check([&RetryPolicy::default()]).unwrap();
-    let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
+    let sweep = idemq::store::sweep(&mut conn, &retention).await.expect("sweep");
     assert_eq!((sweep.dedup_rows, sweep.copy_records, sweep.yielded), (25, 1, false), "{sweep:?}");
     assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 5);
     assert_eq!(count(&bed, "SELECT count(*) FROM idemq_copies").await, 1);
@@ -142,7 +142,7 @@ async fn the_public_sweep_refuses_a_retention_build_refuses_and_deletes_nothing(
         .replay_window(Duration::from_secs(86_400))
         .check([&retry])
         .expect("longer than an hour of retries and a day of replays");
-    let sweep = idemq::sweep(&mut conn, &floor_passed).await.expect("sweep");
+    let sweep = idemq::store::sweep(&mut conn, &floor_passed).await.expect("sweep");
     assert_eq!((sweep.dedup_rows, sweep.yielded), (4, false), "{sweep:?}");
     assert_eq!(count(&bed, "SELECT count(*) FROM idemq_dedup").await, 1, "the young row is kept");
 }
@@ -158,13 +158,16 @@ async fn a_sweep_yields_to_one_already_running() {
         .await
         .expect("seed");
     AnsiTransactionManager::begin_transaction(&mut holder).await.expect("begin");
-    holder.batch_execute(&format!("SELECT pg_advisory_xact_lock({})", idemq::GC_LOCK)).await.expect("lock");
+    holder
+        .batch_execute(&format!("SELECT pg_advisory_xact_lock({})", idemq::store::GC_LOCK))
+        .await
+        .expect("lock");
     let retention =
         Retention::keep(Duration::from_secs(30 * 86_400)).check([&RetryPolicy::default()]).unwrap();
-    let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
+    let sweep = idemq::store::sweep(&mut conn, &retention).await.expect("sweep");
     assert!(sweep.yielded && sweep.dedup_rows == 0, "{sweep:?}");
     AnsiTransactionManager::commit_transaction(&mut holder).await.expect("end the holder's transaction");
-    let sweep = idemq::sweep(&mut conn, &retention).await.expect("sweep");
+    let sweep = idemq::store::sweep(&mut conn, &retention).await.expect("sweep");
     assert_eq!((sweep.dedup_rows, sweep.yielded), (1, false), "{sweep:?}");
 }
 
@@ -172,7 +175,7 @@ async fn a_sweep_yields_to_one_already_running() {
 struct Swept(AtomicUsize);
 
 impl Observe for Swept {
-    fn swept(&self, sweep: &idemq::Sweep) {
+    fn swept(&self, sweep: &idemq::observe::Sweep) {
         self.0.fetch_add(usize::try_from(sweep.dedup_rows).unwrap_or(0), Ordering::Relaxed);
     }
 }

@@ -59,7 +59,7 @@ fn message_id(message: &BasicGetMessage) -> String {
 async fn outbox_rows(bed: &Bed) -> Vec<(String, i32, Option<String>)> {
     use diesel::prelude::*;
     use diesel_async::RunQueryDsl;
-    use idemq::schema::idemq_outbox::dsl::*;
+    use idemq::store::schema::idemq_outbox::dsl::*;
     let mut conn = bed.db.connect().await;
     idemq_outbox
         .select((routing_key, attempts, last_error))
@@ -150,7 +150,11 @@ async fn rows_committed_before_a_crash_are_published_once_by_the_next_relay() {
     assert_eq!(bed.broker.message_count(&target).await, 0, "nothing is published before a relay runs");
 
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let relay = idemq::Relay::builder().amqp_url(&bed.amqp_url).database_url(bed.db.url()).build();
+    let relay = idemq::outbox::Relay::builder()
+        .amqp_url(&bed.amqp_url)
+        .database_url(bed.db.url())
+        .build()
+        .expect("a valid relay");
     let relay = tokio::spawn(relay.run(shutdown.clone()));
     eventually("the relay empties the outbox", Duration::from_secs(20), || async {
         backlog(&bed).await == 0
@@ -211,19 +215,24 @@ async fn an_unroutable_message_waits_in_the_outbox_until_it_can_be_routed() {
     let present = idemq_tests::unique("events");
     bed.broker.declare_queue(&present).await;
     let mut conn = bed.db.connect().await;
-    idemq::enqueue(&mut conn, idemq::Outgoing::json("", &missing, &serde_json::json!({"n": 1})).unwrap())
-        .await
-        .expect("enqueue");
-    idemq::enqueue(
+    idemq::outbox::enqueue(
         &mut conn,
-        idemq::Outgoing::json("no-such-exchange", "x", &serde_json::json!({"n": 2})).unwrap(),
+        idemq::outbox::Outgoing::json("", &missing, &serde_json::json!({"n": 1})).unwrap(),
     )
     .await
     .expect("enqueue");
-    let given =
-        idemq::enqueue(&mut conn, idemq::Outgoing::json("", &present, &1).unwrap().message_id("given-id"))
-            .await
-            .expect("enqueue");
+    idemq::outbox::enqueue(
+        &mut conn,
+        idemq::outbox::Outgoing::json("no-such-exchange", "x", &serde_json::json!({"n": 2})).unwrap(),
+    )
+    .await
+    .expect("enqueue");
+    let given = idemq::outbox::enqueue(
+        &mut conn,
+        idemq::outbox::Outgoing::json("", &present, &1).unwrap().message_id("given-id"),
+    )
+    .await
+    .expect("enqueue");
     assert_eq!(given, "given-id");
     let running = Running::start(
         bed.runtime().relay_poll_interval(Duration::from_millis(50)).consume(&bed.queue, record_and_notify),
@@ -360,7 +369,7 @@ async fn a_permanently_failed_request_is_answered_the_same_way_until_forgotten()
     assert_eq!(bed.ledger_rows(&payment.payment_id).await, 0);
 
     let mut conn = bed.db.connect().await;
-    assert!(idemq::forget(&mut conn, "quote", &payment.payment_id).await.expect("forget"));
+    assert!(idemq::store::forget(&mut conn, "quote", &payment.payment_id).await.expect("forget"));
     request(&bed, &payment, &reply_queue, "c-13").await;
     running.wait_settled(3).await;
     let third = replies(&bed, &reply_queue, 1).await;
@@ -422,11 +431,12 @@ async fn a_runtime_without_a_relay_wakes_the_relays_elsewhere() {
     let target = idemq_tests::unique("events");
     bed.broker.declare_queue(&target).await;
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let relay = idemq::Relay::builder()
+    let relay = idemq::outbox::Relay::builder()
         .amqp_url(&bed.amqp_url)
         .database_url(bed.db.url())
         .poll_interval(Duration::from_secs(60))
-        .build();
+        .build()
+        .expect("a valid relay");
     let relay = tokio::spawn(relay.run(shutdown.clone()));
     // The relay's first pass (at start) finds nothing; only a NOTIFY wakes it now.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -452,8 +462,11 @@ async fn a_row_that_breaks_the_connection_does_not_block_the_others() {
     bed.broker.declare_queue(&target).await;
     let mut conn = bed.db.connect().await;
     // `enqueue` refuses such headers; a row written another way still must not block.
-    let huge = idemq::Outgoing::json("", &target, &1).unwrap().header("x-huge", "h".repeat(140_000));
-    assert!(matches!(idemq::enqueue(&mut conn, huge).await, Err(idemq::PublishError::TooLong { .. })));
+    let huge = idemq::outbox::Outgoing::json("", &target, &1).unwrap().header("x-huge", "h".repeat(140_000));
+    assert!(matches!(
+        idemq::outbox::enqueue(&mut conn, huge).await,
+        Err(idemq::outbox::PublishError::TooLong { .. })
+    ));
     let written = diesel::sql_query(format!(
         "INSERT INTO idemq_outbox (message_id, exchange, routing_key, body, headers) \
          VALUES ('huge', '', '{target}', '1', '{{\"x-huge\": \"{}\"}}')",
@@ -461,14 +474,17 @@ async fn a_row_that_breaks_the_connection_does_not_block_the_others() {
     ));
     diesel_async::RunQueryDsl::execute(written, &mut conn).await.expect("write the oversized row");
     for i in 0..3 {
-        idemq::enqueue(&mut conn, idemq::Outgoing::json("", &target, &i).unwrap()).await.expect("enqueue");
+        idemq::outbox::enqueue(&mut conn, idemq::outbox::Outgoing::json("", &target, &i).unwrap())
+            .await
+            .expect("enqueue");
     }
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let relay = idemq::Relay::builder()
+    let relay = idemq::outbox::Relay::builder()
         .amqp_url(&bed.amqp_url)
         .database_url(bed.db.url())
         .poll_interval(Duration::from_millis(50))
-        .build();
+        .build()
+        .expect("a valid relay");
     let relay = tokio::spawn(relay.run(shutdown.clone()));
     eventually("the three good rows published", Duration::from_secs(30), || async {
         bed.broker.message_count(&target).await == 3
@@ -508,8 +524,8 @@ async fn gone_reply_queue(bed: &Bed) -> String {
 #[derive(Default)]
 struct ExpiredReplies(AtomicUsize);
 
-impl idemq::Observe for ExpiredReplies {
-    fn relay(&self, pass: &idemq::RelayPass) {
+impl idemq::observe::Observe for ExpiredReplies {
+    fn relay(&self, pass: &idemq::observe::RelayPass) {
         self.0.fetch_add(pass.expired, Ordering::SeqCst);
     }
 }
@@ -550,7 +566,9 @@ async fn a_reply_to_a_requester_that_is_gone_expires_after_the_reply_ttl_and_the
     })
     .await;
     let mut conn = bed.db.connect().await;
-    idemq::enqueue(&mut conn, idemq::Outgoing::json("", &target, &1).unwrap()).await.expect("enqueue");
+    idemq::outbox::enqueue(&mut conn, idemq::outbox::Outgoing::json("", &target, &1).unwrap())
+        .await
+        .expect("enqueue");
     eventually("the event behind the stuck reply published", Duration::from_secs(20), || async {
         bed.broker.message_count(&target).await == 1
     })
@@ -560,7 +578,9 @@ async fn a_reply_to_a_requester_that_is_gone_expires_after_the_reply_ttl_and_the
     })
     .await;
     assert_eq!(expired.count(), 1, "the expired reply is counted, once");
-    idemq::enqueue(&mut conn, idemq::Outgoing::json("", &target, &2).unwrap()).await.expect("enqueue");
+    idemq::outbox::enqueue(&mut conn, idemq::outbox::Outgoing::json("", &target, &2).unwrap())
+        .await
+        .expect("enqueue");
     eventually("the event after it published", Duration::from_secs(20), || async {
         bed.broker.message_count(&target).await == 2
     })
@@ -625,7 +645,8 @@ async fn rows_written_before_the_upgrade_keep_working_old_replies_expire_by_the_
     bed.broker.declare_queue(&target).await;
     let gone = gone_reply_queue(&bed).await;
     // Back to the schema before the expiry migration.
-    let migrations = MigrationSource::<diesel::pg::Pg>::migrations(&idemq::MIGRATIONS).expect("migrations");
+    let migrations =
+        MigrationSource::<diesel::pg::Pg>::migrations(&idemq::store::MIGRATIONS).expect("migrations");
     let expiry = migrations
         .iter()
         .find(|m| m.name().to_string().ends_with("_idemq_outbox_reply_expiry"))
@@ -659,11 +680,12 @@ async fn rows_written_before_the_upgrade_keep_working_old_replies_expire_by_the_
 
     let expired = Arc::new(ExpiredReplies::default());
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let relay = idemq::Relay::builder()
+    let relay = idemq::outbox::Relay::builder()
         .amqp_url(&bed.amqp_url)
         .database_url(bed.db.url())
         .observe(Arc::clone(&expired))
-        .build();
+        .build()
+        .expect("a valid relay");
     let relay = tokio::spawn(relay.run(shutdown.clone()));
     eventually("the outbox drained", Duration::from_secs(20), || async { backlog(&bed).await == 0 }).await;
     shutdown.cancel();

@@ -10,7 +10,8 @@ use std::time::Duration;
 use diesel_async::AsyncPgConnection;
 use diesel_async::SimpleAsyncConnection;
 use idemq::{
-    idempotent_handler, ConnectionEvent, Dependency, Error, HandlerError, Outcome, Queue, Runtime, Topology,
+    idempotent_handler, observe::ConnectionEvent, Dependency, Error, HandlerError, Outcome, Queue, Runtime,
+    Topology,
 };
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{ledger_payment, payment, test_retry_policy, Bed, Running};

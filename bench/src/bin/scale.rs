@@ -13,7 +13,7 @@
 //! 2. **The dedup table at 10 million rows**: one process on a table holding
 //!    `--dedup-rows` rows of its own scope (random keys, as the runs' are: inserts
 //!    land all over the index; half older than the retention) against the same on
-//!    an empty table, medians of 3; then one run while `idemq::sweep` deletes the
+//!    an empty table, medians of 3; then one run while `idemq::store::sweep` deletes the
 //!    old half, with the sweeper's delete rate; bytes per row measured; a sizing rule.
 //!
 //! Each run: fresh queue with the whole backlog (persistent, confirmed) before the
@@ -32,7 +32,7 @@ use std::process::{Child, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemq::{idempotent_handler, Queue, Retention, Runtime, Topology};
+use idemq::{idempotent_handler, store::Retention, Queue, Runtime, Topology};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
@@ -418,7 +418,7 @@ impl Bench {
             // The children's retry policy: the default.
             let retention = Retention::keep(Duration::from_secs(15 * 24 * 3600))
                 .check([&idemq::RetryPolicy::default()])?;
-            let swept = idemq::sweep(&mut conn, &retention).await?;
+            let swept = idemq::store::sweep(&mut conn, &retention).await?;
             Ok::<_, BenchError>((swept.dedup_rows, started.elapsed()))
         });
         tokio::time::sleep(Duration::from_secs(1)).await;

@@ -34,7 +34,7 @@ use crate::config::Urls;
 use crate::metrics::{Recorder, Settle};
 use crate::BenchError;
 
-use idemq::schema::idemq_dedup;
+use idemq::store::schema::idemq_dedup;
 
 pub(super) async fn start(
     urls: &Urls,
@@ -127,12 +127,12 @@ async fn handle_delivery(
                 recorder.returned();
             }
             Err(err) => {
-                eprintln!("baseline: ack failed: {}", idemq::redact(&err.to_string()));
+                eprintln!("baseline: ack failed: {}", idemq::connect::redact(&err.to_string()));
                 recorder.returned();
             }
         },
         Err(err) => {
-            eprintln!("baseline: {}; requeueing", idemq::redact(&err.to_string()));
+            eprintln!("baseline: {}; requeueing", idemq::connect::redact(&err.to_string()));
             recorder.returned();
             let _ = delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
         }

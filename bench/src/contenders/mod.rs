@@ -115,7 +115,7 @@ impl Contender {
         concurrency: Option<usize>,
         recorder: Arc<Recorder>,
     ) -> Result<Consumer, BenchError> {
-        let concurrency = concurrency.unwrap_or(idemq::DEFAULT_CONCURRENCY);
+        let concurrency = concurrency.unwrap_or(idemq::RuntimeBuilder::DEFAULT_CONCURRENCY);
         match self {
             Self::Raw => raw::start(urls, queue, recorder).await,
             Self::Baseline => baseline::start(urls, queue, concurrency, recorder).await,

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, Context, HandlerError, Outcome, Queue, Runtime, Settled, Topology};
+use idemq::{idempotent_handler, observe::Settled, Context, HandlerError, Outcome, Queue, Runtime, Topology};
 use idemq_example_payments::{record_payment, PaymentApplied, PaymentRequested};
 use tokio_util::sync::CancellationToken;
 
@@ -77,7 +77,7 @@ pub(super) fn start(
         .amqp_url(&urls.amqp)
         .database_url(&urls.database)
         .topology(Topology::new().queue(Queue::new(queue)))
-        .observer(move |settled| record(&recorder, settled));
+        .observe(idemq::observe::on_settled(move |settled| record(&recorder, settled)));
     let builder = match flavor {
         Flavor::PerMessage(concurrency) => {
             builder.consume(queue, apply_payment_unlaned).batch_size(1).concurrency(concurrency)

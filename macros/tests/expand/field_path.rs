@@ -30,10 +30,10 @@ impl ::idemq::Handler for apply_payment {
         &self,
         __idemq_message: &<Self as ::idemq::Handler>::Message,
         __idemq_metadata: &::idemq::Metadata<'_>,
-    ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+    ) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
         let _ = __idemq_metadata;
         let __idemq_keyed = __idemq_message;
-        ::idemq::KeyField::to_key(&(*__idemq_keyed).payment_id)
+        ::idemq::key::KeyField::to_key(&(*__idemq_keyed).payment_id)
     }
     fn handle<'__idemq_a>(
         &'__idemq_a self,

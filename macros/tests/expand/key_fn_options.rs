@@ -28,10 +28,10 @@ impl ::idemq::Handler for ship {
         &self,
         __idemq_message: &<Self as ::idemq::Handler>::Message,
         __idemq_metadata: &::idemq::Metadata<'_>,
-    ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+    ) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
         let _ = __idemq_metadata;
         let __idemq_keyed = __idemq_message;
-        ::idemq::KeyFn::key(&order_key, __idemq_message, __idemq_metadata)
+        ::idemq::key::KeyFn::key(&order_key, __idemq_message, __idemq_metadata)
     }
     fn queue(&self) -> ::core::option::Option<&'static str> {
         ::core::option::Option::Some("orders")

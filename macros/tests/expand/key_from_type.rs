@@ -22,16 +22,16 @@ impl ::idemq::Handler for refund {
         "refund"
     }
     fn key_path(&self) -> &'static str {
-        <Refund as ::idemq::KeyedMessage>::KEY_PATH
+        <Refund as ::idemq::key::KeyedMessage>::KEY_PATH
     }
     fn key(
         &self,
         __idemq_message: &<Self as ::idemq::Handler>::Message,
         __idemq_metadata: &::idemq::Metadata<'_>,
-    ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+    ) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
         let _ = __idemq_metadata;
         let __idemq_keyed = __idemq_message;
-        <Refund as ::idemq::KeyedMessage>::message_key(__idemq_message)
+        <Refund as ::idemq::key::KeyedMessage>::message_key(__idemq_message)
     }
     fn handle<'__idemq_a>(
         &'__idemq_a self,

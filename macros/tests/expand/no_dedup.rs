@@ -28,7 +28,7 @@ impl ::idemq::Handler for upsert {
         &self,
         __idemq_message: &<Self as ::idemq::Handler>::Message,
         __idemq_metadata: &::idemq::Metadata<'_>,
-    ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+    ) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
         let _ = __idemq_metadata;
         let __idemq_keyed = __idemq_message;
         ::core::result::Result::Ok(__idemq_metadata.hash_key())

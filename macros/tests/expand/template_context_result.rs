@@ -29,16 +29,16 @@ impl ::idemq::Handler for place {
         &self,
         __idemq_message: &<Self as ::idemq::Handler>::Message,
         __idemq_metadata: &::idemq::Metadata<'_>,
-    ) -> ::core::result::Result<::idemq::Key, ::idemq::KeyError> {
+    ) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
         let _ = __idemq_metadata;
         let __idemq_keyed = __idemq_message;
         ::idemq::Key::from_template(
             &[
-                ::idemq::TemplatePart::Value(
-                    ::idemq::KeyField::to_key(&(*__idemq_keyed).tenant),
+                ::idemq::key::TemplatePart::Value(
+                    ::idemq::key::KeyField::to_key(&(*__idemq_keyed).tenant),
                 ),
-                ::idemq::TemplatePart::Literal(":"),
-                ::idemq::TemplatePart::Value(__idemq_metadata.header_key("x-order")),
+                ::idemq::key::TemplatePart::Literal(":"),
+                ::idemq::key::TemplatePart::Value(__idemq_metadata.header_key("x-order")),
             ],
         )
     }
@@ -49,10 +49,12 @@ impl ::idemq::Handler for place {
         &self,
         __idemq_message: &<Self as ::idemq::Handler>::Message,
     ) -> ::core::option::Option<
-        ::core::result::Result<::idemq::Key, ::idemq::KeyError>,
+        ::core::result::Result<::idemq::Key, ::idemq::key::KeyError>,
     > {
         let __idemq_keyed = __idemq_message;
-        ::core::option::Option::Some(::idemq::KeyField::to_key(&(*__idemq_keyed).tenant))
+        ::core::option::Option::Some(
+            ::idemq::key::KeyField::to_key(&(*__idemq_keyed).tenant),
+        )
     }
     fn handle<'__idemq_a>(
         &'__idemq_a self,

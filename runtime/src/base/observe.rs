@@ -52,9 +52,6 @@ pub enum ConnectionEvent {
     },
 }
 
-/// A callback told of every [`ConnectionEvent`].
-pub type ConnectionObserver = Arc<dyn Fn(&ConnectionEvent) + Send + Sync>;
-
 /// A subscriber to what the runtime does. Every method has a no-op default:
 /// implement the ones you need. Methods run on the runtime's tasks, in line: keep
 /// them quick (count, record, send to a channel), never block.
@@ -62,7 +59,7 @@ pub type ConnectionObserver = Arc<dyn Fn(&ConnectionEvent) + Send + Sync>;
 /// ```
 /// use std::sync::atomic::{AtomicU64, Ordering};
 /// use std::sync::Arc;
-/// use idemq::{Observe, Outcome, Settled};
+/// use idemq::{Outcome, observe::Observe, observe::Settled};
 ///
 /// #[derive(Default)]
 /// struct DeadLetters(AtomicU64);
@@ -116,8 +113,8 @@ pub trait Observe: Send + Sync + 'static {
         let _ = pass;
     }
 
-    /// The retention sweep finished (see [`Retention`](crate::Retention)).
-    fn swept(&self, sweep: &crate::Sweep) {
+    /// The retention sweep finished (see [`Retention`](crate::store::Retention)).
+    fn swept(&self, sweep: &Sweep) {
         let _ = sweep;
     }
 }
@@ -158,6 +155,20 @@ pub struct Commit<'a> {
     pub took: Duration,
 }
 
+/// What a sweep deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Sweep {
+    /// Dedup rows older than the retention.
+    pub dedup_rows: u64,
+    /// Copy records older than the retention.
+    pub copy_records: u64,
+    /// Start marks older than the retention (messages that never came back).
+    pub start_marks: u64,
+    /// Another sweeper held the lock: this one stopped.
+    pub yielded: bool,
+}
+
 /// One pass of the outbox relay that claimed rows.
 #[derive(Debug, Clone, Copy, Default)]
 #[non_exhaustive]
@@ -169,7 +180,7 @@ pub struct RelayPass {
     /// Refused (unroutable, missing exchange, nacked): postponed with backoff.
     pub postponed: usize,
     /// Replies deleted unpublished: older than the reply TTL, or past their request's
-    /// `expiration` (see [`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl)).
+    /// `expiration` (see [`RelayBuilder::reply_ttl`](crate::outbox::RelayBuilder::reply_ttl)).
     pub expired: usize,
 }
 
@@ -216,7 +227,7 @@ impl Observers {
         self.0.iter().for_each(|o| o.relay(pass));
     }
 
-    pub(crate) fn swept(&self, sweep: &crate::Sweep) {
+    pub(crate) fn swept(&self, sweep: &Sweep) {
         self.0.iter().for_each(|o| o.swept(sweep));
     }
 }
@@ -251,7 +262,7 @@ impl<T: Observe> Observe for Arc<T> {
         (**self).relay(pass);
     }
 
-    fn swept(&self, sweep: &crate::Sweep) {
+    fn swept(&self, sweep: &Sweep) {
         (**self).swept(sweep);
     }
 }
@@ -270,8 +281,28 @@ impl Observe for Stats {
     }
 }
 
-/// [`RuntimeBuilder::observer`](crate::RuntimeBuilder::observer)'s callback.
-pub(crate) struct OnSettled<F>(pub(crate) F);
+/// An observer that calls `f` for every settled delivery, on the delivery's task
+/// (keep it quick):
+///
+/// ```no_run
+/// # fn example(builder: idemq::RuntimeBuilder) -> idemq::RuntimeBuilder {
+/// builder.observe(idemq::observe::on_settled(|settled| {
+///     eprintln!("{}: {:?}", settled.queue, settled.outcome);
+/// }))
+/// # }
+/// ```
+pub fn on_settled(f: impl Fn(&Settled) + Send + Sync + 'static) -> impl Observe {
+    OnSettled(f)
+}
+
+/// An observer that calls `f` when the runtime connects, loses its connection, or
+/// the broker blocks or unblocks publishing, and for every start-up attempt that
+/// finds the broker or the database unreachable ([`ConnectionEvent`]).
+pub fn on_connection(f: impl Fn(&ConnectionEvent) + Send + Sync + 'static) -> impl Observe {
+    OnConnection(f)
+}
+
+struct OnSettled<F>(F);
 
 impl<F: Fn(&Settled) + Send + Sync + 'static> Observe for OnSettled<F> {
     fn settled(&self, settled: &Settled) {
@@ -279,8 +310,7 @@ impl<F: Fn(&Settled) + Send + Sync + 'static> Observe for OnSettled<F> {
     }
 }
 
-/// [`RuntimeBuilder::on_connection_event`](crate::RuntimeBuilder::on_connection_event)'s callback.
-pub(crate) struct OnConnection<F>(pub(crate) F);
+struct OnConnection<F>(F);
 
 impl<F: Fn(&ConnectionEvent) + Send + Sync + 'static> Observe for OnConnection<F> {
     fn connection(&self, event: &ConnectionEvent) {

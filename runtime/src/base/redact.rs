@@ -37,8 +37,8 @@ const HIDDEN: &str = "***";
 /// like `AMQP_URL=amqp://u:p@h1,amqp://u:p@h2` has each URL redacted).
 ///
 /// ```
-/// assert_eq!(idemq::redact("amqp://guest:s3cr@t@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
-/// assert_eq!(idemq::redact("host=h password='a b' dbname=x"), "host=h password=*** dbname=x");
+/// assert_eq!(idemq::connect::redact("amqp://guest:s3cr@t@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
+/// assert_eq!(idemq::connect::redact("host=h password='a b' dbname=x"), "host=h password=*** dbname=x");
 /// ```
 pub fn redact(text: &str) -> String {
     let mut out = String::with_capacity(text.len());

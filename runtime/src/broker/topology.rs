@@ -18,11 +18,11 @@ use crate::error::Error;
 /// the queue's [`Queue::delivery_limit`]; the broker's own `x-delivery-limit` is set
 /// this much higher, as a backstop for a runtime that never gets to decide (e.g. a
 /// crash before the start is recorded, or a message lapin cannot parse).
-pub const BROKER_LIMIT_MARGIN: u32 = 5;
+pub(crate) const BROKER_LIMIT_MARGIN: u32 = 5;
 
 /// The default [`Queue::delivery_limit`]: the handler starts without an outcome
 /// after which a message is poison.
-pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+pub(crate) const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
 /// Everything the application declares: exchanges, then queues with their bindings.
 #[derive(Debug, Clone, Default)]
@@ -199,8 +199,7 @@ impl Exchange {
 
 /// Quorum or classic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum QueueType {
+pub(crate) enum QueueType {
     /// Replicated, counts deliveries (`x-delivery-count`): poison messages are bounded.
     Quorum,
     /// Classic queue: no delivery count, so a message that crashes the process on
@@ -222,6 +221,15 @@ pub struct Queue {
 }
 
 impl Queue {
+    /// The default [`delivery_limit`](Self::delivery_limit): the handler starts
+    /// without an outcome after which a message is poison.
+    pub const DEFAULT_DELIVERY_LIMIT: u32 = DEFAULT_DELIVERY_LIMIT;
+
+    /// How far above [`delivery_limit`](Self::delivery_limit) the broker's own
+    /// `x-delivery-limit` is set: a backstop for a runtime that never gets to decide
+    /// (a crash before the start is recorded, a message lapin cannot parse).
+    pub const BROKER_LIMIT_MARGIN: u32 = BROKER_LIMIT_MARGIN;
+
     /// A durable quorum queue named `name` with dead-letter queue `<name>.dlq`.
     pub fn new(name: impl Into<String>) -> Self {
         let name = name.into();
@@ -235,7 +243,9 @@ impl Queue {
         }
     }
 
-    /// Makes it a classic queue (see [`QueueType::Classic`] for the trade-off).
+    /// Makes it a classic queue: not replicated, and with no delivery count, so a
+    /// message that crashes the process on every delivery is not bounded by the
+    /// broker. Use only where quorum queues are not available.
     pub fn classic(mut self) -> Self {
         self.queue_type = QueueType::Classic;
         self
@@ -250,8 +260,8 @@ impl Queue {
     /// After its handler *started* this many times without an outcome (it crashed or
     /// hung the consumer; counted in `idemq_started` for redelivered messages, not by
     /// the broker's delivery count) the runtime dead-letters a message (kind `poison`)
-    /// without running the handler again. Default [`DEFAULT_DELIVERY_LIMIT`]. The
-    /// queue's `x-delivery-limit` is set [`BROKER_LIMIT_MARGIN`] above it, as a
+    /// without running the handler again. Default [`Queue::DEFAULT_DELIVERY_LIMIT`]. The
+    /// queue's `x-delivery-limit` is set [`Queue::BROKER_LIMIT_MARGIN`] above it, as a
     /// backstop.
     pub fn delivery_limit(mut self, limit: u32) -> Self {
         self.delivery_limit = limit.max(1);

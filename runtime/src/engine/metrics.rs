@@ -283,7 +283,7 @@ impl Observe for Metrics {
         self.outbox_replies_expired.inc_by(pass.expired as u64);
     }
 
-    fn swept(&self, sweep: &crate::Sweep) {
+    fn swept(&self, sweep: &crate::base::observe::Sweep) {
         self.dedup_deleted.inc_by(sweep.dedup_rows);
     }
 }

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 
+use crate::base::observe::Sweep;
 use crate::base::retry::RetryPolicy;
 use crate::error::Error;
 
@@ -30,7 +31,8 @@ pub const GC_LOCK: i64 = 0x6964_656d_715f_6763;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idemq::{Retention, RetryPolicy};
+/// use idemq::store::Retention;
+/// use idemq::RetryPolicy;
 ///
 /// let retention = Retention::keep(Duration::from_secs(30 * 86_400)).replay_window(Duration::from_secs(7 * 86_400));
 /// assert!(retention.check([&RetryPolicy::default()]).is_ok());
@@ -128,7 +130,7 @@ impl Retention {
 /// # async fn example(conn: &mut diesel_async::AsyncPgConnection) {
 /// use std::time::Duration;
 /// // An unchecked retention does not compile: `sweep` takes a `CheckedRetention`.
-/// idemq::sweep(conn, &idemq::Retention::keep(Duration::from_secs(1))).await;
+/// idemq::store::sweep(conn, &idemq::store::Retention::keep(Duration::from_secs(1))).await;
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,20 +145,6 @@ impl CheckedRetention {
     }
 }
 
-/// What a sweep deleted.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Sweep {
-    /// Dedup rows older than the retention.
-    pub dedup_rows: u64,
-    /// Copy records older than the retention.
-    pub copy_records: u64,
-    /// Start marks older than the retention (messages that never came back).
-    pub start_marks: u64,
-    /// Another sweeper held the lock: this one stopped.
-    pub yielded: bool,
-}
-
 /// Deletes what is older than `retention` on `conn`, batch by batch, until nothing
 /// is left or another sweeper takes over. It takes only a [`CheckedRetention`]:
 /// [`Retention::check`] it against the consumers' retry policies first, the check
@@ -166,11 +154,12 @@ pub struct Sweep {
 /// ```no_run
 /// # async fn example(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use idemq::{Retention, RetryPolicy};
+/// use idemq::store::Retention;
+/// use idemq::RetryPolicy;
 ///
 /// // The consumers' retry policies (here: every one on the default).
 /// let retention = Retention::keep(Duration::from_secs(30 * 86_400)).check([&RetryPolicy::default()])?;
-/// let swept = idemq::sweep(conn, &retention).await?;
+/// let swept = idemq::store::sweep(conn, &retention).await?;
 /// println!("{} dedup rows deleted", swept.dedup_rows);
 /// # Ok(())
 /// # }

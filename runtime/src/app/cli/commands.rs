@@ -66,7 +66,7 @@ pub(super) async fn gc(
     let mut conn = connect_db(builder.configured_database_url()).await?;
     let sweep = crate::store::retention::sweep(&mut conn, &retention).await?;
     if sweep.yielded {
-        println!("another sweep is running (it holds idemq::GC_LOCK); deleted so far:");
+        println!("another sweep is running (it holds idemq::store::GC_LOCK); deleted so far:");
     }
     println!(
         "deleted {} dedup rows, {} copy records, {} start marks older than {:.1} days",
@@ -92,8 +92,9 @@ pub(super) async fn migrate(url: &str, setup: Option<&Setup>) -> CliResult {
 pub(super) async fn migrate_status(url: &str) -> CliResult {
     let mut conn = connect_db(url).await?;
     let applied = crate::store::db::applied_migrations(&mut conn).await?;
-    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::MIGRATIONS)
-        .map_err(|err| err.to_string())?;
+    let embedded =
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::store::MIGRATIONS)
+            .map_err(|err| err.to_string())?;
     let mut pending = 0;
     for migration in &embedded {
         let done = applied.contains(&migration.name().version().to_string());

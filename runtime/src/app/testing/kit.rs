@@ -12,8 +12,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::base::outcome::{Outcome, Settled};
 use crate::broker::topology::{Queue, Topology};
+use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 use crate::engine::fault::{FaultContext, FaultPoint};
-use crate::engine::runtime::{Runtime, RuntimeBuilder, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+use crate::engine::runtime::{Runtime, RuntimeBuilder};
 use crate::error::{redact, Error};
 use crate::handler::Handler;
 
@@ -83,8 +84,8 @@ impl TestKit {
         static N: AtomicU64 = AtomicU64::new(0);
         let id =
             format!("{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), fastrand::u32(..));
-        let amqp_url = crate::env_url("AMQP_URL", DEFAULT_AMQP_URL)?;
-        let admin_url = crate::env_url("DATABASE_URL", DEFAULT_DATABASE_URL)?;
+        let amqp_url = crate::config::env_url("AMQP_URL", DEFAULT_AMQP_URL)?;
+        let admin_url = crate::config::env_url("DATABASE_URL", DEFAULT_DATABASE_URL)?;
         let database = format!("idemq_kit_{id}");
         let database_url = with_database(&admin_url, &database)?;
         let mut admin = crate::store::db::connect(&admin_url).await?;
@@ -137,7 +138,9 @@ impl TestKit {
             .map(|(name, _)| name)
             .collect();
         let runtime = builder
-            .observer(move |s| sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s.clone()))
+            .observe(crate::base::observe::on_settled(move |s| {
+                sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s.clone());
+            }))
             .fault_hook(hook)
             .build()?;
         let shutdown = CancellationToken::new();

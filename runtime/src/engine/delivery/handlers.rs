@@ -177,7 +177,7 @@ impl Consumer {
     /// A request that failed permanently (its transaction rolled back): its failure
     /// is committed as its dedup row, holding the error reply, with that reply in the
     /// outbox — so a duplicate of it gets the same error, without running the handler
-    /// (see [`crate::forget`] to apply it after a fix). Other failures store nothing.
+    /// (see [`crate::store::forget`] to apply it after a fix). Other failures store nothing.
     async fn store_failure(
         &self,
         conn: &mut AsyncPgConnection,

@@ -22,12 +22,11 @@ use super::CONFIRM_TIMEOUT;
 /// Configures a [`Relay`] run on its own (a runtime runs one by default; see
 /// [`RuntimeBuilder::relay`](crate::RuntimeBuilder::relay)).
 ///
-/// [`build`](Self::build) is infallible, unlike
-/// [`RuntimeBuilder::build`](crate::RuntimeBuilder::build): a relay's settings are
-/// few and independent, and [`Relay::run`] checks them before it connects, with the
-/// same [`Error::Config`] (as it checks the environment's URLs).
+/// Like [`RuntimeBuilder`](crate::RuntimeBuilder), nothing is checked until
+/// [`build`](Self::build), which refuses what cannot work with [`Error::Config`]
+/// naming the fix, before anything connects.
 #[derive(Clone)]
-#[must_use = "a RelayBuilder does nothing until `.build()` and `Relay::run`: a setting whose result is dropped is lost"]
+#[must_use = "a RelayBuilder does nothing until `.build()?` and `Relay::run`: a setting whose result is dropped is lost"]
 pub struct RelayBuilder {
     amqp_url: String,
     database_url: String,
@@ -111,9 +110,19 @@ impl RelayBuilder {
         self
     }
 
-    /// The relay. Infallible: [`Relay::run`] checks the settings (see the type's docs).
-    pub fn build(self) -> Relay {
-        Relay { builder: self }
+    /// Checks the settings and the URLs.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting to fix: a [`batch_size`](Self::batch_size)
+    /// of 0, a URL that cannot be used (its TLS files included), or one the
+    /// environment gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`) or in an
+    /// unreadable file.
+    pub fn build(self) -> Result<Relay, Error> {
+        self.env_urls.check()?;
+        self.settings.check()?;
+        crate::broker::brokers::Brokers::parse(&self.amqp_url)?;
+        crate::tls::postgres::Target::parse(&self.database_url)?;
+        Ok(Relay { builder: self })
     }
 }
 
@@ -122,7 +131,7 @@ impl RelayBuilder {
 ///
 /// ```no_run
 /// # async fn example() -> Result<(), idemq::Error> {
-/// idemq::Relay::builder().build().run(idemq::shutdown_signal()).await
+/// idemq::outbox::Relay::builder().build()?.run(idemq::shutdown_signal()).await
 /// # }
 /// ```
 #[derive(Debug)]
@@ -132,7 +141,7 @@ pub struct Relay {
 
 impl Relay {
     /// A builder reading `AMQP_URL` and `DATABASE_URL` (or the files `AMQP_URL_FILE`
-    /// and `DATABASE_URL_FILE` name, see [`env_url`](crate::env_url); a problem with
+    /// and `DATABASE_URL_FILE` name, see [`env_url`](crate::connect::env_url); a problem with
     /// them is reported by [`Relay::run`]).
     pub fn builder() -> RelayBuilder {
         let mut env_urls = EnvUrls::default();
@@ -150,13 +159,9 @@ impl Relay {
     /// retried with backoff.
     ///
     /// # Errors
-    /// Start-up failures: the database unreachable, idemq's migrations not applied;
-    /// [`Error::Config`] for a URL the environment gave twice or in an unreadable file,
-    /// or a [`batch_size`](RelayBuilder::batch_size) of 0 (checked before connecting).
+    /// Start-up failures: the database unreachable, idemq's migrations not applied.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let RelayBuilder { amqp_url, database_url, env_urls, settings, observers } = self.builder;
-        env_urls.check()?;
-        settings.check()?;
+        let RelayBuilder { amqp_url, database_url, env_urls: _, settings, observers } = self.builder;
         let pool = relay_pool(&database_url)?;
         let connect_error = |message: String| Error::DatabaseConnect { url: redact(&database_url), message };
         let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
@@ -185,15 +190,14 @@ pub(crate) fn relay_pool(database_url: &str) -> Result<Pool<AsyncPgConnection>, 
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn a_batch_size_of_zero_is_refused_with_the_fix_before_connecting() {
-        // Nothing listens on port 1: the refusal must come before any connection.
+    #[test]
+    fn a_batch_size_of_zero_is_refused_by_build_with_the_fix() {
         let relay = Relay::builder()
             .amqp_url("amqp://guest:guest@127.0.0.1:1/%2f")
             .database_url("postgres://postgres@127.0.0.1:1/idemq")
             .batch_size(0)
             .build();
-        match relay.run(CancellationToken::new()).await {
+        match relay {
             Err(Error::Config(message)) => {
                 assert!(message.contains("not 0") && message.contains(".batch_size(1)"), "{message}");
             }

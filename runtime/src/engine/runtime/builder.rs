@@ -4,17 +4,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{
-    Runtime, DEFAULT_AMQP_URL, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_DATABASE_URL, MAX_BATCH_SIZE,
-};
+use super::{DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY};
 use crate::base::observe::ConnectionEvent;
-use crate::base::observe::{Observe, Observers, OnConnection, OnSettled};
+use crate::base::observe::{on_connection, on_settled, Observe, Observers};
 use crate::base::outcome::Settled;
 use crate::base::retry::RetryPolicy;
 use crate::base::verdict::OnConflict;
 use crate::broker::topology::Topology;
-use crate::config::EnvUrls;
-use crate::error::{redact, Error};
+use crate::config::{EnvUrls, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+use crate::error::redact;
 use crate::handler::prepare::{self, ErasedHandler};
 use crate::handler::Handler;
 
@@ -39,13 +37,14 @@ impl Registration {
     }
 }
 
-/// Configures a [`Runtime`]. Start with [`Runtime::builder`].
+/// Configures a [`Runtime`](super::Runtime). Start with [`Runtime::builder`](super::Runtime::builder).
 ///
-/// Each setter takes the builder and returns it; [`build`](Self::build) checks the
-/// whole and is fallible (a runtime's settings depend on each other and on its
-/// handlers). [`RelayBuilder::build`](crate::RelayBuilder::build) is not: a relay's
-/// settings are checked by [`Relay::run`](crate::Relay::run), which reports them as
-/// this `build` does, with [`Error::Config`].
+/// Each setter takes the builder and returns it; nothing is checked until
+/// [`build`](Self::build), which checks the whole (a runtime's settings depend on
+/// each other and on its handlers) and refuses what cannot work with
+/// [`Error::Config`](crate::Error::Config), naming the fix. A setting is never
+/// silently dropped. [`RelayBuilder::build`](crate::outbox::RelayBuilder::build)
+/// does the same for a relay of its own.
 #[must_use = "a RuntimeBuilder does nothing until `.build()?` and `Runtime::run`: a setting whose result is dropped is lost"]
 pub struct RuntimeBuilder {
     pub(super) amqp_url: String,
@@ -97,6 +96,11 @@ impl std::fmt::Debug for RuntimeBuilder {
 }
 
 impl RuntimeBuilder {
+    /// The default [`concurrency`](Self::concurrency): 16.
+    pub const DEFAULT_CONCURRENCY: usize = DEFAULT_CONCURRENCY;
+    /// The default [`batch_size`](Self::batch_size): 64.
+    pub const DEFAULT_BATCH_SIZE: usize = DEFAULT_BATCH_SIZE;
+
     pub(super) fn new() -> Self {
         let mut env_urls = EnvUrls::default();
         Self {
@@ -133,7 +137,7 @@ impl RuntimeBuilder {
     }
 
     /// The broker, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (default: `AMQP_URL`, or
-    /// the file `AMQP_URL_FILE` names, see [`env_url`](crate::env_url)), or several
+    /// the file `AMQP_URL_FILE` names, see [`env_url`](crate::connect::env_url)), or several
     /// nodes separated by commas: the runtime connects to one that answers and, after
     /// losing it, tries the next first (a comma in a password is `%2C`).
     pub fn amqp_url(mut self, url: impl Into<String>) -> Self {
@@ -144,7 +148,7 @@ impl RuntimeBuilder {
 
     /// The database holding the dedup table and the handlers' data (default:
     /// `DATABASE_URL`, or the file `DATABASE_URL_FILE` names, see
-    /// [`env_url`](crate::env_url)).
+    /// [`env_url`](crate::connect::env_url)).
     pub fn database_url(mut self, url: impl Into<String>) -> Self {
         self.database_url = url.into();
         self.env_urls.overridden("DATABASE_URL");
@@ -167,6 +171,8 @@ impl RuntimeBuilder {
 
     /// Consumes the queue the handler names (`#[idempotent_handler(queue = "...")]`).
     /// A handler that names none is refused by [`build`](Self::build).
+    #[deprecated(since = "0.2.0", note = "use `.consume(queue, handler)`: one way to register a handler")]
+    #[doc(hidden)]
     pub fn handler<H: Handler>(mut self, handler: H) -> Self {
         let queue = handler.queue().map(str::to_owned).unwrap_or_default();
         self.consumers.push(Registration::new(queue, handler, None));
@@ -289,8 +295,8 @@ impl RuntimeBuilder {
     }
 
     /// How long start-up may wait for an unreachable broker or database (connection
-    /// refused or reset, no answer) before [`Runtime::run`] fails with
-    /// [`Error::StartupTimeout`], naming which. Default: no limit.
+    /// refused or reset, no answer) before [`Runtime::run`](super::Runtime::run) fails with
+    /// [`Error::StartupTimeout`](crate::Error::StartupTimeout), naming which. Default: no limit.
     ///
     /// Without one, a consumer started during an outage waits: each attempt is
     /// logged with the delay to the next (the reconnect backoff, see
@@ -343,34 +349,32 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Calls `on_event` when the runtime connects, loses its connection, or the
-    /// broker blocks or unblocks publishing, and for every start-up attempt that
-    /// finds the broker or the database unreachable.
-    /// Each call adds one (see [`observe`](Self::observe)).
-    pub fn on_connection_event(
-        mut self,
-        on_event: impl Fn(&ConnectionEvent) + Send + Sync + 'static,
-    ) -> Self {
-        self.observers.push(Arc::new(OnConnection(on_event)));
-        self
+    /// Calls `on_event` for every connection event.
+    #[deprecated(since = "0.2.0", note = "use `.observe(idemq::observe::on_connection(on_event))`")]
+    #[doc(hidden)]
+    pub fn on_connection_event(self, on_event: impl Fn(&ConnectionEvent) + Send + Sync + 'static) -> Self {
+        self.observe(on_connection(on_event))
     }
 
-    /// Calls `observer` for every settled delivery, on the delivery's task. Keep it
-    /// quick. Each call adds one (see [`observe`](Self::observe)).
-    pub fn observer(mut self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.observers.push(Arc::new(OnSettled(observer)));
-        self
+    /// Calls `observer` for every settled delivery.
+    #[deprecated(since = "0.2.0", note = "use `.observe(idemq::observe::on_settled(observer))`")]
+    #[doc(hidden)]
+    pub fn observer(self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
+        self.observe(on_settled(observer))
     }
 
     /// Adds a subscriber to everything the runtime reports (settled deliveries,
-    /// database retries, connection events, batches, relay passes). Any number may
-    /// be added; each hears every event, in the order they were added.
+    /// database retries, connection events, batches, relay passes): the one way to
+    /// observe a runtime. Any number may be added; each hears every event, in the
+    /// order they were added. For one callback, wrap a closure with
+    /// [`observe::on_settled`](crate::observe::on_settled) or
+    /// [`observe::on_connection`](crate::observe::on_connection).
     pub fn observe(mut self, observer: impl Observe) -> Self {
         self.observers.push(Arc::new(observer));
         self
     }
 
-    /// Whether the runtime runs an outbox [relay](crate::Relay) (default: yes). Turn
+    /// Whether the runtime runs an outbox [relay](crate::outbox::Relay) (default: yes). Turn
     /// it off when relays run on their own (`Relay::run`); the runtime then wakes
     /// them with a `NOTIFY` (at most one per 50 ms) after commits that wrote rows.
     pub fn relay(mut self, enabled: bool) -> Self {
@@ -388,7 +392,7 @@ impl RuntimeBuilder {
     }
 
     /// How often the runtime's relay looks for outbox rows it was not woken for
-    /// (written by other processes or by [`enqueue`](crate::enqueue) in
+    /// (written by other processes or by [`enqueue`](crate::outbox::enqueue) in
     /// application code; default 1 s). With the relay off (`.relay(false)`, before
     /// or after) there is nothing to poll: `build` refuses the pair.
     pub fn relay_poll_interval(mut self, interval: std::time::Duration) -> Self {
@@ -401,7 +405,7 @@ impl RuntimeBuilder {
 
     /// How long the reply to a request may wait in the outbox before this runtime's
     /// relay deletes it unpublished (default 1 h; a request's own `expiration` ends it
-    /// sooner). See [`RelayBuilder::reply_ttl`](crate::RelayBuilder::reply_ttl); relays
+    /// sooner). See [`RelayBuilder::reply_ttl`](crate::outbox::RelayBuilder::reply_ttl); relays
     /// run on their own take theirs. With the relay off (`.relay(false)`, before or
     /// after) this runtime publishes no replies: `build` refuses the pair.
     pub fn reply_ttl(mut self, ttl: Duration) -> Self {
@@ -423,7 +427,7 @@ impl RuntimeBuilder {
     /// Deletes dedup rows older than `retention` in the background (off by
     /// default: the dedup table grows until something sweeps it). `build` refuses a
     /// retention not longer than the longest retry horizon plus the replay window
-    /// ([`Retention::check`](crate::Retention::check)). Several processes may sweep:
+    /// ([`Retention::check`](crate::store::Retention::check)). Several processes may sweep:
     /// one at a time runs (a transaction-scoped advisory lock per batch).
     pub fn retention(mut self, retention: crate::store::retention::Retention) -> Self {
         self.retention = Some(retention);
@@ -444,173 +448,5 @@ impl RuntimeBuilder {
     pub fn fault_hook(mut self, hook: crate::engine::fault::FaultHook) -> Self {
         self.fault_hook = Some(hook);
         self
-    }
-
-    /// Checks the configuration.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the setting to fix, including a URL the environment
-    /// gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`) or in an unreadable file.
-    pub fn build(self) -> Result<Runtime, Error> {
-        self.env_urls.check()?;
-        if self.consumers.is_empty() {
-            return Err(Error::Config("no consumers: add one with `.consume(queue, handler)`".into()));
-        }
-        // Unreadable URLs fail every attempt alike: refused here, never waited on.
-        crate::broker::brokers::Brokers::parse(&self.amqp_url)?;
-        // The database URL too, its TLS settings and files included.
-        crate::tls::postgres::Target::parse(&self.database_url)?;
-        if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
-            return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
-        }
-        if self.prefetch == Some(0) {
-            return Err(Error::Config(
-                "prefetch must be 1..=65535 (0 would be unlimited: the broker would send the whole queue)"
-                    .into(),
-            ));
-        }
-        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
-            return Err(Error::Config(format!(
-                "batch_size must be 1..={MAX_BATCH_SIZE}, not {}: give `.batch_size(1)` for per-message mode, \
-                 or more for group commit (default {DEFAULT_BATCH_SIZE})",
-                self.batch_size
-            )));
-        }
-        self.check_handler_queues()?;
-        if let Some(retention) = &self.retention {
-            retention.check(&self.retry_policies())?;
-        }
-        let holding = crate::broker::consumer_timeout::Holding {
-            handler_timeout: self.handler_timeout,
-            database_retry_limit: self.database_retry_limit,
-            shutdown_deadline: self.shutdown_deadline,
-        };
-        crate::broker::consumer_timeout::check(holding, self.consumer_timeout)?;
-        self.check_unique_queues()?;
-        if let Some(namespace) = &self.namespace {
-            if namespace.is_empty() || namespace.contains('/') {
-                return Err(Error::Config(format!(
-                    "namespace {namespace:?} must be non-empty and hold no '/' (it is joined to handler names with one)"
-                )));
-            }
-        }
-        self.check_handler_names()?;
-        if self.relay.is_none() && self.relay_poll_interval.is_some() {
-            return Err(Error::Config(
-                "relay_poll_interval is set but the relay is off (`.relay(false)`): drop one of the two"
-                    .into(),
-            ));
-        }
-        if self.relay.is_none() && self.reply_ttl.is_some() {
-            return Err(Error::Config(
-                "reply_ttl is set but the relay is off (`.relay(false)`): the relays that run on their own \
-                 take theirs (RelayBuilder::reply_ttl); drop one of the two"
-                    .into(),
-            ));
-        }
-        Ok(Runtime { builder: self, stats: Arc::default() })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::handler::context::{Context, HandlerOutput};
-    use crate::handler::key::{Key, KeyError, Metadata};
-    use crate::handler::{BoxFuture, HandlerError};
-    use diesel_async::AsyncPgConnection;
-
-    /// A handler that does nothing (the checks read only its options).
-    struct Noop;
-
-    impl Handler for Noop {
-        type Message = serde_json::Value;
-
-        fn name(&self) -> &'static str {
-            "noop"
-        }
-
-        fn key_path(&self) -> &'static str {
-            "id"
-        }
-
-        fn key(&self, _: &Self::Message, metadata: &Metadata<'_>) -> Result<Key, KeyError> {
-            Ok(metadata.hash_key())
-        }
-
-        fn handle<'a>(
-            &'a self,
-            _: &'a mut AsyncPgConnection,
-            _: &'a mut Context,
-            _: Self::Message,
-        ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>> {
-            Box::pin(async { Ok(HandlerOutput::none()) })
-        }
-    }
-
-    /// A builder that passes every check but the one under test.
-    fn builder() -> RuntimeBuilder {
-        RuntimeBuilder::new()
-            .amqp_url("amqp://guest:secret@127.0.0.1:5672/%2f")
-            .database_url("postgres://postgres:secret@127.0.0.1:5432/idemq")
-            .consume("payments", Noop)
-    }
-
-    fn config_error(builder: RuntimeBuilder) -> String {
-        match builder.build() {
-            Err(Error::Config(message)) => message,
-            other => panic!("expected Error::Config, got {other:?}"),
-        }
-    }
-
-    #[test]
-    fn the_test_builder_builds() {
-        builder().build().expect("a valid configuration");
-    }
-
-    #[test]
-    fn a_batch_size_of_zero_is_refused_with_the_fix() {
-        let message = config_error(builder().batch_size(0));
-        assert!(message.contains("not 0") && message.contains(".batch_size(1)"), "{message}");
-    }
-
-    #[test]
-    fn a_reply_ttl_with_the_relay_off_is_refused_either_way_round() {
-        for builder in [
-            builder().relay(false).reply_ttl(Duration::from_secs(60)),
-            builder().reply_ttl(Duration::from_secs(60)).relay(false),
-        ] {
-            let message = builder.build().expect_err("refused").to_string();
-            assert!(message.contains("reply_ttl") && message.contains("drop one"), "{message}");
-        }
-        builder().reply_ttl(Duration::from_secs(60)).build().expect("the TTL alone");
-        let kept = builder().relay(false).reply_ttl(Duration::from_secs(60)).relay(true);
-        kept.build().expect("set while off, kept by relay(true)");
-    }
-
-    #[test]
-    fn a_relay_poll_interval_with_the_relay_off_is_refused_either_way_round() {
-        for builder in [
-            builder().relay(false).relay_poll_interval(Duration::from_millis(50)),
-            builder().relay_poll_interval(Duration::from_millis(50)).relay(false),
-        ] {
-            let message = config_error(builder);
-            assert!(message.contains("relay_poll_interval") && message.contains("drop one"), "{message}");
-        }
-        builder().relay(false).build().expect("the relay off alone");
-        builder().relay_poll_interval(Duration::from_millis(50)).build().expect("the interval alone");
-    }
-
-    #[test]
-    fn a_poll_interval_survives_turning_the_relay_off_and_on_again() {
-        let builder = builder().relay(false).relay_poll_interval(Duration::from_millis(50)).relay(true);
-        assert_eq!(builder.relay.map(|settings| settings.poll_interval), Some(Duration::from_millis(50)));
-    }
-
-    #[test]
-    fn debug_redacts_the_urls() {
-        let printed = format!("{:?}", builder());
-        assert!(!printed.contains("secret"), "{printed}");
-        assert!(printed.contains("payments"), "{printed}");
     }
 }

@@ -1,12 +1,80 @@
-//! The checks [`RuntimeBuilder::build`] makes of the handlers it was given: each
-//! queue consumed once, by a handler that agrees on its name, and handler names
-//! that can scope dedup rows.
+//! [`RuntimeBuilder::build`]: every check made before anything connects — the
+//! settings alone, the settings against each other, and the handlers it was given
+//! (each queue consumed once, by a handler that agrees on its name, and handler
+//! names that can scope dedup rows).
+
+use std::sync::Arc;
 
 use super::builder::Registration;
-use super::RuntimeBuilder;
+use super::{Runtime, RuntimeBuilder, DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE};
 use crate::error::Error;
 
 impl RuntimeBuilder {
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting to fix, including a URL the environment
+    /// gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`) or in an unreadable file.
+    pub fn build(self) -> Result<Runtime, Error> {
+        self.env_urls.check()?;
+        if self.consumers.is_empty() {
+            return Err(Error::Config("no consumers: add one with `.consume(queue, handler)`".into()));
+        }
+        // Unreadable URLs fail every attempt alike: refused here, never waited on.
+        crate::broker::brokers::Brokers::parse(&self.amqp_url)?;
+        // The database URL too, its TLS settings and files included.
+        crate::tls::postgres::Target::parse(&self.database_url)?;
+        if self.concurrency == 0 || self.concurrency > usize::from(u16::MAX) {
+            return Err(Error::Config(format!("concurrency must be 1..=65535, not {}", self.concurrency)));
+        }
+        if self.prefetch == Some(0) {
+            return Err(Error::Config(
+                "prefetch must be 1..=65535 (0 would be unlimited: the broker would send the whole queue)"
+                    .into(),
+            ));
+        }
+        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
+            return Err(Error::Config(format!(
+                "batch_size must be 1..={MAX_BATCH_SIZE}, not {}: give `.batch_size(1)` for per-message mode, \
+                 or more for group commit (default {DEFAULT_BATCH_SIZE})",
+                self.batch_size
+            )));
+        }
+        self.check_handler_queues()?;
+        if let Some(retention) = &self.retention {
+            retention.check(&self.retry_policies())?;
+        }
+        let holding = crate::broker::consumer_timeout::Holding {
+            handler_timeout: self.handler_timeout,
+            database_retry_limit: self.database_retry_limit,
+            shutdown_deadline: self.shutdown_deadline,
+        };
+        crate::broker::consumer_timeout::check(holding, self.consumer_timeout)?;
+        self.check_unique_queues()?;
+        if let Some(namespace) = &self.namespace {
+            if namespace.is_empty() || namespace.contains('/') {
+                return Err(Error::Config(format!(
+                    "namespace {namespace:?} must be non-empty and hold no '/' (it is joined to handler names with one)"
+                )));
+            }
+        }
+        self.check_handler_names()?;
+        if self.relay.is_none() && self.relay_poll_interval.is_some() {
+            return Err(Error::Config(
+                "relay_poll_interval is set but the relay is off (`.relay(false)`): drop one of the two"
+                    .into(),
+            ));
+        }
+        if self.relay.is_none() && self.reply_ttl.is_some() {
+            return Err(Error::Config(
+                "reply_ttl is set but the relay is off (`.relay(false)`): the relays that run on their own \
+                 take theirs (RelayBuilder::reply_ttl); drop one of the two"
+                    .into(),
+            ));
+        }
+        Ok(Runtime { builder: self, stats: Arc::default() })
+    }
+
     /// Each handler's queue: named by the handler or at registration, not both
     /// differently.
     pub(super) fn check_handler_queues(&self) -> Result<(), Error> {
@@ -14,16 +82,16 @@ impl RuntimeBuilder {
             match handler.queue() {
                 None if queue.is_empty() => {
                     return Err(Error::Config(format!(
-                        "handler `{}` names no queue: give it one with #[idempotent_handler(queue = \"...\")], \
-                         or register it with `.consume(queue, handler)`",
+                        "handler `{}` names no queue: register it with `.consume(queue, handler)`",
                         handler.type_path()
                     )));
                 }
                 Some(own) if own != queue => {
                     return Err(Error::Config(format!(
                         "handler `{}` consumes queue '{own}' (its `queue = ...`), but is registered for '{queue}'; \
-                         register it with `.handler(h)`, or drop its `queue` option",
-                        handler.type_path()
+                         register it with `.consume(\"{own}\", {})`, or drop its `queue` option",
+                        handler.type_path(),
+                        handler.name()
                     )));
                 }
                 _ => {}
@@ -72,5 +140,110 @@ impl RuntimeBuilder {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handler::context::{Context, HandlerOutput};
+    use crate::handler::key::{Key, KeyError, Metadata};
+    use crate::handler::Handler;
+    use crate::handler::{BoxFuture, HandlerError};
+    use diesel_async::AsyncPgConnection;
+    use std::time::Duration;
+
+    /// A handler that does nothing (the checks read only its options).
+    struct Noop;
+
+    impl Handler for Noop {
+        type Message = serde_json::Value;
+
+        fn name(&self) -> &'static str {
+            "noop"
+        }
+
+        fn key_path(&self) -> &'static str {
+            "id"
+        }
+
+        fn key(&self, _: &Self::Message, metadata: &Metadata<'_>) -> Result<Key, KeyError> {
+            Ok(metadata.hash_key())
+        }
+
+        fn handle<'a>(
+            &'a self,
+            _: &'a mut AsyncPgConnection,
+            _: &'a mut Context,
+            _: Self::Message,
+        ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>> {
+            Box::pin(async { Ok(HandlerOutput::none()) })
+        }
+    }
+
+    /// A builder that passes every check but the one under test.
+    fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::new()
+            .amqp_url("amqp://guest:secret@127.0.0.1:5672/%2f")
+            .database_url("postgres://postgres:secret@127.0.0.1:5432/idemq")
+            .consume("payments", Noop)
+    }
+
+    fn config_error(builder: RuntimeBuilder) -> String {
+        match builder.build() {
+            Err(Error::Config(message)) => message,
+            other => panic!("expected Error::Config, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_test_builder_builds() {
+        builder().build().expect("a valid configuration");
+    }
+
+    #[test]
+    fn a_batch_size_of_zero_is_refused_with_the_fix() {
+        let message = config_error(builder().batch_size(0));
+        assert!(message.contains("not 0") && message.contains(".batch_size(1)"), "{message}");
+    }
+
+    #[test]
+    fn a_reply_ttl_with_the_relay_off_is_refused_either_way_round() {
+        for builder in [
+            builder().relay(false).reply_ttl(Duration::from_secs(60)),
+            builder().reply_ttl(Duration::from_secs(60)).relay(false),
+        ] {
+            let message = builder.build().expect_err("refused").to_string();
+            assert!(message.contains("reply_ttl") && message.contains("drop one"), "{message}");
+        }
+        builder().reply_ttl(Duration::from_secs(60)).build().expect("the TTL alone");
+        let kept = builder().relay(false).reply_ttl(Duration::from_secs(60)).relay(true);
+        kept.build().expect("set while off, kept by relay(true)");
+    }
+
+    #[test]
+    fn a_relay_poll_interval_with_the_relay_off_is_refused_either_way_round() {
+        for builder in [
+            builder().relay(false).relay_poll_interval(Duration::from_millis(50)),
+            builder().relay_poll_interval(Duration::from_millis(50)).relay(false),
+        ] {
+            let message = config_error(builder);
+            assert!(message.contains("relay_poll_interval") && message.contains("drop one"), "{message}");
+        }
+        builder().relay(false).build().expect("the relay off alone");
+        builder().relay_poll_interval(Duration::from_millis(50)).build().expect("the interval alone");
+    }
+
+    #[test]
+    fn a_poll_interval_survives_turning_the_relay_off_and_on_again() {
+        let builder = builder().relay(false).relay_poll_interval(Duration::from_millis(50)).relay(true);
+        assert_eq!(builder.relay.map(|settings| settings.poll_interval), Some(Duration::from_millis(50)));
+    }
+
+    #[test]
+    fn debug_redacts_the_urls() {
+        let printed = format!("{:?}", builder());
+        assert!(!printed.contains("secret"), "{printed}");
+        assert!(printed.contains("payments"), "{printed}");
     }
 }

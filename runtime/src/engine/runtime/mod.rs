@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::base::outcome::{Settled, Stats};
+use crate::base::outcome::Stats;
 
 mod builder;
 mod check;
@@ -22,17 +22,13 @@ mod plan;
 mod run;
 mod signals;
 
-pub use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 pub use builder::RuntimeBuilder;
 pub use signals::{shutdown_signal, shutdown_signals, ShutdownSignals};
 
 /// The default [`RuntimeBuilder::concurrency`].
-pub const DEFAULT_CONCURRENCY: usize = 16;
+pub(crate) const DEFAULT_CONCURRENCY: usize = 16;
 /// The default [`RuntimeBuilder::batch_size`].
-pub const DEFAULT_BATCH_SIZE: usize = 64;
-
-/// A callback told of every settled delivery (metrics, tests, progress).
-pub type Observer = Arc<dyn Fn(&Settled) + Send + Sync>;
+pub(crate) const DEFAULT_BATCH_SIZE: usize = 64;
 
 /// Consumes queues with idempotent handlers until shut down.
 ///
@@ -59,7 +55,8 @@ impl std::fmt::Debug for Runtime {
 
 impl Runtime {
     /// A builder reading `AMQP_URL` and `DATABASE_URL` from the environment, with
-    /// local defaults ([`DEFAULT_AMQP_URL`], [`DEFAULT_DATABASE_URL`]).
+    /// local defaults ([`DEFAULT_AMQP_URL`](crate::connect::DEFAULT_AMQP_URL),
+    /// [`DEFAULT_DATABASE_URL`](crate::connect::DEFAULT_DATABASE_URL)).
     pub fn builder() -> RuntimeBuilder {
         RuntimeBuilder::new()
     }
