@@ -302,12 +302,15 @@ impl Drop for Serving {
 /// until the returned [`Serving`] is dropped.
 ///
 /// # Errors
-/// The address cannot be bound (in use, not local).
+/// [`Error::ConfigIo`](crate::Error::ConfigIo): the address cannot be bound (in use,
+/// not local).
 pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, crate::Error> {
     let stop = Arc::new(AtomicBool::new(false));
     let serving = Serving(Arc::clone(&stop));
-    let server = tiny_http::Server::http(addr).map_err(|err| {
-        crate::Error::Config(format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR): {err}"))
+    let server = tiny_http::Server::http(addr).map_err(|err| crate::Error::ConfigIo {
+        message: format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR)"),
+        // tiny_http boxes the socket's I/O error.
+        source: err.downcast::<std::io::Error>().map_or_else(std::io::Error::other, |err| *err),
     })?;
     std::thread::Builder::new()
         .name("idemq-http".into())
@@ -335,6 +338,9 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
                 let _ = request.respond(response);
             }
         })
-        .map_err(|err| crate::Error::Config(format!("cannot start the metrics thread: {err}")))?;
+        .map_err(|source| crate::Error::ConfigIo {
+            message: "cannot start the metrics thread".into(),
+            source,
+        })?;
     Ok(serving)
 }

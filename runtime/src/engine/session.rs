@@ -212,7 +212,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
         if fatal(&err) {
             SessionEnd::Fatal(err)
         } else {
-            SessionEnd::Lost { reason: err.to_string(), connected: false }
+            SessionEnd::Lost { reason: err.report(), connected: false }
         }
     };
     let amqp = |action: &str| {
@@ -308,7 +308,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
             Err(if fatal {
                 SessionEnd::Fatal(err)
             } else {
-                SessionEnd::Lost { reason: err.to_string(), connected: false }
+                SessionEnd::Lost { reason: err.report(), connected: false }
             })
         }
     }

@@ -93,9 +93,9 @@ impl TestKit {
             .await
             .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
         crate::store::migrate::migrate(&database_url).await?;
-        setup(database_url.clone())
-            .await
-            .map_err(|err| Error::Config(format!("the test's setup failed: {err}")))?;
+        setup(database_url.clone()).await.map_err(|err| {
+            Error::Config(format!("the test's setup failed: {}", crate::error::report(&*err)))
+        })?;
 
         let queue = format!("idemq-kit-{id}");
         let broker = crate::broker::brokers::Brokers::parse(&amqp_url)?.connect("test kit").await?.0;

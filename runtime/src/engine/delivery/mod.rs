@@ -228,7 +228,7 @@ impl Fatal {
     }
 
     fn raise(&self, error: Error) {
-        tracing::error!(%error, "stopping the runtime: a fault no retry can fix");
+        tracing::error!(error = %error.report(), "stopping the runtime: a fault no retry can fix");
         self.error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(error);
         self.stop.cancel();
     }

@@ -142,7 +142,8 @@ impl Consumer {
                 .unwrap_or(Err(dead_letter::PublishError::CutOff { queue: target.clone() })),
         };
         if let Err(err) = published {
-            tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
+            let error = crate::error::report(&err);
+            tracing::error!(queue = %self.queue, %error, "could not publish the copy; the delivery is requeued");
             if matches!(err, dead_letter::PublishError::Nacked { .. }) {
                 // A nack is the broker refusing on this channel, and on RabbitMQ 3.10 a
                 // channel that first published to a quorum queue during its leader
@@ -156,7 +157,7 @@ impl Consumer {
                 )
                 .await;
             }
-            decision.outcome = Outcome::Requeued { error: err.to_string() };
+            decision.outcome = Outcome::Requeued { error };
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
                 () = cut_off.cancelled() => {}

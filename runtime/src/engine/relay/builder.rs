@@ -151,8 +151,9 @@ impl Relay {
     ///
     /// # Errors
     /// Start-up failures: the database unreachable, idemq's migrations not applied;
-    /// [`Error::Config`] for a URL the environment gave twice or in an unreadable file,
-    /// or a [`batch_size`](RelayBuilder::batch_size) of 0 (checked before connecting).
+    /// [`Error::Config`] for a URL the environment gave twice or a
+    /// [`batch_size`](RelayBuilder::batch_size) of 0, [`Error::ConfigIo`] for a URL in
+    /// a file that cannot be read (both checked before connecting).
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let RelayBuilder { amqp_url, database_url, env_urls, settings, observers } = self.builder;
         env_urls.check()?;
