@@ -92,8 +92,7 @@ pub(super) async fn migrate(url: &str, setup: Option<&Setup>) -> CliResult {
 pub(super) async fn migrate_status(url: &str) -> CliResult {
     let mut conn = connect_db(url).await?;
     let applied = crate::store::db::applied_migrations(&mut conn).await?;
-    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::MIGRATIONS)
-        .map_err(|err| err.to_string())?;
+    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::MIGRATIONS)?;
     let mut pending = 0;
     for migration in &embedded {
         let done = applied.contains(&migration.name().version().to_string());

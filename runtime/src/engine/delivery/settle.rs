@@ -183,14 +183,10 @@ impl Consumer {
         reply: Outgoing,
         cut_off: &CancellationToken,
     ) -> bool {
-        let write = async {
-            let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
-            db::insert_outbox(&mut conn, std::slice::from_ref(&reply)).await.map_err(|err| err.to_string())
-        };
-        let written = tokio::time::timeout(BOOKKEEPING_TIMEOUT, write)
-            .await
-            .unwrap_or_else(|_| Err(format!("the outbox insert took over {BOOKKEEPING_TIMEOUT:?}")));
-        if let Err(error) = written {
+        let written =
+            self.pooled(async |conn| db::insert_outbox(conn, std::slice::from_ref(&reply)).await).await;
+        if let Err(err) = written {
+            let error = crate::error::report(&err);
             tracing::error!(queue = %self.queue, key = ?decision.key, %error, "could not queue the stored reply of a duplicated request; the delivery is requeued");
             decision.outcome =
                 Outcome::Requeued { error: format!("the stored reply could not be queued: {error}") };
@@ -210,15 +206,24 @@ impl Consumer {
     where
         F: for<'c> AsyncFnOnce(&'c mut AsyncPgConnection) -> diesel::QueryResult<()>,
     {
-        let run = async {
-            let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
-            statement(&mut conn).await.map_err(|err| err.to_string())
-        };
-        match tokio::time::timeout(BOOKKEEPING_TIMEOUT, run).await {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => tracing::warn!(queue = %self.queue, %error, "could not {what}"),
-            Err(_) => tracing::warn!(queue = %self.queue, "could not {what} within {BOOKKEEPING_TIMEOUT:?}"),
+        if let Err(err) = self.pooled(statement).await {
+            tracing::warn!(queue = %self.queue, error = %crate::error::report(&err), "could not {what}");
         }
+    }
+
+    /// Runs one of idemq's own statements on a connection from the pool, the whole
+    /// bounded by [`BOOKKEEPING_TIMEOUT`].
+    async fn pooled<F>(&self, statement: F) -> Result<(), Bookkeeping>
+    where
+        F: for<'c> AsyncFnOnce(&'c mut AsyncPgConnection) -> diesel::QueryResult<()>,
+    {
+        let run = async {
+            let mut conn = self.shared.pool.get().await.map_err(|err| Bookkeeping::Pool(err.into()))?;
+            statement(&mut conn).await.map_err(Bookkeeping::Statement)
+        };
+        tokio::time::timeout(BOOKKEEPING_TIMEOUT, run)
+            .await
+            .unwrap_or(Err(Bookkeeping::TimedOut(BOOKKEEPING_TIMEOUT)))
     }
 
     #[cfg(feature = "fault-injection")]
@@ -233,6 +238,22 @@ impl Consumer {
             hook(context).await;
         }
     }
+}
+
+/// Why one of idemq's own statements on a pooled connection ([`Consumer::pooled`])
+/// did not run. Printed with its cause through [`report`](crate::error::report).
+#[derive(Debug, thiserror::Error)]
+enum Bookkeeping {
+    /// No connection: the pool's error (only printed, so kept whatever the pool's
+    /// error type).
+    #[error("no database connection from the pool")]
+    Pool(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The statement failed.
+    #[error("the statement failed")]
+    Statement(#[source] diesel::result::Error),
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    TimedOut(Duration),
 }
 
 /// Whether the delivery goes back to the queue (the rest without a copy is acked).

@@ -398,8 +398,10 @@ async fn sweep_every(
 ) {
     loop {
         let swept = async {
-            let mut conn = shared.pool.get().await.map_err(|err| err.to_string())?;
-            crate::store::retention::sweep(&mut conn, &retention).await.map_err(|err| err.to_string())
+            let mut conn = shared.pool.get().await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                crate::store::retention::sweep(&mut conn, &retention).await?,
+            )
         };
         tokio::select! {
             result = swept => match result {
@@ -407,7 +409,7 @@ async fn sweep_every(
                     tracing::info!(?sweep, "retention sweep");
                     shared.observers.swept(&sweep);
                 }
-                Err(error) => tracing::warn!(error = %redact(&error), "the retention sweep failed; trying again later"),
+                Err(error) => tracing::warn!(error = %crate::error::report(&*error), "the retention sweep failed; trying again later"),
             },
             () = stop.cancelled() => return,
         }
