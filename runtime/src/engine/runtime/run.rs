@@ -291,14 +291,15 @@ impl Running {
             match session::run(ctx, session, stop, cut_at).await {
                 SessionEnd::Shutdown(connections) => break (Ok(()), connections),
                 SessionEnd::Fatal(err) => break (Err(err), None),
-                SessionEnd::Lost { reason, connected: false } if starting => {
-                    match self.startup.wait(Dependency::Broker, url, &reason, stop).await {
+                SessionEnd::Lost { loss, connected: false } if starting => {
+                    match self.startup.wait(Dependency::Broker, url, &loss.report(), stop).await {
                         Ok(true) => {}
                         Ok(false) => break (Ok(()), None),
                         Err(err) => break (Err(err), None),
                     }
                 }
-                SessionEnd::Lost { reason, connected } => {
+                SessionEnd::Lost { loss, connected } => {
+                    let reason = loss.report();
                     if connected {
                         // Logged once per loss, not once per attempt.
                         tracing::warn!(session, %reason, "connection to the broker lost; reconnecting");
