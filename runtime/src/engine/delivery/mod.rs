@@ -199,7 +199,7 @@ pub(crate) struct Shared {
     pub(crate) turns: RwLock<()>,
     /// Raised by a delivery that met a fault no retry can fix: the runtime stops.
     pub(crate) fatal: Fatal,
-    #[cfg(feature = "fault-injection")]
+    #[cfg(feature = "testing")]
     pub(crate) fault_hook: Option<crate::engine::fault::FaultHook>,
 }
 

@@ -74,7 +74,7 @@ impl Consumer {
         let mut sent = vec![false; settled.len()];
         let acked: Vec<usize> =
             (0..settled.len()).filter(|&i| !needs_requeue(&settled[i].1.outcome)).collect();
-        #[cfg(feature = "fault-injection")]
+        #[cfg(feature = "testing")]
         for &i in &acked {
             self.fault(crate::engine::fault::FaultPoint::AfterCommit, &settled[i].1).await;
         }
@@ -167,7 +167,7 @@ impl Consumer {
         // Were the ack lost now, the redelivered original finds this record and
         // is acked without a second copy (a crash before it: see the README).
         self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
-        #[cfg(feature = "fault-injection")]
+        #[cfg(feature = "testing")]
         self.fault(crate::engine::fault::FaultPoint::AfterCopy, decision).await;
         report(self.acks.ack_one(delivery).await, self, decision)
     }
@@ -226,7 +226,7 @@ impl Consumer {
             .unwrap_or(Err(Bookkeeping::TimedOut(BOOKKEEPING_TIMEOUT)))
     }
 
-    #[cfg(feature = "fault-injection")]
+    #[cfg(feature = "testing")]
     async fn fault(&self, point: crate::engine::fault::FaultPoint, decision: &Decision) {
         if let Some(hook) = &self.shared.fault_hook {
             let context = crate::engine::fault::FaultContext {

@@ -145,7 +145,7 @@ impl Assembly {
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
             // retry can fix (then `run` returns that error after draining).
             fatal: Fatal::new(shutdown.child_token()),
-            #[cfg(feature = "fault-injection")]
+            #[cfg(feature = "testing")]
             fault_hook: b.fault_hook.clone(),
         });
         Ok(Some(Self {
