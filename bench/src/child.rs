@@ -87,12 +87,8 @@ pub(crate) async fn main(args: &[String], urls: &Urls) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(err) => {
-            // Driver errors may quote a URL, password and all.
-            eprintln!(
-                "bench --child {}: {}",
-                spec.contender.name(),
-                idemq::connect::redact(&err.to_string())
-            );
+            // Each cause once; driver errors may quote a URL, password and all.
+            eprintln!("bench --child {}: {}", spec.contender.name(), idemq_example_payments::report(&*err));
             ExitCode::FAILURE
         }
     }

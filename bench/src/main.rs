@@ -88,8 +88,8 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
         Err(err) => {
-            // Driver errors may quote a URL, password and all.
-            eprintln!("bench: {}", idemq::connect::redact(&err.to_string()));
+            // Each cause once; driver errors may quote a URL, password and all.
+            eprintln!("bench: {}", idemq_example_payments::report(&*err));
             ExitCode::FAILURE
         }
     }

@@ -154,25 +154,45 @@ CREATE TABLE IF NOT EXISTS accounts (
 );
 ";
 
-/// Errors of the demo's own set-up.
+/// Errors of the demo's own set-up. As idemq's, a cause is the `source` and not
+/// repeated in the message: print one with [`report`].
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
     /// idemq's migrations or connection failed.
     #[error(transparent)]
     Idemq(#[from] idemq::Error),
     /// A database statement failed.
-    #[error("{context}: {}", idemq::connect::redact(&.source.to_string()))]
+    #[error("could not {context}")]
     Database {
         /// What was being done (any URL in it redacted).
         context: String,
-        /// The error.
-        source: Box<dyn std::error::Error + Send + Sync>,
+        /// The driver's error.
+        #[source]
+        source: diesel::result::Error,
     },
+}
+
+/// `err` and its causes, `": "`-joined, each once (a cause the text already quotes
+/// is skipped), passwords redacted: how the demo prints an error. For an
+/// [`idemq::Error`] alone, [`idemq::Error::report`] does the same.
+pub fn report(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    // Driver errors may quote a URL, password and all.
+    idemq::connect::redact(&text)
 }
 
 fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) -> SetupError {
     let context = context.into();
-    move |err| SetupError::Database { context, source: Box::new(err) }
+    move |source| SetupError::Database { context, source }
 }
 
 /// Creates the database if missing, applies idemq's migrations and the demo's tables.

@@ -74,7 +74,7 @@ async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
             database_url.unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned()),
         ),
         Err(err) => {
-            eprintln!("payments: {}", idemq::connect::redact(&err.to_string()));
+            eprintln!("payments: {}", err.report());
             return ExitCode::FAILURE;
         }
     };
@@ -98,8 +98,8 @@ async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            // Driver errors may quote a URL, password and all.
-            eprintln!("payments: {}", idemq::connect::redact(&err.to_string()));
+            // Each cause once; driver errors may quote a URL, password and all.
+            eprintln!("payments: {}", idemq_example_payments::report(&*err));
             ExitCode::FAILURE
         }
     }

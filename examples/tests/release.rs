@@ -18,16 +18,19 @@ fn idemq_tree(edges: &str) -> String {
 }
 
 /// `cargo build --release --workspace --bins` (what ships `payments`) compiles idemq
-/// without its test-only `fault-injection` hooks: no normal or build dependency of
-/// any workspace member enables them. The integration tests still get them, through
-/// a dev-dependency, which resolver 2 does not unify into non-test builds.
+/// without its feature `testing`, which holds the test-only fault hooks
+/// (`idemq::testing::fault`): no normal or build dependency of any workspace member
+/// enables it (the scale benchmark's `test-cluster` has no hooks). The integration
+/// tests still get it, through a dev-dependency, which resolver 2 does not unify into
+/// non-test builds.
 #[test]
 fn release_builds_of_the_workspace_leave_the_fault_hooks_out() {
+    let testing = "idemq feature \"testing\"";
     let shipped = idemq_tree("normal,build,features");
-    assert!(!shipped.contains("fault-injection"), "a normal dependency enables the fault hooks:\n{shipped}");
-    let tested = idemq_tree("features");
     assert!(
-        tested.contains("idemq feature \"fault-injection\""),
-        "the tests lost the fault hooks:\n{tested}"
+        !shipped.contains(testing),
+        "a normal dependency enables the fault hooks (`testing`):\n{shipped}"
     );
+    let tested = idemq_tree("features");
+    assert!(tested.contains(testing), "the tests lost the fault hooks (`testing`):\n{tested}");
 }

@@ -21,9 +21,9 @@ pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postg
 /// A variable that is set counts, even if empty.
 ///
 /// # Errors
-/// [`Error::Config`] when both `name` and `<name>_FILE` are set (keep one), or when
-/// the file cannot be read or holds nothing; the message names the variable and the
-/// file, never the file's content.
+/// [`Error::Config`] when both `name` and `<name>_FILE` are set (keep one) or the file
+/// holds nothing, [`Error::ConfigIo`] when it cannot be read; the message names the
+/// variable and the file, never the file's content.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), idemq::Error> {
@@ -61,8 +61,10 @@ pub(crate) fn resolve(
 fn read_url_file(setting: &str, path: &Path) -> Result<String, Error> {
     // The I/O error says why (not found, permission denied, not UTF-8), never what
     // the file holds.
-    let text = std::fs::read_to_string(path)
-        .map_err(|err| Error::Config(format!("{setting}: cannot read the file {}: {err}", path.display())))?;
+    let text = std::fs::read_to_string(path).map_err(|source| Error::ConfigIo {
+        message: format!("{setting}: cannot read the file {}", path.display()),
+        source,
+    })?;
     let url = text.trim();
     if url.is_empty() {
         return Err(Error::Config(format!(
@@ -78,18 +80,48 @@ fn read_url_file(setting: &str, path: &Path) -> Result<String, Error> {
 /// sets itself makes its variable's problem moot.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct EnvUrls {
-    problems: Vec<(&'static str, String)>,
+    problems: Vec<(&'static str, Problem)>,
+}
+
+/// An [`env_url`] error, kept in a builder (which is `Clone`; an [`Error`] is not:
+/// its I/O error is not).
+#[derive(Debug, Clone)]
+enum Problem {
+    Config(String),
+    /// An [`Error::ConfigIo`]: its I/O error kept as its kind and words.
+    Io {
+        message: String,
+        kind: std::io::ErrorKind,
+        said: String,
+    },
+}
+
+impl Problem {
+    fn of(err: Error) -> Self {
+        match err {
+            Error::ConfigIo { message, source } => {
+                Self::Io { message, kind: source.kind(), said: source.to_string() }
+            }
+            Error::Config(message) => Self::Config(message),
+            other => Self::Config(other.report()),
+        }
+    }
+
+    fn to_error(&self) -> Error {
+        match self {
+            Self::Config(message) => Error::Config(message.clone()),
+            Self::Io { message, kind, said } => {
+                Error::ConfigIo { message: message.clone(), source: std::io::Error::new(*kind, said.clone()) }
+            }
+        }
+    }
 }
 
 impl EnvUrls {
     /// [`env_url`], or `default` with the problem kept.
     pub(crate) fn read(&mut self, name: &'static str, default: &str) -> String {
         env_url(name, default).unwrap_or_else(|err| {
-            let message = match err {
-                Error::Config(message) => message,
-                other => other.to_string(),
-            };
-            self.problems.push((name, message));
+            self.problems.push((name, Problem::of(err)));
             default.to_owned()
         })
     }
@@ -102,7 +134,7 @@ impl EnvUrls {
     /// The first problem left, as the error to report.
     pub(crate) fn check(&self) -> Result<(), Error> {
         match self.problems.first() {
-            Some((_, message)) => Err(Error::Config(message.clone())),
+            Some((_, problem)) => Err(problem.to_error()),
             None => Ok(()),
         }
     }
@@ -137,7 +169,7 @@ mod tests {
 
     fn config_message(result: Result<Option<String>, Error>) -> String {
         match result {
-            Err(Error::Config(message)) => message,
+            Err(Error::Config(message) | Error::ConfigIo { message, .. }) => message,
             other => panic!("expected a configuration error, got {other:?}"),
         }
     }
@@ -161,11 +193,28 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_file_is_an_error_naming_it() {
+    fn a_missing_file_is_an_error_naming_it_with_the_io_error_as_its_source() {
         let path = std::env::temp_dir().join("idemq-config-env-no-such-file");
-        let message = config_message(resolve(("AMQP_URL", None), ("AMQP_URL_FILE", Some(&path))));
+        let result = resolve(("AMQP_URL", None), ("AMQP_URL_FILE", Some(&path)));
+        let Err(Error::ConfigIo { ref source, .. }) = result else { panic!("an I/O error: {result:?}") };
+        assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        let message = config_message(result);
         assert!(message.starts_with("AMQP_URL_FILE: cannot read the file"), "{message}");
         assert!(message.contains(&path.display().to_string()), "{message}");
+    }
+
+    #[test]
+    fn a_builder_keeps_an_unreadable_files_error_with_its_kind_and_words() {
+        let path = std::env::temp_dir().join("idemq-config-env-no-such-file");
+        let Err(err) = resolve(("AMQP_URL", None), ("AMQP_URL_FILE", Some(&path))) else { panic!("unread") };
+        let report = err.report();
+        let mut urls = EnvUrls::default();
+        urls.problems.push(("AMQP_URL", Problem::of(err)));
+        let kept = urls.clone().check().expect_err("kept");
+        assert_eq!(kept.report(), report);
+        assert!(
+            matches!(kept, Error::ConfigIo { ref source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+        );
     }
 
     #[test]
@@ -192,7 +241,7 @@ mod tests {
     #[test]
     fn a_builders_problem_is_reported_unless_the_code_sets_that_url() {
         let mut urls = EnvUrls::default();
-        urls.problems.push(("AMQP_URL", "both AMQP_URL and AMQP_URL_FILE are set".into()));
+        urls.problems.push(("AMQP_URL", Problem::Config("both AMQP_URL and AMQP_URL_FILE are set".into())));
         let Err(Error::Config(message)) = urls.check() else { panic!("the problem is reported") };
         assert_eq!(message, "both AMQP_URL and AMQP_URL_FILE are set");
         urls.overridden("AMQP_URL");

@@ -3,8 +3,31 @@
 //! Per-message failures are not errors of the runtime: they end in a retry or a
 //! dead letter (see [`FailureKind`](crate::FailureKind)) and never stop it.
 //!
-//! Every URL and every driver message shown by these errors goes through
-//! [`redact`](crate::redact): a driver may quote the URL it was given.
+//! # A cause is shown once
+//!
+//! An error caused by another shows that cause once, in one place — as `thiserror`
+//! and the Rust API guidelines advise, and as lapin and axum do — so that a reporter
+//! walking the chain of [`source`](std::error::Error::source)s (`anyhow`'s `{:#}`,
+//! `eyre`, [`Error::report`], idemq's CLI) never prints it twice:
+//!
+//! - **A cause idemq holds as an error is the variant's `source()`, and its
+//!   `Display` does not repeat it**: the message says what idemq was doing
+//!   ([`Error::Amqp`], [`Error::ConfigIo`], [`Error::Migration`]). `{}` alone shows
+//!   that message only: print or log an [`Error`] with [`Error::report`] (or a
+//!   reporter of your own) to see why.
+//! - **A cause that may quote a secret is never a source**: a reporter walking the
+//!   chain does not redact. lapin's connect errors quote the URL they were given,
+//!   password included ([`Error::AmqpConnect`]); a TOML error quotes a line of the
+//!   file ([`Error::Config`] for the CLI's `--config`). Such a cause is shown in the
+//!   message, through [`redact`](crate::redact), and `source()` is `None`. So a source
+//!   is only ever an error met on a connection already made (which no longer knows
+//!   its URL) or an I/O error (which never quotes what a file holds).
+//! - **A cause idemq has only as words** — a broker's reply text, the server's
+//!   answer, a certificate's problem put plainly — is a field shown in the message.
+//!
+//! Every URL and every driver message shown by these errors' `Display` and `Debug`,
+//! and by [`Error::report`], goes through [`redact`](crate::redact): a driver may
+//! quote the URL it was given.
 
 use std::fmt;
 
@@ -12,6 +35,13 @@ use std::fmt;
 ///
 /// `Display` and `Debug` show every URL and driver message with its passwords
 /// redacted ([`redact`](crate::redact)).
+///
+/// A cause is shown once. One idemq holds as an error is the variant's
+/// [`source`](std::error::Error::source), not repeated by `Display` (which says what
+/// idemq was doing): print or log an `Error` with [`Error::report`], or a reporter
+/// that walks the sources (`anyhow`'s `{:#}`). A cause that may quote a password (a
+/// connect error quoting the URL, a TOML error quoting a line of the file) is never a
+/// source — reporters do not redact — but shown in the message, redacted.
 #[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -26,12 +56,12 @@ pub enum Error {
         /// unredacted (and twice, since the message already holds it).
         cause: lapin::Error,
     },
-    /// A RabbitMQ operation failed.
-    #[error("RabbitMQ refused or failed to {action}: {source}")]
+    /// A RabbitMQ operation failed on a connection already made.
+    #[error("RabbitMQ refused or failed to {action}")]
     Amqp {
         /// What the runtime was doing.
         action: String,
-        /// The client's error.
+        /// The client's error: the broker's reply, or the channel or connection lost.
         #[source]
         source: lapin::Error,
     },
@@ -144,11 +174,72 @@ pub enum Error {
         fix: String,
     },
     /// The embedded migrations failed.
-    #[error("running idemq's migrations failed: {}", redact(.0))]
-    Migration(String),
-    /// The builder was given an unusable setting.
+    #[error("running idemq's migrations failed: could not {action}")]
+    Migration {
+        /// What [`migrate`](crate::migrate) was doing: "take the migration lock",
+        /// "apply the pending migrations", "check the schema"…
+        action: String,
+        /// The driver's or the migration harness's error (a server's answer on the
+        /// connection made, never its URL).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The builder was given an unusable setting. The message names it and says
+    /// what to write instead.
     #[error("invalid idemq configuration: {0}")]
     Config(String),
+    /// A setting could not be used because an I/O operation on it failed: a file it
+    /// names cannot be read (`AMQP_URL_FILE`, `DATABASE_URL_FILE`, their CLI flags and
+    /// config-file keys, the CLI's `--config` file), or the metrics address cannot
+    /// be listened on (`http_addr`).
+    #[error("invalid idemq configuration: {message}")]
+    ConfigIo {
+        /// What could not be done, naming the setting and the file or address.
+        message: String,
+        /// Why: not found, permission denied, not UTF-8, address in use… An I/O
+        /// error never quotes what a file holds.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// This error and its causes (its [`source`](std::error::Error::source)s),
+    /// `": "`-joined, each once, passwords redacted: what to print or log. `Display`
+    /// shows this error's own message only (see [`Error`]: a cause is shown once).
+    ///
+    /// ```
+    /// let cause = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+    /// let err = idemq::Error::ConfigIo {
+    ///     message: "AMQP_URL_FILE: cannot read the file /run/secrets/amqp_url".into(),
+    ///     source: cause,
+    /// };
+    /// assert_eq!(
+    ///     err.report(),
+    ///     "invalid idemq configuration: AMQP_URL_FILE: cannot read the file /run/secrets/amqp_url: \
+    ///      No such file or directory"
+    /// );
+    /// ```
+    #[must_use = "the report is the text to print or log"]
+    pub fn report(&self) -> String {
+        report(self)
+    }
+}
+
+/// `err` and its causes, `": "`-joined, each once (a cause whose words the text
+/// already holds is skipped: some errors quote their cause), redacted.
+pub(crate) fn report(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    redact(&text)
 }
 
 /// A service the runtime needs, named in start-up waits
@@ -225,8 +316,15 @@ impl fmt::Debug for Error {
                 .field("reason", reason)
                 .field("fix", fix)
                 .finish(),
-            Self::Migration(message) => f.debug_tuple("Migration").field(&Redacted(message)).finish(),
+            Self::Migration { action, source } => f
+                .debug_struct("Migration")
+                .field("action", action)
+                .field("source", &Redacted(source))
+                .finish(),
             Self::Config(message) => f.debug_tuple("Config").field(message).finish(),
+            Self::ConfigIo { message, source } => {
+                f.debug_struct("ConfigIo").field("message", message).field("source", source).finish()
+            }
         }
     }
 }
@@ -254,10 +352,6 @@ mod tests {
             assert!(!shown.contains("s3cr") && !shown.contains("t@h"), "{shown}");
             assert!(shown.contains("postgres://u:***@h/db"), "{shown}");
         }
-        let err = Error::Migration("could not connect with password=hunter2".into());
-        for shown in [err.to_string(), format!("{err:?}")] {
-            assert!(!shown.contains("hunter2"), "{shown}");
-        }
     }
 
     #[tokio::test]
@@ -281,9 +375,45 @@ mod tests {
 
     #[test]
     fn migration_errors_are_redacted() {
-        let err = Error::Migration("could not connect with password=hunter2".into());
-        for shown in [err.to_string(), format!("{err:?}")] {
+        let err = Error::Migration {
+            action: "apply the pending migrations".into(),
+            source: "could not connect with password=hunter2".into(),
+        };
+        for shown in [err.to_string(), format!("{err:?}"), err.report()] {
             assert!(!shown.contains("hunter2"), "{shown}");
         }
+        assert!(err.report().contains("could not connect with password="), "{}", err.report());
+    }
+
+    #[test]
+    fn a_cause_is_the_source_and_printed_once() {
+        let cause = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+            lapin::ChannelState::Closed,
+            "basic.qos",
+        ));
+        let said = cause.to_string();
+        let err = Error::Amqp { action: "open a channel".into(), source: cause };
+        assert_eq!(err.to_string(), "RabbitMQ refused or failed to open a channel");
+        assert_eq!(std::error::Error::source(&err).map(ToString::to_string), Some(said.clone()));
+        let report = err.report();
+        assert_eq!(report.matches(&said).count(), 1, "{report}");
+        assert!(report.starts_with("RabbitMQ refused or failed to open a channel: "), "{report}");
+
+        let io = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "Permission denied");
+        let err = Error::ConfigIo { message: "AMQP_URL_FILE: cannot read the file /s".into(), source: io };
+        assert!(!err.to_string().contains("Permission denied"), "{err}");
+        assert_eq!(
+            err.report(),
+            "invalid idemq configuration: AMQP_URL_FILE: cannot read the file /s: Permission denied"
+        );
+    }
+
+    #[test]
+    fn a_report_skips_a_cause_the_message_already_quotes() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("outer: inner went wrong")]
+        struct Quoting(#[source] std::io::Error);
+        let err = Quoting(std::io::Error::other("inner went wrong"));
+        assert_eq!(super::report(&err), "outer: inner went wrong");
     }
 }

@@ -235,11 +235,11 @@
 //!   `status`, `gc`, `dlq`); turns on `metrics`.
 //! - `metrics`: Prometheus metrics and health endpoints (`RuntimeBuilder::http_addr`).
 //! - `testing`: `idemq::testing::TestKit`, `idemq::testing::NetworkProxy` (network faults),
-//!   `TestCertificates` and `PostgresServer` (TLS servers), for dev-dependencies (it
-//!   turns on `fault-injection` and `test-cluster`).
+//!   `TestCertificates` and `PostgresServer` (TLS servers), and the test-only fault hooks
+//!   (`idemq::testing::fault`, `RuntimeBuilder::fault_hook`); for dev-dependencies only,
+//!   never in production builds (it turns on `test-cluster`).
 //! - `test-cluster`: `idemq::testing::Cluster`, a private RabbitMQ cluster on this host for
-//!   node-loss tests and benchmarks.
-//! - `fault-injection`: test-only `fault` hooks (enabled by idemq's own tests as a dev-dependency; never in production builds).
+//!   node-loss tests and benchmarks (no fault hooks).
 
 #![warn(missing_docs)]
 // A library never ends the process: a binary decides (`idemq::cli` returns exit
@@ -290,7 +290,9 @@ pub use app::cli;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub use app::testing;
 pub use base::headers;
-#[cfg(feature = "fault-injection")]
+// The fault hooks' old path (feature `fault-injection`, folded into `testing`).
+#[cfg(feature = "testing")]
+#[doc(hidden)]
 pub use engine::fault;
 
 /// Watching the runtime: the [`observe::Observe`] trait every report goes through,

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idemq::fault::{FaultContext, FaultHook, FaultPoint};
+use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
 use idemq::{observe::ConnectionEvent, Outcome};
 use idemq_example_payments::PaymentRequested;

@@ -182,12 +182,12 @@ async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doub
     // first await, since losing the node may end this task, hook and all.)
     let armed = Arc::new(AtomicUsize::new(usize::MAX));
     let killed_at_copy = Arc::new(AtomicUsize::new(usize::MAX));
-    let hook: idemq::fault::FaultHook = {
+    let hook: idemq::testing::fault::FaultHook = {
         let (armed, killed_at_copy) = (Arc::clone(&armed), Arc::clone(&killed_at_copy));
-        Arc::new(move |ctx: idemq::fault::FaultContext| {
+        Arc::new(move |ctx: idemq::testing::fault::FaultContext| {
             let (armed, killed_at_copy) = (Arc::clone(&armed), Arc::clone(&killed_at_copy));
             Box::pin(async move {
-                if ctx.point != idemq::fault::FaultPoint::AfterCopy {
+                if ctx.point != idemq::testing::fault::FaultPoint::AfterCopy {
                     return;
                 }
                 let node = armed.swap(usize::MAX, Ordering::SeqCst);

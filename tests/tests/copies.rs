@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
-use idemq::fault::{FaultContext, FaultHook, FaultPoint};
+use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{payment, Bed, Running};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
-use idemq::fault::{FaultContext, FaultHook, FaultPoint};
+use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{idempotent_handler, observe::ConnectionEvent, observe::Settled, Outcome};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};

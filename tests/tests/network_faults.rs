@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel_async::SimpleAsyncConnection;
-use idemq::fault::{FaultContext, FaultHook, FaultPoint};
+use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
 use idemq::{observe::ConnectionEvent, observe::Observe, Exchange, Outcome, Queue, RuntimeBuilder, Topology};
 use idemq_example_payments::{apply_payment, PaymentApplied, PaymentRequested, EVENTS_EXCHANGE};

@@ -114,7 +114,7 @@ async fn main() -> ExitCode {
     match run(&options).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("scale: {err}");
+            eprintln!("scale: {}", idemq_example_payments::report(&*err));
             ExitCode::FAILURE
         }
     }
@@ -135,14 +135,14 @@ async fn child(args: &[String]) -> ExitCode {
             result = runtime.run(signals.graceful.clone()) => match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(err) => {
-                    eprintln!("scale child: {err}");
+                    eprintln!("scale child: {}", err.report());
                     ExitCode::FAILURE
                 }
             },
             () = signals.immediate.cancelled() => ExitCode::from(130),
         },
         Err(err) => {
-            eprintln!("scale child: {err}");
+            eprintln!("scale child: {}", err.report());
             ExitCode::FAILURE
         }
     }

@@ -225,8 +225,8 @@ impl Outgoing {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PublishError {
-    /// The message could not be serialized to JSON.
-    #[error("the message cannot be serialized to JSON: {0}")]
+    /// The message could not be serialized to JSON (serde's error is the source).
+    #[error("the message cannot be serialized to JSON")]
     Serialize(#[source] serde_json::Error),
     /// An exchange name or routing key over AMQP's limit (255 bytes), or headers
     /// over [`MAX_HEADER_BYTES`].
@@ -244,7 +244,8 @@ pub enum PublishError {
         what: &'static str,
     },
     /// Writing the outbox row failed (the transaction is aborted: return the error).
-    #[error("writing the outbox row failed: {0}")]
+    /// The driver's error is the source.
+    #[error("writing the outbox row failed")]
     Database(#[source] diesel::result::Error),
 }
 

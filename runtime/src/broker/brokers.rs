@@ -84,13 +84,13 @@ impl Brokers {
                 }
                 Err(err @ Error::Tls { .. }) => {
                     if self.targets.len() > 1 {
-                        tracing::warn!(error = %err, "broker address refused over TLS; trying the next");
+                        tracing::warn!(error = %err.report(), "broker address refused over TLS; trying the next");
                     }
                     refusal.get_or_insert(err);
                 }
                 Err(err) => {
                     if self.targets.len() > 1 {
-                        tracing::debug!(error = %err, "broker address did not answer; trying the next");
+                        tracing::debug!(error = %err.report(), "broker address did not answer; trying the next");
                     }
                     last = Some(err);
                 }

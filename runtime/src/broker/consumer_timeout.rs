@@ -134,17 +134,8 @@ pub(crate) fn is_delivery_timeout(err: &lapin::Error) -> bool {
 /// How a channel closed for a delivery timeout is described (the reason of the
 /// lost session, in the log and in `ConnectionEvent::Lost`): this, then the
 /// broker's words.
-const DESCRIBED: &str = "the broker's consumer_timeout expired (a delivery was not acknowledged in time)";
-
-/// `err` described as a delivery timeout, if it is one.
-pub(crate) fn describe(err: &lapin::Error) -> Option<String> {
-    is_delivery_timeout(err).then(|| format!("{DESCRIBED}: {err}"))
-}
-
-/// Whether a session's `reason` is a delivery timeout [`describe`]d.
-pub(crate) fn is_described(reason: &str) -> bool {
-    reason.contains(DESCRIBED)
-}
+pub(crate) const DESCRIBED: &str =
+    "the broker's consumer_timeout expired (a delivery was not acknowledged in time)";
 
 /// What a delivery timeout means and where to look, for the log line.
 pub(crate) const EXPLAINED: &str = "the broker closed the channel: a delivery stayed unacknowledged past the \

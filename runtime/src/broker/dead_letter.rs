@@ -14,11 +14,17 @@ use crate::base::outcome::FailureKind;
 
 use crate::base::headers::{self, MAX_ERROR_HEADER_BYTES};
 
-/// Why a dead letter could not be published. The original stays unacked.
+/// Why a dead letter could not be published. The original stays unacked. The
+/// client's error is the `source`, not repeated in the message: print it with
+/// [`report`](crate::error::report).
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum PublishError {
-    #[error("publishing to '{queue}' failed: {source}")]
-    Amqp { queue: String, source: lapin::Error },
+    #[error("publishing to '{queue}' failed")]
+    Amqp {
+        queue: String,
+        #[source]
+        source: lapin::Error,
+    },
     #[error("the broker returned the copy as unroutable: does queue '{queue}' exist?")]
     Unroutable { queue: String },
     #[error("the broker nacked the copy for '{queue}'")]

@@ -1,7 +1,9 @@
-//! Test-only fault hooks (feature `fault-injection`): stage the failures that nothing
-//! outside the runtime can reach, such as losing the ack after COMMIT.
+//! Test-only fault hooks (feature `testing`, at `idemq::testing::fault`): stage the
+//! failures that nothing outside the runtime can reach, such as losing the ack after
+//! COMMIT. Install one with `RuntimeBuilder::fault_hook`.
 //!
-//! Never enable this feature in production builds.
+//! Never enable `testing` in production builds: take it as a dev-dependency, whose
+//! features are not unified into the binaries you ship.
 
 use std::sync::Arc;
 

@@ -85,101 +85,110 @@ const OUTCOMES: [&str; 6] = ["applied", "duplicate", "already_copied", "retried"
 impl Metrics {
     /// Every series, at zero for each of `queues`.
     pub(crate) fn new(queues: &[String]) -> Arc<Self> {
-        let mut registry = Registry::default();
-        let deliveries = Family::<Labels, Counter>::default();
-        let in_flight = Family::<Labels, Gauge>::default();
-        let (delivery_seconds, handler_seconds) = (histograms(), histograms());
-        let (commit_seconds, transaction_seconds) = (histograms(), histograms());
-        let batch_splits = Family::<Labels, Counter>::default();
-        let infrastructure_retries = Family::<Labels, Counter>::default();
-        let (reconnects, connected) = (Counter::default(), Gauge::default());
-        let (outbox_published, outbox_postponed, outbox_backlog) =
-            (Counter::default(), Counter::default(), Gauge::default());
-        let outbox_replies_expired = Counter::default();
-        let dedup_deleted = Counter::default();
+        let mut metrics = Self {
+            registry: Registry::default(),
+            deliveries: Family::default(),
+            in_flight: Family::default(),
+            delivery_seconds: histograms(),
+            handler_seconds: histograms(),
+            commit_seconds: histograms(),
+            transaction_seconds: histograms(),
+            batch_splits: Family::default(),
+            infrastructure_retries: Family::default(),
+            reconnects: Counter::default(),
+            connected: Gauge::default(),
+            outbox_published: Counter::default(),
+            outbox_postponed: Counter::default(),
+            outbox_replies_expired: Counter::default(),
+            outbox_backlog: Gauge::default(),
+            dedup_deleted: Counter::default(),
+            database_ok: AtomicBool::new(false),
+            waiting: std::sync::Mutex::new(None),
+        };
+        metrics.register();
+        for queue in queues {
+            metrics.zero(queue);
+        }
+        Arc::new(metrics)
+    }
+
+    /// Registers every series under its name and help.
+    fn register(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "idemq_deliveries",
             "Settled deliveries by queue, outcome and failure kind",
-            deliveries.clone(),
+            self.deliveries.clone(),
         );
-        registry.register("idemq_in_flight", "Deliveries received and not yet settled", in_flight.clone());
-        registry.register("idemq_delivery_duration_seconds", "Received to settled", delivery_seconds.clone());
-        registry.register("idemq_handler_duration_seconds", "A handler's run", handler_seconds.clone());
+        registry.register(
+            "idemq_in_flight",
+            "Deliveries received and not yet settled",
+            self.in_flight.clone(),
+        );
+        registry.register(
+            "idemq_delivery_duration_seconds",
+            "Received to settled",
+            self.delivery_seconds.clone(),
+        );
+        registry.register("idemq_handler_duration_seconds", "A handler's run", self.handler_seconds.clone());
         registry.register(
             "idemq_commit_duration_seconds",
             "A checked COMMIT that committed",
-            commit_seconds.clone(),
+            self.commit_seconds.clone(),
         );
         registry.register(
             "idemq_transaction_duration_seconds",
             "A batch: first transaction start to last decision",
-            transaction_seconds.clone(),
+            self.transaction_seconds.clone(),
         );
-        registry.register("idemq_batch_splits", "Batches run again smaller", batch_splits.clone());
+        registry.register("idemq_batch_splits", "Batches run again smaller", self.batch_splits.clone());
         registry.register(
             "idemq_infrastructure_retries",
             "Transactions retried after a database fault",
-            infrastructure_retries.clone(),
+            self.infrastructure_retries.clone(),
         );
-        registry.register("idemq_reconnects", "Broker connections lost", reconnects.clone());
-        registry.register("idemq_connected", "1 while a session is consuming", connected.clone());
+        registry.register("idemq_reconnects", "Broker connections lost", self.reconnects.clone());
+        registry.register("idemq_connected", "1 while a session is consuming", self.connected.clone());
         registry.register(
             "idemq_outbox_published",
             "Outbox rows published and confirmed",
-            outbox_published.clone(),
+            self.outbox_published.clone(),
         );
         registry.register(
             "idemq_outbox_postponed",
             "Outbox rows refused and postponed",
-            outbox_postponed.clone(),
+            self.outbox_postponed.clone(),
         );
         registry.register(
             "idemq_outbox_replies_expired",
             "Replies deleted unpublished: past the reply TTL or their request's expiration",
-            outbox_replies_expired.clone(),
+            self.outbox_replies_expired.clone(),
         );
-        registry.register("idemq_outbox_backlog", "Rows waiting in the outbox", outbox_backlog.clone());
+        registry.register("idemq_outbox_backlog", "Rows waiting in the outbox", self.outbox_backlog.clone());
         registry.register(
             "idemq_dedup_rows_deleted",
             "Dedup rows deleted by the retention sweep",
-            dedup_deleted.clone(),
+            self.dedup_deleted.clone(),
         );
-        for queue in queues {
-            for outcome in OUTCOMES {
-                let _ = deliveries.get_or_create(&labels(queue, outcome, ""));
-            }
-            for kind in FailureKind::ALL {
-                let _ = deliveries.get_or_create(&labels(queue, "dead_lettered", kind.as_str()));
-            }
-            let queue_only = vec![("queue", queue.clone())];
-            let _ = in_flight.get_or_create(&queue_only);
-            let _ = delivery_seconds.get_or_create(&queue_only);
-            let _ = handler_seconds.get_or_create(&queue_only);
-            let _ = commit_seconds.get_or_create(&queue_only);
-            let _ = transaction_seconds.get_or_create(&queue_only);
-            let _ = batch_splits.get_or_create(&queue_only);
-            let _ = infrastructure_retries.get_or_create(&queue_only);
+    }
+
+    /// `queue`'s series at zero, so that they are exposed before anything happens.
+    fn zero(&self, queue: &str) {
+        for outcome in OUTCOMES {
+            let _ = self.deliveries.get_or_create(&labels(queue, outcome, ""));
         }
-        Arc::new(Self {
-            registry,
-            deliveries,
-            in_flight,
-            delivery_seconds,
-            handler_seconds,
-            commit_seconds,
-            transaction_seconds,
-            batch_splits,
-            infrastructure_retries,
-            reconnects,
-            connected,
-            outbox_published,
-            outbox_postponed,
-            outbox_replies_expired,
-            outbox_backlog,
-            dedup_deleted,
-            database_ok: AtomicBool::new(false),
-            waiting: std::sync::Mutex::new(None),
-        })
+        for kind in FailureKind::ALL {
+            let _ = self.deliveries.get_or_create(&labels(queue, "dead_lettered", kind.as_str()));
+        }
+        let queue_only = vec![("queue", queue.to_owned())];
+        let _ = self.in_flight.get_or_create(&queue_only);
+        for histograms in
+            [&self.delivery_seconds, &self.handler_seconds, &self.commit_seconds, &self.transaction_seconds]
+        {
+            let _ = histograms.get_or_create(&queue_only);
+        }
+        let _ = self.batch_splits.get_or_create(&queue_only);
+        let _ = self.infrastructure_retries.get_or_create(&queue_only);
     }
 
     /// The text exposition of every series.
@@ -302,12 +311,15 @@ impl Drop for Serving {
 /// until the returned [`Serving`] is dropped.
 ///
 /// # Errors
-/// The address cannot be bound (in use, not local).
+/// [`Error::ConfigIo`](crate::Error::ConfigIo): the address cannot be bound (in use,
+/// not local).
 pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, crate::Error> {
     let stop = Arc::new(AtomicBool::new(false));
     let serving = Serving(Arc::clone(&stop));
-    let server = tiny_http::Server::http(addr).map_err(|err| {
-        crate::Error::Config(format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR): {err}"))
+    let server = tiny_http::Server::http(addr).map_err(|err| crate::Error::ConfigIo {
+        message: format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR)"),
+        // tiny_http boxes the socket's I/O error.
+        source: err.downcast::<std::io::Error>().map_or_else(std::io::Error::other, |err| *err),
     })?;
     std::thread::Builder::new()
         .name("idemq-http".into())
@@ -335,6 +347,9 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
                 let _ = request.respond(response);
             }
         })
-        .map_err(|err| crate::Error::Config(format!("cannot start the metrics thread: {err}")))?;
+        .map_err(|source| crate::Error::ConfigIo {
+            message: "cannot start the metrics thread".into(),
+            source,
+        })?;
     Ok(serving)
 }

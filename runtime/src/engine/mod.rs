@@ -2,7 +2,7 @@
 //! sessions, start-up, the outbox relay and the runtime that supervises them.
 
 pub(crate) mod delivery;
-#[cfg(feature = "fault-injection")]
+#[cfg(feature = "testing")]
 pub mod fault;
 #[cfg(feature = "metrics")]
 pub(crate) mod metrics;

@@ -13,7 +13,7 @@
 //! database, an unreadable URL, idemq's tables missing — fails at once, with the fix.
 //!
 //! One [`Startup`] spans the whole start: the database first (the check at the top
-//! of `Runtime::run`), then the broker (the first session, see `engine/session.rs`, with
+//! of `Runtime::run`), then the broker (the first session, see `engine/session/`, with
 //! [`brokers::unreachable`](crate::broker::brokers::unreachable) telling an outage from a
 //! refusal). The database's attempts live here: a plain connection first, whose error
 //! carries the server's SQLSTATE, then the pool's first connection and the schema

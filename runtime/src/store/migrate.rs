@@ -50,7 +50,7 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
         .bind::<BigInt, _>(MIGRATION_LOCK)
         .execute(&mut conn)
         .await
-        .map_err(|err| Error::Migration(format!("taking the migration lock failed: {err}")))?;
+        .map_err(migration("take the migration lock"))?;
     // The harness blocks in place; on a blocking thread that works on every runtime
     // flavour (on a current-thread runtime's own thread it would panic).
     let (mut conn, result) = tokio::task::spawn_blocking(move || {
@@ -58,20 +58,28 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
         let result = harness
             .run_pending_migrations(MIGRATIONS)
             .map(|_| ())
-            .map_err(|err| Error::Migration(err.to_string()));
+            .map_err(|source| Error::Migration { action: "apply the pending migrations".into(), source });
         (harness.into_inner(), result)
     })
     .await
     // A panicked task dropped the connection, and its session's lock with it.
-    .map_err(|err| Error::Migration(format!("the migration task failed: {err}")))?;
+    .map_err(migration("finish the migration task"))?;
     // Dropping the connection would free the lock too; unlocking says so at once.
     let unlocked = diesel::sql_query("SELECT pg_advisory_unlock($1)")
         .bind::<BigInt, _>(MIGRATION_LOCK)
         .execute(&mut conn)
         .await;
     result?;
-    unlocked.map_err(|err| Error::Migration(format!("releasing the migration lock failed: {err}")))?;
+    unlocked.map_err(migration("release the migration lock"))?;
     Ok(())
+}
+
+/// An [`Error::Migration`] of `action`, keeping its cause as the source.
+fn migration<E>(action: &'static str) -> impl FnOnce(E) -> Error
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    move |source| Error::Migration { action: action.into(), source: Box::new(source) }
 }
 
 /// Whether every migration is applied and idemq's tables are usable, checked without
@@ -81,8 +89,7 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
 /// [`Error::Schema`] with the fix (the GRANT to run, or migrating as the owner);
 /// anything else is left to the harness.
 async fn nothing_to_do(conn: &mut AsyncPgConnection) -> Result<bool, Error> {
-    let checked = |err: diesel::result::Error| Error::Migration(format!("checking the schema failed: {err}"));
-    let Some(problem) = check_schema(conn).await.map_err(checked)? else {
+    let Some(problem) = check_schema(conn).await.map_err(migration("check the schema"))? else {
         return Ok(true);
     };
     let may_create: bool = diesel::select(diesel::dsl::sql::<Bool>(
@@ -90,7 +97,7 @@ async fn nothing_to_do(conn: &mut AsyncPgConnection) -> Result<bool, Error> {
     ))
     .get_result(conn)
     .await
-    .map_err(checked)?;
+    .map_err(migration("check the schema"))?;
     if may_create {
         return Ok(false);
     }

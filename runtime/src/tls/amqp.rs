@@ -41,6 +41,92 @@ struct Tls {
     client_certificate: bool,
 }
 
+/// `url` read as lapin reads it (credentials, vhost, options) and as a URL (the
+/// host: lapin reads an IP address as `localhost`, which would verify a certificate
+/// against the wrong name); whether its scheme is `amqps`.
+fn read(url: &str) -> Result<(url::Url, bool), Error> {
+    let not_a_broker_url = |reason: &str| {
+        Error::Config(format!(
+            "AMQP_URL: {} is not a broker URL ({}); write amqp://user:password@host:5672/vhost \
+             or amqps://user:password@host:5671/vhost (the vhost `/` is %2f, a comma in a password %2C)",
+            redact(url),
+            redact(reason)
+        ))
+    };
+    url.parse::<lapin::uri::AMQPUri>().map_err(|reason| not_a_broker_url(&reason))?;
+    let parsed = url::Url::parse(url).map_err(|err| not_a_broker_url(&err.to_string()))?;
+    let tls_scheme = match parsed.scheme() {
+        "amqp" => false,
+        "amqps" => true,
+        other => return Err(not_a_broker_url(&format!("the scheme {other} is neither amqp nor amqps"))),
+    };
+    Ok((parsed, tls_scheme))
+}
+
+/// The URL's TLS parameters ([`PARAMS`]), in order.
+struct TlsParams(Vec<(String, String)>);
+
+impl TlsParams {
+    fn of(parsed: &url::Url) -> Self {
+        Self(
+            parsed
+                .query_pairs()
+                .filter(|(key, _)| PARAMS.contains(&key.as_ref()))
+                .map(|(key, value)| (key.into_owned(), value.into_owned()))
+                .collect(),
+        )
+    }
+
+    /// The parameter's value (the last, if given twice).
+    fn get(&self, name: &str) -> Option<String> {
+        self.0.iter().rev().find(|(key, _)| key == name).map(|(_, value)| value.clone())
+    }
+}
+
+impl Tls {
+    /// The rustls configuration of `amqps://` URL `url` (to `host`) from its
+    /// parameters.
+    fn configure(url: &str, host: &str, params: &TlsParams) -> Result<Self, Error> {
+        let verify = match params.get("verify").as_deref() {
+            None | Some("verify_peer") => Verify::Full,
+            Some("verify_none") => Verify::Nothing,
+            Some(other) => {
+                return Err(Error::Config(format!(
+                    "AMQP_URL: verify={other} in {} is not a verify mode; write verify=verify_peer (the \
+                     default) or verify=verify_none",
+                    redact(url)
+                )))
+            }
+        };
+        let client = match (params.get("certfile"), params.get("keyfile")) {
+            (Some(cert), Some(key)) => Some(super::ClientCert { cert, key }),
+            (None, None) => None,
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(Error::Config(format!(
+                    "AMQP_URL: {} gives only one of certfile= and keyfile=; a client certificate needs both",
+                    redact(url)
+                )))
+            }
+        };
+        let roots = params.get("cacertfile").map_or(Roots::System, Roots::File);
+        let client_certificate = client.is_some();
+        let config = Settings { roots, verify, client }.client_config(Dialect::Amqp)?;
+        let server_name = params.get("server_name_indication").unwrap_or_else(|| host.to_owned());
+        rustls::pki_types::ServerName::try_from(server_name.clone()).map_err(|_| {
+            Error::Config(format!(
+                "AMQP_URL: {server_name} in {} is not a host name TLS can verify",
+                redact(url)
+            ))
+        })?;
+        Ok(Self {
+            connector: Arc::new(RustlsConnector::from(Arc::new(config))),
+            server_name,
+            verify_none: verify == Verify::Nothing,
+            client_certificate,
+        })
+    }
+}
+
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Target")
@@ -57,91 +143,26 @@ impl Target {
     /// [`Error::Config`]: not a broker URL, an unknown `verify` value, TLS
     /// parameters on an `amqp://` URL, a certificate or key file that cannot be used.
     pub(crate) fn parse(url: &str) -> Result<Self, Error> {
-        let not_a_broker_url = |reason: &str| {
-            Error::Config(format!(
-                "AMQP_URL: {} is not a broker URL ({}); write amqp://user:password@host:5672/vhost \
-                 or amqps://user:password@host:5671/vhost (the vhost `/` is %2f, a comma in a password %2C)",
-                redact(url),
-                redact(reason)
-            ))
-        };
-        // lapin's own reading decides what it accepts (credentials, vhost, options) …
-        url.parse::<lapin::uri::AMQPUri>().map_err(|reason| not_a_broker_url(&reason))?;
-        // … and the host is read here: lapin reads an IP address as `localhost`,
-        // which would verify a certificate against the wrong name.
-        let parsed = url::Url::parse(url).map_err(|err| not_a_broker_url(&err.to_string()))?;
-        let tls_scheme = match parsed.scheme() {
-            "amqp" => false,
-            "amqps" => true,
-            other => return Err(not_a_broker_url(&format!("the scheme {other} is neither amqp nor amqps"))),
-        };
+        let (parsed, tls_scheme) = read(url)?;
         let host = match parsed.host() {
             Some(url::Host::Ipv6(ip)) => ip.to_string(),
             Some(host) => host.to_string(),
             None => "localhost".to_owned(),
         };
         let port = parsed.port().unwrap_or(if tls_scheme { 5671 } else { 5672 });
-        let params: Vec<(String, String)> = parsed
-            .query_pairs()
-            .filter(|(key, _)| PARAMS.contains(&key.as_ref()))
-            .map(|(key, value)| (key.into_owned(), value.into_owned()))
-            .collect();
-        let get =
-            |name: &str| params.iter().rev().find(|(key, _)| key == name).map(|(_, value)| value.clone());
-        if !tls_scheme {
-            if let Some((key, _)) = params.first() {
-                return Err(Error::Config(format!(
-                    "AMQP_URL: {} sets the TLS parameter {key} but is an amqp:// URL, which connects in \
-                     plaintext; write amqps:// (port 5671 by default) to use TLS",
-                    redact(url)
-                )));
-            }
-            return Ok(Self { url: url.to_owned(), host, port, tls: None });
-        }
-        let verify = match get("verify").as_deref() {
-            None | Some("verify_peer") => Verify::Full,
-            Some("verify_none") => Verify::Nothing,
-            Some(other) => {
-                return Err(Error::Config(format!(
-                    "AMQP_URL: verify={other} in {} is not a verify mode; write verify=verify_peer (the \
-                     default) or verify=verify_none",
-                    redact(url)
-                )))
-            }
-        };
-        let client = match (get("certfile"), get("keyfile")) {
-            (Some(cert), Some(key)) => Some(super::ClientCert { cert, key }),
-            (None, None) => None,
-            (Some(_), None) | (None, Some(_)) => {
-                return Err(Error::Config(format!(
-                    "AMQP_URL: {} gives only one of certfile= and keyfile=; a client certificate needs both",
-                    redact(url)
-                )))
-            }
-        };
-        let roots = get("cacertfile").map_or(Roots::System, Roots::File);
-        let client_certificate = client.is_some();
-        let settings = Settings { roots, verify, client };
-        let config = settings.client_config(Dialect::Amqp)?;
-        let server_name = get("server_name_indication").unwrap_or_else(|| host.clone());
-        rustls::pki_types::ServerName::try_from(server_name.clone()).map_err(|_| {
-            Error::Config(format!(
-                "AMQP_URL: {server_name} in {} is not a host name TLS can verify",
+        let params = TlsParams::of(&parsed);
+        let tls = if tls_scheme {
+            Some(Tls::configure(url, &host, &params)?)
+        } else if let Some((key, _)) = params.0.first() {
+            return Err(Error::Config(format!(
+                "AMQP_URL: {} sets the TLS parameter {key} but is an amqp:// URL, which connects in \
+                 plaintext; write amqps:// (port 5671 by default) to use TLS",
                 redact(url)
-            ))
-        })?;
-        let connector = Arc::new(RustlsConnector::from(Arc::new(config)));
-        Ok(Self {
-            url: url.to_owned(),
-            host,
-            port,
-            tls: Some(Tls {
-                connector,
-                server_name,
-                verify_none: verify == Verify::Nothing,
-                client_certificate,
-            }),
-        })
+            )));
+        } else {
+            None
+        };
+        Ok(Self { url: url.to_owned(), host, port, tls })
     }
 
     /// The URL as given.

@@ -93,8 +93,7 @@ pub(super) async fn migrate_status(url: &str) -> CliResult {
     let mut conn = connect_db(url).await?;
     let applied = crate::store::db::applied_migrations(&mut conn).await?;
     let embedded =
-        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::store::MIGRATIONS)
-            .map_err(|err| err.to_string())?;
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::store::MIGRATIONS)?;
     let mut pending = 0;
     for migration in &embedded {
         let done = applied.contains(&migration.name().version().to_string());

@@ -36,6 +36,9 @@ fn url_setting(
     }
     crate::config::resolve((key, in_file), (file_key, file_in_file.as_deref())).map_err(|err| match err {
         Error::Config(message) => Error::Config(format!("in the config file: {message}")),
+        Error::ConfigIo { message, source } => {
+            Error::ConfigIo { message: format!("in the config file: {message}"), source }
+        }
         other => other,
     })
 }
@@ -94,8 +97,12 @@ fn consumer_timeout<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result
 impl Settings {
     pub(super) fn load(matches: &ArgMatches) -> Result<Self, Error> {
         let Some(path) = matches.get_one::<PathBuf>("config") else { return Ok(Self::default()) };
-        let text = std::fs::read_to_string(path)
-            .map_err(|err| Error::Config(format!("cannot read the config file {}: {err}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::ConfigIo {
+            message: format!("cannot read the config file {}", path.display()),
+            source,
+        })?;
+        // A TOML error quotes the line it stopped at, which may hold a URL and its
+        // password: it is shown redacted, in the message, never as a source.
         toml::from_str(&text).map_err(|err| {
             Error::Config(format!(
                 "the config file {} is not valid: {}; its settings are amqp_url, amqp_url_file, \

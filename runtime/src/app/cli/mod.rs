@@ -172,7 +172,8 @@ impl Cli {
             // The second signal: out now, as a shell's interrupted job.
             Err(err) if err.is::<Interrupted>() => ExitCode::from(130),
             Err(err) => {
-                eprintln!("{name}: {}", redact(&err.to_string()));
+                // The error and each of its causes, once, redacted.
+                eprintln!("{name}: {}", crate::error::report(&*err));
                 ExitCode::FAILURE
             }
         }
@@ -478,8 +479,9 @@ pub fn init_tracing(matches: &ArgMatches, default_filter: &str) {
 /// subcommands, which should connect where `run` does.
 ///
 /// # Errors
-/// [`Error::Config`] when a URL and its file are both given at one level, a file
-/// cannot be read or is empty, or the config file is not valid.
+/// [`Error::Config`] when a URL and its file are both given at one level, a file is
+/// empty, or the config file is not valid; [`Error::ConfigIo`] when a file cannot be
+/// read.
 pub fn amqp_url(matches: &ArgMatches) -> Result<Option<String>, Error> {
     Settings::load(matches)?.amqp_url(matches)
 }

@@ -6,14 +6,14 @@ use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
-use lapin::{BasicProperties, Confirmation, Connection};
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::outcome::{Outcome, Settled};
 use crate::broker::topology::{Queue, Topology};
 use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
-use crate::engine::fault::{FaultContext, FaultPoint};
+use crate::engine::fault::{FaultContext, FaultHook, FaultPoint};
 use crate::engine::runtime::{Runtime, RuntimeBuilder};
 use crate::error::{redact, Error};
 use crate::handler::Handler;
@@ -94,34 +94,17 @@ impl TestKit {
             .await
             .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
         crate::store::migrate::migrate(&database_url).await?;
-        setup(database_url.clone())
-            .await
-            .map_err(|err| Error::Config(format!("the test's setup failed: {err}")))?;
+        setup(database_url.clone()).await.map_err(|err| {
+            Error::Config(format!("the test's setup failed: {}", crate::error::report(&*err)))
+        })?;
 
         let queue = format!("idemq-kit-{id}");
-        let broker = crate::broker::brokers::Brokers::parse(&amqp_url)?.connect("test kit").await?.0;
-        let amqp = |source| Error::Amqp { action: "set up the test's queue".into(), source };
-        let publisher = broker.create_channel().await.map_err(amqp)?;
         let topology = Topology::new().queue(Queue::new(queue.clone()));
-        topology.declare(&publisher).await?;
-        publisher.confirm_select(ConfirmSelectOptions::default()).await.map_err(amqp)?;
+        let (broker, publisher) = publisher_to(&amqp_url, &topology).await?;
 
         let settled: Arc<Mutex<Vec<Settled>>> = Arc::default();
         let sink = Arc::clone(&settled);
         let lose_next_ack = Arc::new(AtomicBool::new(false));
-        let lose = Arc::clone(&lose_next_ack);
-        let hook: crate::engine::fault::FaultHook = Arc::new(move |ctx: FaultContext| {
-            let lose = Arc::clone(&lose);
-            Box::pin(async move {
-                if ctx.point == FaultPoint::AfterCommit
-                    && ctx.outcome == Outcome::Applied
-                    && lose.swap(false, Ordering::SeqCst)
-                {
-                    // COMMIT landed; the ack is lost with the channel.
-                    let _ = ctx.channel.close(200, "idemq test kit: ack lost after COMMIT".into()).await;
-                }
-            })
-        });
         let builder = Runtime::builder()
             .amqp_url(amqp_url)
             .database_url(database_url.clone())
@@ -141,7 +124,7 @@ impl TestKit {
             .observe(crate::base::observe::on_settled(move |s| {
                 sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(s.clone());
             }))
-            .fault_hook(hook)
+            .fault_hook(lose_the_ack_when(Arc::clone(&lose_next_ack)))
             .build()?;
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(runtime.run(shutdown.clone()));
@@ -282,6 +265,34 @@ impl TestKit {
                 .await;
         }
     }
+}
+
+/// A connection to the broker at `amqp_url` and a channel on it (publisher confirms
+/// on), `topology` declared: what the kit publishes the test's messages with.
+async fn publisher_to(amqp_url: &str, topology: &Topology) -> Result<(Connection, Channel), Error> {
+    let broker = crate::broker::brokers::Brokers::parse(amqp_url)?.connect("test kit").await?.0;
+    let amqp = |source| Error::Amqp { action: "set up the test's queue".into(), source };
+    let publisher = broker.create_channel().await.map_err(amqp)?;
+    topology.declare(&publisher).await?;
+    publisher.confirm_select(ConfirmSelectOptions::default()).await.map_err(amqp)?;
+    Ok((broker, publisher))
+}
+
+/// The hook of [`TestKit::crash_after_commit`]: after the COMMIT of an applied delivery,
+/// while `lose` is set (once), it closes the channel, and the ack is lost with it.
+fn lose_the_ack_when(lose: Arc<AtomicBool>) -> FaultHook {
+    Arc::new(move |ctx: FaultContext| {
+        let lose = Arc::clone(&lose);
+        Box::pin(async move {
+            if ctx.point == FaultPoint::AfterCommit
+                && ctx.outcome == Outcome::Applied
+                && lose.swap(false, Ordering::SeqCst)
+            {
+                // COMMIT landed; the ack is lost with the channel.
+                let _ = ctx.channel.close(200, "idemq test kit: ack lost after COMMIT".into()).await;
+            }
+        })
+    })
 }
 
 /// `url` with its database name replaced by `database`.

@@ -1,7 +1,7 @@
 //! Test kits.
 //!
-//! [`TestKit`] (feature `testing`, for dev-dependencies only: it turns on the
-//! fault hooks) runs a handler in the real runtime against a real PostgreSQL and
+//! [`TestKit`] (feature `testing`, for dev-dependencies only: it holds the
+//! [`fault`] hooks) runs a handler in the real runtime against a real PostgreSQL and
 //! RabbitMQ, each test in a throwaway database and queue of its own, and delivers a
 //! message once, twice, concurrently, or with the ack lost after COMMIT.
 //!
@@ -35,6 +35,11 @@
 //! [`Cluster`] (feature `test-cluster`, which `testing` includes; no fault hooks,
 //! so a benchmark may use it) starts a private RabbitMQ cluster on this host, for
 //! what happens when a broker node is lost.
+//!
+//! [`fault`] (feature `testing`) holds the runtime's test-only fault hooks: a
+//! [`FaultHook`](fault::FaultHook) given to `RuntimeBuilder::fault_hook` runs at
+//! points nothing outside the runtime can reach (after COMMIT and before the ack,
+//! after a copy and before the original's ack) and may close the channel there.
 
 #[cfg(feature = "testing")]
 mod certs;
@@ -47,6 +52,8 @@ mod postgres;
 #[cfg(feature = "testing")]
 mod proxy;
 
+#[cfg(feature = "testing")]
+pub use crate::engine::fault;
 #[cfg(feature = "testing")]
 pub use certs::{CertifiedKey, TestCertificates};
 pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};

@@ -199,7 +199,7 @@ pub(crate) struct Shared {
     pub(crate) turns: RwLock<()>,
     /// Raised by a delivery that met a fault no retry can fix: the runtime stops.
     pub(crate) fatal: Fatal,
-    #[cfg(feature = "fault-injection")]
+    #[cfg(feature = "testing")]
     pub(crate) fault_hook: Option<crate::engine::fault::FaultHook>,
 }
 
@@ -228,7 +228,7 @@ impl Fatal {
     }
 
     fn raise(&self, error: Error) {
-        tracing::error!(%error, "stopping the runtime: a fault no retry can fix");
+        tracing::error!(error = %error.report(), "stopping the runtime: a fault no retry can fix");
         self.error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(error);
         self.stop.cancel();
     }

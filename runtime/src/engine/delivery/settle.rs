@@ -74,7 +74,7 @@ impl Consumer {
         let mut sent = vec![false; settled.len()];
         let acked: Vec<usize> =
             (0..settled.len()).filter(|&i| !needs_requeue(&settled[i].1.outcome)).collect();
-        #[cfg(feature = "fault-injection")]
+        #[cfg(feature = "testing")]
         for &i in &acked {
             self.fault(crate::engine::fault::FaultPoint::AfterCommit, &settled[i].1).await;
         }
@@ -142,7 +142,8 @@ impl Consumer {
                 .unwrap_or(Err(dead_letter::PublishError::CutOff { queue: target.clone() })),
         };
         if let Err(err) = published {
-            tracing::error!(queue = %self.queue, error = %err, "could not publish the copy; the delivery is requeued");
+            let error = crate::error::report(&err);
+            tracing::error!(queue = %self.queue, %error, "could not publish the copy; the delivery is requeued");
             if matches!(err, dead_letter::PublishError::Nacked { .. }) {
                 // A nack is the broker refusing on this channel, and on RabbitMQ 3.10 a
                 // channel that first published to a quorum queue during its leader
@@ -156,7 +157,7 @@ impl Consumer {
                 )
                 .await;
             }
-            decision.outcome = Outcome::Requeued { error: err.to_string() };
+            decision.outcome = Outcome::Requeued { error };
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_secs(1)) => {}
                 () = cut_off.cancelled() => {}
@@ -166,7 +167,7 @@ impl Consumer {
         // Were the ack lost now, the redelivered original finds this record and
         // is acked without a second copy (a crash before it: see the README).
         self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
-        #[cfg(feature = "fault-injection")]
+        #[cfg(feature = "testing")]
         self.fault(crate::engine::fault::FaultPoint::AfterCopy, decision).await;
         report(self.acks.ack_one(delivery).await, self, decision)
     }
@@ -182,14 +183,10 @@ impl Consumer {
         reply: Outgoing,
         cut_off: &CancellationToken,
     ) -> bool {
-        let write = async {
-            let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
-            db::insert_outbox(&mut conn, std::slice::from_ref(&reply)).await.map_err(|err| err.to_string())
-        };
-        let written = tokio::time::timeout(BOOKKEEPING_TIMEOUT, write)
-            .await
-            .unwrap_or_else(|_| Err(format!("the outbox insert took over {BOOKKEEPING_TIMEOUT:?}")));
-        if let Err(error) = written {
+        let written =
+            self.pooled(async |conn| db::insert_outbox(conn, std::slice::from_ref(&reply)).await).await;
+        if let Err(err) = written {
+            let error = crate::error::report(&err);
             tracing::error!(queue = %self.queue, key = ?decision.key, %error, "could not queue the stored reply of a duplicated request; the delivery is requeued");
             decision.outcome =
                 Outcome::Requeued { error: format!("the stored reply could not be queued: {error}") };
@@ -209,18 +206,27 @@ impl Consumer {
     where
         F: for<'c> AsyncFnOnce(&'c mut AsyncPgConnection) -> diesel::QueryResult<()>,
     {
-        let run = async {
-            let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
-            statement(&mut conn).await.map_err(|err| err.to_string())
-        };
-        match tokio::time::timeout(BOOKKEEPING_TIMEOUT, run).await {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => tracing::warn!(queue = %self.queue, %error, "could not {what}"),
-            Err(_) => tracing::warn!(queue = %self.queue, "could not {what} within {BOOKKEEPING_TIMEOUT:?}"),
+        if let Err(err) = self.pooled(statement).await {
+            tracing::warn!(queue = %self.queue, error = %crate::error::report(&err), "could not {what}");
         }
     }
 
-    #[cfg(feature = "fault-injection")]
+    /// Runs one of idemq's own statements on a connection from the pool, the whole
+    /// bounded by [`BOOKKEEPING_TIMEOUT`].
+    async fn pooled<F>(&self, statement: F) -> Result<(), Bookkeeping>
+    where
+        F: for<'c> AsyncFnOnce(&'c mut AsyncPgConnection) -> diesel::QueryResult<()>,
+    {
+        let run = async {
+            let mut conn = self.shared.pool.get().await.map_err(|err| Bookkeeping::Pool(err.into()))?;
+            statement(&mut conn).await.map_err(Bookkeeping::Statement)
+        };
+        tokio::time::timeout(BOOKKEEPING_TIMEOUT, run)
+            .await
+            .unwrap_or(Err(Bookkeeping::TimedOut(BOOKKEEPING_TIMEOUT)))
+    }
+
+    #[cfg(feature = "testing")]
     async fn fault(&self, point: crate::engine::fault::FaultPoint, decision: &Decision) {
         if let Some(hook) = &self.shared.fault_hook {
             let context = crate::engine::fault::FaultContext {
@@ -232,6 +238,22 @@ impl Consumer {
             hook(context).await;
         }
     }
+}
+
+/// Why one of idemq's own statements on a pooled connection ([`Consumer::pooled`])
+/// did not run. Printed with its cause through [`report`](crate::error::report).
+#[derive(Debug, thiserror::Error)]
+enum Bookkeeping {
+    /// No connection: the pool's error (only printed, so kept whatever the pool's
+    /// error type).
+    #[error("no database connection from the pool")]
+    Pool(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The statement failed.
+    #[error("the statement failed")]
+    Statement(#[source] diesel::result::Error),
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    TimedOut(Duration),
 }
 
 /// Whether the delivery goes back to the queue (the rest without a copy is acked).

@@ -115,8 +115,8 @@ impl RelayBuilder {
     /// # Errors
     /// [`Error::Config`] naming the setting to fix: a [`batch_size`](Self::batch_size)
     /// of 0, a URL that cannot be used (its TLS files included), or one the
-    /// environment gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`) or in an
-    /// unreadable file.
+    /// environment gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`);
+    /// [`Error::ConfigIo`] for a URL in a file that cannot be read.
     pub fn build(self) -> Result<Relay, Error> {
         self.env_urls.check()?;
         self.settings.check()?;

@@ -8,8 +8,6 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::error::redact;
-
 /// A fault of the broker link or the database that the relay waits out.
 ///
 /// `Display` says what the relay was doing; the driver's error is the `source`, not
@@ -72,17 +70,7 @@ impl RelayError {
     /// message already holds is skipped), redacted: what log lines and stored errors
     /// show.
     pub(crate) fn report(&self) -> String {
-        let mut text = self.to_string();
-        let mut source = std::error::Error::source(self);
-        while let Some(cause) = source {
-            let said = cause.to_string();
-            if !text.contains(&said) {
-                text.push_str(": ");
-                text.push_str(&said);
-            }
-            source = cause.source();
-        }
-        redact(&text)
+        crate::error::report(self)
     }
 }
 

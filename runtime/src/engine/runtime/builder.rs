@@ -77,7 +77,7 @@ pub struct RuntimeBuilder {
     pub(super) prefetch: Option<u16>,
     #[cfg(feature = "metrics")]
     pub(super) http_addr: Option<std::net::SocketAddr>,
-    #[cfg(feature = "fault-injection")]
+    #[cfg(feature = "testing")]
     pub(super) fault_hook: Option<crate::engine::fault::FaultHook>,
 }
 
@@ -131,7 +131,7 @@ impl RuntimeBuilder {
             prefetch: None,
             #[cfg(feature = "metrics")]
             http_addr: None,
-            #[cfg(feature = "fault-injection")]
+            #[cfg(feature = "testing")]
             fault_hook: None,
         }
     }
@@ -443,8 +443,8 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Installs a test-only [fault hook](crate::engine::fault).
-    #[cfg(feature = "fault-injection")]
+    /// Installs a test-only [fault hook](crate::testing::fault) (feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn fault_hook(mut self, hook: crate::engine::fault::FaultHook) -> Self {
         self.fault_hook = Some(hook);
         self

@@ -14,7 +14,8 @@ impl RuntimeBuilder {
     ///
     /// # Errors
     /// [`Error::Config`] naming the setting to fix, including a URL the environment
-    /// gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`) or in an unreadable file.
+    /// gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`); [`Error::ConfigIo`] for a
+    /// URL in a file that cannot be read.
     pub fn build(self) -> Result<Runtime, Error> {
         self.env_urls.check()?;
         if self.consumers.is_empty() {

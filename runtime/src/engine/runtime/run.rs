@@ -145,7 +145,7 @@ impl Assembly {
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
             // retry can fix (then `run` returns that error after draining).
             fatal: Fatal::new(shutdown.child_token()),
-            #[cfg(feature = "fault-injection")]
+            #[cfg(feature = "testing")]
             fault_hook: b.fault_hook.clone(),
         });
         Ok(Some(Self {
@@ -291,14 +291,15 @@ impl Running {
             match session::run(ctx, session, stop, cut_at).await {
                 SessionEnd::Shutdown(connections) => break (Ok(()), connections),
                 SessionEnd::Fatal(err) => break (Err(err), None),
-                SessionEnd::Lost { reason, connected: false } if starting => {
-                    match self.startup.wait(Dependency::Broker, url, &reason, stop).await {
+                SessionEnd::Lost { loss, connected: false } if starting => {
+                    match self.startup.wait(Dependency::Broker, url, &loss.report(), stop).await {
                         Ok(true) => {}
                         Ok(false) => break (Ok(()), None),
                         Err(err) => break (Err(err), None),
                     }
                 }
-                SessionEnd::Lost { reason, connected } => {
+                SessionEnd::Lost { loss, connected } => {
+                    let reason = loss.report();
                     if connected {
                         // Logged once per loss, not once per attempt.
                         tracing::warn!(session, %reason, "connection to the broker lost; reconnecting");
@@ -398,8 +399,10 @@ async fn sweep_every(
 ) {
     loop {
         let swept = async {
-            let mut conn = shared.pool.get().await.map_err(|err| err.to_string())?;
-            crate::store::retention::sweep(&mut conn, &retention).await.map_err(|err| err.to_string())
+            let mut conn = shared.pool.get().await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                crate::store::retention::sweep(&mut conn, &retention).await?,
+            )
         };
         tokio::select! {
             result = swept => match result {
@@ -407,7 +410,7 @@ async fn sweep_every(
                     tracing::info!(?sweep, "retention sweep");
                     shared.observers.swept(&sweep);
                 }
-                Err(error) => tracing::warn!(error = %redact(&error), "the retention sweep failed; trying again later"),
+                Err(error) => tracing::warn!(error = %crate::error::report(&*error), "the retention sweep failed; trying again later"),
             },
             () = stop.cancelled() => return,
         }

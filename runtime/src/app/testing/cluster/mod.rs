@@ -62,8 +62,8 @@ use node::{
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClusterError {
-    /// A file or process operation failed.
-    #[error("{action}: {source}")]
+    /// A file or process operation failed (the I/O error is the source).
+    #[error("{action}")]
     Io {
         /// What was being done.
         action: String,

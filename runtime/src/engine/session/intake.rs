@@ -1,0 +1,345 @@
+//! A consumer's intake: its stream of deliveries into batches, each run as a task
+//! ([`consume`]), or, for a handler with a lane, into the lane pipelines
+//! ([`consume_in_lanes`]) — until the stream ends ([`Loss`]) or the session stops.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::BasicCancelOptions;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::loss::Loss;
+use super::{bounded, closed};
+use crate::engine::delivery::{Consumer, Item};
+
+/// What an intake loop needs from the session's context.
+pub(super) struct Intake {
+    pub(super) permits: Arc<Semaphore>,
+    pub(super) tracker: TaskTracker,
+    pub(super) hard_stop: CancellationToken,
+}
+
+/// One consumer's intake loop. Returns why it stopped on its own (the channel or
+/// connection went away, or the broker cancelled the consumer, e.g. because its
+/// queue was deleted); after `stop` it cancels the consumer and returns
+/// [`Loss::Stopped`].
+///
+/// A handler without a lane: receive a delivery, wait for a slot (one running
+/// transaction), take whatever else has arrived, and run a batch of it as a task —
+/// its share among the idle slots, up to the batch size (waiting at most the linger
+/// for more) — repeat. Receiving comes first: a consumer waiting on an idle queue
+/// holds no permit, so it cannot starve the busy ones. A handler with a lane: see
+/// [`consume_in_lanes`].
+pub(super) async fn consume(
+    consumer: Arc<Consumer>,
+    mut stream: lapin::Consumer,
+    tag: String,
+    intake: Intake,
+    stop: CancellationToken,
+) -> Loss {
+    if consumer.handler.lane_path().is_some() {
+        return consume_in_lanes(consumer, stream, tag, intake, stop).await;
+    }
+    let mut taken = Taken { pending: VecDeque::new(), ended: None };
+    let loss = loop {
+        if taken.pending.is_empty() {
+            if let Some(loss) = taken.ended.take() {
+                break Some(loss);
+            }
+            tokio::select! {
+                () = stop.cancelled() => break None,
+                next = stream.next() => match registered(&consumer, next).await {
+                    Next::Delivery(delivery) => taken.pending.push_back(delivery),
+                    Next::Ended(loss) => break Some(loss),
+                },
+            }
+        }
+        let slot = tokio::select! {
+            slot = BatchSlot::take(&consumer, &intake.permits) => slot,
+            () = stop.cancelled() => break None,
+            // Waiting for a slot must not hide a dead channel: its deliveries can no
+            // longer be settled (the broker requeues them), and the session must end.
+            () = closed(&consumer.channel) => break Some(closing_reason(&consumer, &mut stream).await),
+        };
+        taken.arrived(&consumer, &mut stream).await;
+        // Share what waits with the idle transaction slots: a few deliveries and free
+        // slots run side by side (slow handlers stay concurrent), a backlog fills
+        // whole batches.
+        let idle = intake.permits.available_permits().min(consumer.width.free()) + 1;
+        let mut batch = taken.batch(&consumer, idle);
+        taken.linger(&consumer, &mut stream, &mut batch).await;
+        let batch_consumer = Arc::clone(&consumer);
+        let hard_stop = intake.hard_stop.clone();
+        intake.tracker.spawn(async move {
+            batch_consumer.process(batch, &hard_stop).await;
+            drop(slot);
+        });
+    };
+    for delivery in taken.pending {
+        let _ = consumer.acks.requeue(&delivery).await;
+    }
+    intake_ended(&consumer, &tag, loss).await
+}
+
+/// What an intake has taken from its stream and not yet put in a batch, and why the
+/// stream ended, if it has (reported once what was taken has run).
+struct Taken {
+    pending: VecDeque<Delivery>,
+    ended: Option<Loss>,
+}
+
+impl Taken {
+    /// Takes whatever has arrived meanwhile, without waiting.
+    async fn arrived(&mut self, consumer: &Consumer, stream: &mut lapin::Consumer) {
+        while self.ended.is_none() {
+            match next_within(consumer, stream, Duration::ZERO).await {
+                None => break,
+                Some(Next::Delivery(delivery)) => self.pending.push_back(delivery),
+                Some(Next::Ended(loss)) => self.ended = Some(loss),
+            }
+        }
+    }
+
+    /// The next batch: the pending deliveries' share among `idle` slots, up to the
+    /// batch size; a redelivered message runs in a batch of its own.
+    fn batch(&mut self, consumer: &Consumer, idle: usize) -> Vec<Item> {
+        let share = self.pending.len().div_ceil(idle).clamp(1, consumer.batch.size);
+        let mut batch = Vec::with_capacity(share);
+        while batch.len() < share {
+            match self.pending.front() {
+                Some(next) if next.redelivered && !batch.is_empty() => break,
+                Some(_) => {}
+                None => break,
+            }
+            let Some(delivery) = self.pending.pop_front() else { break };
+            let alone = delivery.redelivered;
+            batch.push(Item::new(delivery, consumer, None));
+            if alone {
+                break;
+            }
+        }
+        batch
+    }
+
+    /// With a linger, and nothing else waiting, fills `batch` with what arrives
+    /// within it; a redelivered message is kept for a batch of its own.
+    async fn linger(&mut self, consumer: &Consumer, stream: &mut lapin::Consumer, batch: &mut Vec<Item>) {
+        let limits = consumer.batch;
+        if limits.linger.is_zero()
+            || self.ended.is_some()
+            || !self.pending.is_empty()
+            || batch[0].runs_alone()
+        {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + limits.linger;
+        while batch.len() < limits.size {
+            let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match next_within(consumer, stream, wait).await {
+                None => break,
+                Some(Next::Delivery(delivery)) if delivery.redelivered => {
+                    self.pending.push_back(delivery);
+                    break;
+                }
+                Some(Next::Delivery(delivery)) => batch.push(Item::new(delivery, consumer, None)),
+                Some(Next::Ended(loss)) => {
+                    self.ended = Some(loss);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The intake of a handler with a lane: each delivery is decoded as it arrives and
+/// sent to the pipeline its lane value hashes to (one per unit of concurrency).
+/// A pipeline runs its deliveries in arrival order, one batch at a time, so one
+/// lane's messages are never applied concurrently or out of order in this process,
+/// and batches on different pipelines do not lock the same hot rows. A delivery that
+/// cannot be decoded (it will be dead-lettered) goes to any pipeline.
+async fn consume_in_lanes(
+    consumer: Arc<Consumer>,
+    mut stream: lapin::Consumer,
+    tag: String,
+    intake: Intake,
+    stop: CancellationToken,
+) -> Loss {
+    let pipelines: Vec<mpsc::UnboundedSender<Item>> = (0..consumer.batch.pipelines.max(1))
+        .map(|_| {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            intake.tracker.spawn(pipeline(
+                Arc::clone(&consumer),
+                receiver,
+                Arc::clone(&intake.permits),
+                intake.hard_stop.clone(),
+            ));
+            sender
+        })
+        .collect();
+    let mut spread = 0_usize;
+    let loss = loop {
+        let delivery = tokio::select! {
+            () = stop.cancelled() => break None,
+            next = stream.next() => match registered(&consumer, next).await {
+                Next::Delivery(delivery) => delivery,
+                Next::Ended(loss) => break Some(loss),
+            },
+        };
+        let prepared = consumer.prepare(&delivery);
+        let slot = match prepared.as_ref().ok().and_then(|prepared| prepared.lane.as_ref()) {
+            Some(lane) => lane_slot(lane.as_str(), pipelines.len()),
+            None => {
+                spread = spread.wrapping_add(1);
+                spread % pipelines.len()
+            }
+        };
+        // A pipeline ends only when its sender is dropped (below).
+        let _ = pipelines[slot].send(Item::new(delivery, &consumer, Some(prepared)));
+    };
+    // The pipelines finish what they hold (in flight, within the shutdown deadline).
+    drop(pipelines);
+    intake_ended(&consumer, &tag, loss).await
+}
+
+/// The next delivery of a consumer's stream, registered with its channel's acks.
+#[allow(clippy::large_enum_variant)] // moved once, straight into a batch
+enum Next {
+    Delivery(Delivery),
+    /// The stream ended: why.
+    Ended(Loss),
+}
+
+/// Takes the next delivery, if it is there now (`wait` zero) or arrives within `wait`.
+async fn next_within(consumer: &Consumer, stream: &mut lapin::Consumer, wait: Duration) -> Option<Next> {
+    let next = match stream.next().now_or_never() {
+        Some(next) => next,
+        None if wait.is_zero() => return None,
+        None => tokio::time::timeout(wait, stream.next()).await.ok()?,
+    };
+    Some(registered(consumer, next).await)
+}
+
+async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) -> Next {
+    match next {
+        Some(Ok(delivery)) => {
+            consumer.acks.received(&delivery);
+            Next::Delivery(delivery)
+        }
+        Some(Err(err)) => Next::Ended(Loss::of_consumer(&consumer.queue, err)),
+        None => Next::Ended(Loss::Cancelled { queue: consumer.queue.clone() }),
+    }
+}
+
+/// Why `consumer`'s channel closed, from its stream: lapin hands the broker's close
+/// to the consumer after the deliveries still buffered (dropped here: the broker
+/// requeues them). Waits a moment for it; else a plain "the channel closed".
+async fn closing_reason(consumer: &Consumer, stream: &mut lapin::Consumer) -> Loss {
+    let told = async {
+        loop {
+            match stream.next().await {
+                Some(Ok(_buffered)) => {}
+                Some(Err(err)) => return Some(Loss::of_consumer(&consumer.queue, err)),
+                None => return None,
+            }
+        }
+    };
+    match tokio::time::timeout(Duration::from_secs(1), told).await {
+        Ok(Some(loss)) => loss,
+        _ => Loss::ChannelClosed { queue: consumer.queue.clone() },
+    }
+}
+
+/// Why an intake loop ended: `loss` if the stream did; after `stop` (`None`) it
+/// cancels the consumer — prefetched deliveries not yet taken return when the channel
+/// closes — and says [`Loss::Stopped`].
+async fn intake_ended(consumer: &Consumer, tag: &str, loss: Option<Loss>) -> Loss {
+    match loss {
+        Some(loss) => loss,
+        None => {
+            bounded(consumer.channel.basic_cancel(tag.into(), BasicCancelOptions::default())).await;
+            Loss::Stopped
+        }
+    }
+}
+
+/// A running batch's place: one of its consumer's slots and one of the runtime's
+/// permits, both given back when it is dropped.
+struct BatchSlot {
+    consumer: Arc<Consumer>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl BatchSlot {
+    /// Waits for a slot of `consumer`'s (its width shrinks while its batches
+    /// collide), then for one of the runtime's `permits`.
+    async fn take(consumer: &Arc<Consumer>, permits: &Arc<Semaphore>) -> Self {
+        consumer.width.acquire().await;
+        // Counted off again on drop, even if this wait is given up.
+        let mut slot = Self { consumer: Arc::clone(consumer), permit: None };
+        let permit = Arc::clone(permits).acquire_owned().await;
+        slot.permit = Some(permit.expect("the semaphore is never closed"));
+        slot
+    }
+}
+
+impl Drop for BatchSlot {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        self.consumer.width.release();
+    }
+}
+
+/// The pipeline a lane value belongs to: a stable hash, so one process always sends
+/// one lane to one pipeline.
+fn lane_slot(lane: &str, pipelines: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same in every run.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    lane.hash(&mut hasher);
+    usize::try_from(hasher.finish() % pipelines as u64).unwrap_or(0)
+}
+
+/// One lane pipeline: batches of what it holds, one at a time, in order.
+async fn pipeline(
+    consumer: Arc<Consumer>,
+    mut deliveries: mpsc::UnboundedReceiver<Item>,
+    permits: Arc<Semaphore>,
+    hard_stop: CancellationToken,
+) {
+    let limits = consumer.batch;
+    let mut held: Option<Item> = None;
+    loop {
+        let first = match held.take() {
+            Some(first) => first,
+            None => match deliveries.recv().await {
+                Some(first) => first,
+                None => return,
+            },
+        };
+        let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + limits.linger;
+        while batch.len() < limits.size && !batch[0].runs_alone() {
+            let next = match deliveries.try_recv() {
+                Ok(next) => next,
+                Err(_) if limits.linger.is_zero() => break,
+                Err(_) => match tokio::time::timeout_at(deadline, deliveries.recv()).await {
+                    Ok(Some(next)) => next,
+                    Ok(None) | Err(_) => break,
+                },
+            };
+            if next.runs_alone() {
+                held = Some(next);
+                break;
+            }
+            batch.push(next);
+        }
+        consumer.process(batch, &hard_stop).await;
+        drop(permit);
+    }
+}
