@@ -85,6 +85,16 @@ pub enum Error {
         url: String,
         /// What failed, in the driver's words (shown redacted).
         message: String,
+        /// The error `message` tells of, for a program to inspect: a
+        /// `tokio_postgres::Error` when the server refused the connection
+        /// (`downcast_ref` it; its `code()` is the server's SQLSTATE, such as
+        /// `28P01` for a wrong password or `3D000` for a missing database), a
+        /// `std::io::Error` when the network did, a diesel error when a statement of
+        /// the connection's set-up failed. It may quote the URL: show it through
+        /// [`redact`](crate::redact). Deliberately not the error's `source()`, as
+        /// with [`Error::AmqpConnect`]'s cause: `message` already says it, and a
+        /// reporter walking the chain would print it a second time, unredacted.
+        cause: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
     /// idemq's tables are missing or out of date, or this user may not use them:
     /// found at start-up, or when one of idemq's own statements is refused.
@@ -201,10 +211,11 @@ impl fmt::Debug for Error {
                 .field("exchange", exchange)
                 .field("detail", detail)
                 .finish(),
-            Self::DatabaseConnect { url, message } => f
+            Self::DatabaseConnect { url, message, cause } => f
                 .debug_struct("DatabaseConnect")
                 .field("url", url)
                 .field("message", &Redacted(message))
+                .field("cause", &Redacted(cause))
                 .finish(),
             Self::Schema { problem, fix } => {
                 f.debug_struct("Schema").field("problem", problem).field("fix", fix).finish()
@@ -246,14 +257,17 @@ mod tests {
 
     #[test]
     fn a_driver_error_quoting_the_url_is_redacted_in_display_and_debug() {
+        let said = "invalid URL 'postgres://u:s3cr@t@h/db'";
         let err = Error::DatabaseConnect {
             url: super::redact("postgres://u:s3cr@t@h/db"),
-            message: "invalid URL 'postgres://u:s3cr@t@h/db'".into(),
+            message: said.into(),
+            cause: Some(said.into()),
         };
         for shown in [err.to_string(), format!("{err:?}"), format!("{err:#?}")] {
             assert!(!shown.contains("s3cr") && !shown.contains("t@h"), "{shown}");
             assert!(shown.contains("postgres://u:***@h/db"), "{shown}");
         }
+        assert!(std::error::Error::source(&err).is_none(), "the cause is printed once, redacted");
         let err = Error::Migration("could not connect with password=hunter2".into());
         for shown in [err.to_string(), format!("{err:?}")] {
             assert!(!shown.contains("hunter2"), "{shown}");

@@ -9,6 +9,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::error::redact;
+use crate::store::db;
 
 /// A fault of the broker link or the database that the relay waits out.
 ///
@@ -39,10 +40,10 @@ pub(crate) enum RelayError {
     Stopping,
     /// No database connection from the relay's pool.
     #[error("could not take a database connection from the pool")]
-    Pool(#[source] diesel_async::pooled_connection::deadpool::PoolError),
+    Pool(#[source] db::PoolError),
     /// A dedicated database connection (the `LISTEN` one) could not be made.
-    #[error("could not connect to the database")]
-    DatabaseConnect(#[source] diesel::ConnectionError),
+    #[error(transparent)]
+    DatabaseConnect(crate::error::Error),
     /// A statement failed.
     #[error("could not {action}")]
     Database {
