@@ -35,6 +35,11 @@ pub use crate::config::{env_url, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 /// refuses this client's; [`Error::Config`] for a URL or file that cannot be used;
 /// [`Error::DatabaseConnect`] otherwise.
 ///
+/// Made as idemq makes its own (its socket, TLS and login by idemq, then handed to
+/// diesel-async), it is driven by a task of idemq's rather than diesel-async's: it
+/// lives until dropped, as any, but diesel-async's `notifications_stream()` yields
+/// nothing on it. To `LISTEN`, use a `tokio_postgres` client of your own.
+///
 /// # Cancel safety
 /// Cancel safe: dropping the future drops the half-made connection.
 pub async fn database(url: &str) -> Result<AsyncPgConnection, Error> {

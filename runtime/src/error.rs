@@ -19,14 +19,14 @@
 //!   chain does not redact. lapin's connect errors quote the URL they were given,
 //!   password included ([`Error::AmqpConnect`]); a TOML error quotes a line of the
 //!   file ([`Error::Config`] for the CLI's `--config`). Such a cause is shown in the
-//!   message, through [`redact`](crate::redact), and `source()` is `None`. So a source
+//!   message, through [`redact`](crate::connect::redact), and `source()` is `None`. So a source
 //!   is only ever an error met on a connection already made (which no longer knows
 //!   its URL) or an I/O error (which never quotes what a file holds).
 //! - **A cause idemq has only as words** — a broker's reply text, the server's
 //!   answer, a certificate's problem put plainly — is a field shown in the message.
 //!
 //! Every URL and every driver message shown by these errors' `Display` and `Debug`,
-//! and by [`Error::report`], goes through [`redact`](crate::redact): a driver may
+//! and by [`Error::report`], goes through [`redact`](crate::connect::redact): a driver may
 //! quote the URL it was given.
 
 use std::fmt;
@@ -34,7 +34,7 @@ use std::fmt;
 /// What stopped the runtime or kept it from starting.
 ///
 /// `Display` and `Debug` show every URL and driver message with its passwords
-/// redacted ([`redact`](crate::redact)).
+/// redacted ([`redact`](crate::connect::redact)).
 ///
 /// A cause is shown once. One idemq holds as an error is the variant's
 /// [`source`](std::error::Error::source), not repeated by `Display` (which says what
@@ -51,7 +51,7 @@ pub enum Error {
         /// The URL, password redacted.
         url: String,
         /// The client's error. It may quote the URL: show it through
-        /// [`redact`](crate::redact) (this error's `Display` does). Deliberately not
+        /// [`redact`](crate::connect::redact) (this error's `Display` does). Deliberately not
         /// the error's `source()`: a reporter walking the chain would print it
         /// unredacted (and twice, since the message already holds it).
         cause: lapin::Error,
@@ -115,6 +115,16 @@ pub enum Error {
         url: String,
         /// What failed, in the driver's words (shown redacted).
         message: String,
+        /// The error `message` tells of, for a program to inspect: a
+        /// `tokio_postgres::Error` when the server refused the connection
+        /// (`downcast_ref` it; its `code()` is the server's SQLSTATE, such as
+        /// `28P01` for a wrong password or `3D000` for a missing database), a
+        /// `std::io::Error` when the network did, a diesel error when a statement of
+        /// the connection's set-up failed. It may quote the URL: show it through
+        /// [`redact`](crate::connect::redact). Deliberately not the error's `source()`, as
+        /// with [`Error::AmqpConnect`]'s cause: `message` already says it, and a
+        /// reporter walking the chain would print it a second time, unredacted.
+        cause: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
     /// idemq's tables are missing or out of date, or this user may not use them:
     /// found at start-up, or when one of idemq's own statements is refused.
@@ -127,7 +137,7 @@ pub enum Error {
     },
     /// One attempt at connecting to the broker and declaring the topology did not
     /// finish in time. The runtime tries again, so it is the reason of a retry (in the
-    /// log and in [`ConnectionEvent`](crate::ConnectionEvent)s) rather than what
+    /// log and in [`ConnectionEvent`](crate::observe::ConnectionEvent)s) rather than what
     /// `run` returns; at start-up it counts as the broker being unreachable
     /// ([`Error::StartupTimeout`] once the startup timeout is spent).
     #[error("connecting to RabbitMQ and declaring the topology took longer than {after:?}; is the broker at AMQP_URL healthy (not still starting, not under an alarm)?")]
@@ -243,7 +253,7 @@ pub(crate) fn report(err: &dyn std::error::Error) -> String {
 }
 
 /// A service the runtime needs, named in start-up waits
-/// ([`ConnectionEvent::Unreachable`](crate::ConnectionEvent::Unreachable)) and
+/// ([`ConnectionEvent::Unreachable`](crate::observe::ConnectionEvent::Unreachable)) and
 /// errors ([`Error::StartupTimeout`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -292,10 +302,11 @@ impl fmt::Debug for Error {
                 .field("exchange", exchange)
                 .field("detail", detail)
                 .finish(),
-            Self::DatabaseConnect { url, message } => f
+            Self::DatabaseConnect { url, message, cause } => f
                 .debug_struct("DatabaseConnect")
                 .field("url", url)
                 .field("message", &Redacted(message))
+                .field("cause", &Redacted(cause))
                 .finish(),
             Self::Schema { problem, fix } => {
                 f.debug_struct("Schema").field("problem", problem).field("fix", fix).finish()
@@ -344,14 +355,17 @@ mod tests {
 
     #[test]
     fn a_driver_error_quoting_the_url_is_redacted_in_display_and_debug() {
+        let said = "invalid URL 'postgres://u:s3cr@t@h/db'";
         let err = Error::DatabaseConnect {
             url: super::redact("postgres://u:s3cr@t@h/db"),
-            message: "invalid URL 'postgres://u:s3cr@t@h/db'".into(),
+            message: said.into(),
+            cause: Some(said.into()),
         };
         for shown in [err.to_string(), format!("{err:?}"), format!("{err:#?}")] {
             assert!(!shown.contains("s3cr") && !shown.contains("t@h"), "{shown}");
             assert!(shown.contains("postgres://u:***@h/db"), "{shown}");
         }
+        assert!(std::error::Error::source(&err).is_none(), "the cause is printed once, redacted");
     }
 
     #[tokio::test]

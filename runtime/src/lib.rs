@@ -80,6 +80,13 @@
 //!   answered with an error is a rollback, a failed attempt; only a lost connection
 //!   leaves it unknown. What no retry can fix (idemq's tables missing, privileges
 //!   lacking) is refused at start-up and stops a running runtime.
+//! - **PostgreSQL's errors are read by their SQLSTATE, in any language:** diesel-async
+//!   drops the code and keeps only the message, which the server translates
+//!   (`lc_messages`), so every connection idemq makes reads the codes of the errors
+//!   its server sends off the wire (`tls/postgres/wire.rs`). Contention (40001, 40P01,
+//!   55P03: run again in-process, never charged), an aborted transaction (25P02), a
+//!   discarded COMMIT check (26000) are the server's word — never a message's text,
+//!   nor what a handler's own error says.
 //! - **Faults are ordinary:** a lost connection or channel, a broker restart, a
 //!   silent broker (heartbeats) or a consumer cancelled by the broker ends a
 //!   *session*; the runtime reconnects with backoff, declares again and resumes.
@@ -160,7 +167,9 @@
 //!         store/    PostgreSQL: idemq's statements (db), the schema and its check
 //!         │         (migrate), retention
 //!         broker/   lapin: broker addresses, topology, acks, dead letters and copies
-//!         └─> tls/  the rustls configuration both store and broker connect with
+//!         └─> tls/  the rustls configuration both store and broker connect with;
+//!         │         PostgreSQL's connections, made by idemq (the SQLSTATEs read
+//!         │         off the wire)
 //!               └─> base/  pure (no I/O): outcomes, verdicts, retry policy, backoff,
 //!                          width, observers and their events, outgoing messages,
 //!                          header names, redaction; with `error` and `config` beside it

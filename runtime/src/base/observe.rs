@@ -139,6 +139,11 @@ pub struct Batch<'a> {
     pub deliveries: usize,
     /// Times it (or a part of it) was run again smaller.
     pub splits: u64,
+    /// Whether a part of it was rolled back for colliding with another transaction —
+    /// by PostgreSQL's word (SQLSTATE 40001 serialization failure, 40P01 deadlock,
+    /// 55P03 lock timeout), in whatever language the server speaks — which narrows
+    /// how many of the consumer's batches run at once.
+    pub contended: bool,
     /// From the first transaction's start to the last decision.
     pub took: Duration,
 }

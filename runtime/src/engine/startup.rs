@@ -21,10 +21,6 @@
 
 use std::time::Duration;
 
-use diesel::ConnectionError;
-use diesel_async::pooled_connection::deadpool::{Pool, PoolError};
-use diesel_async::pooled_connection::PoolError as ManagerError;
-use diesel_async::AsyncPgConnection;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -176,7 +172,7 @@ impl Startup {
     /// missing database, [`Error::Schema`]), or [`Error::StartupTimeout`].
     pub(crate) async fn database(
         &mut self,
-        pool: &Pool<AsyncPgConnection>,
+        pool: &db::Pool,
         url: &str,
         stop: &CancellationToken,
     ) -> Result<bool, Error> {
@@ -246,26 +242,30 @@ fn to_millis(duration: Duration) -> Duration {
 
 /// One attempt at the database: a plain connection (its error tells an outage from
 /// a refusal), then the pool's first connection and idemq's schema check.
-async fn database_ready(pool: &Pool<AsyncPgConnection>, url: &str, limit: Duration) -> Result<(), Failure> {
+async fn database_ready(pool: &db::Pool, url: &str, limit: Duration) -> Result<(), Failure> {
     probe(url, limit).await?;
     let no_answer = || Failure::Unreachable(format!("no answer within {limit:?}"));
-    let refused = |message: String| Failure::Refused(Error::DatabaseConnect { url: redact(url), message });
+    let refused = |message: String, cause: Box<dyn std::error::Error + Send + Sync>| {
+        Failure::Refused(Error::DatabaseConnect { url: redact(url), message, cause: Some(cause) })
+    };
     let mut conn = match tokio::time::timeout(limit, pool.get()).await {
         Err(_) => return Err(no_answer()),
         Ok(Ok(conn)) => conn,
         // The session set-up every pooled connection runs (limits, the COMMIT
         // check's prepared statement) refused by the server, e.g. a pooler that
         // forbids prepared statements.
-        Ok(Err(PoolError::Backend(ManagerError::ConnectionError(
-            ConnectionError::CouldntSetupConfiguration(err),
-        )))) if !db::is_connection_error(&err) => {
-            return Err(refused(format!("the pool's session set-up was refused: {err}")))
+        Ok(Err(db::PoolError::Backend(db::NewConnection::Setup(err)))) if !db::is_connection_error(&err) => {
+            return Err(refused(format!("the pool's session set-up was refused: {err}"), Box::new(err)))
         }
+        // A URL or a certificate no wait mends.
+        Ok(Err(db::PoolError::Backend(db::NewConnection::Connect(
+            err @ (Error::Tls { .. } | Error::Config(_)),
+        )))) => return Err(Failure::Refused(err)),
         // It answered a moment ago: the connection was lost in between.
-        Ok(Err(err @ (PoolError::Timeout(_) | PoolError::Backend(_)))) => {
+        Ok(Err(err @ (db::PoolError::Timeout(_) | db::PoolError::Backend(_)))) => {
             return Err(Failure::Unreachable(redact(&err.to_string())))
         }
-        Ok(Err(err)) => return Err(refused(err.to_string())),
+        Ok(Err(err)) => return Err(refused(err.to_string(), Box::new(err))),
     };
     // Fail fast, with the fix, on what no retry can mend: without idemq's tables
     // every delivery would fail until someone runs the migrations.
@@ -273,21 +273,24 @@ async fn database_ready(pool: &Pool<AsyncPgConnection>, url: &str, limit: Durati
         Ok(None) => Ok(()),
         Ok(Some(problem)) => Err(Failure::Refused(problem.into())),
         Err(err) if db::is_connection_error(&err) => Err(Failure::Unreachable(err.to_string())),
-        Err(err) => Err(Failure::Refused(Error::DatabaseConnect {
-            url: redact(url),
-            message: format!("checking idemq's tables failed: {err}"),
-        })),
+        Err(err) => Err(refused(format!("checking idemq's tables failed: {err}"), Box::new(err))),
     }
 }
 
 /// A connection to `url` (TLS as the URL says), closed at once; how it failed if it did.
 async fn probe(url: &str, limit: Duration) -> Result<(), Failure> {
+    use crate::tls::postgres::{ConnectFailure, Connected};
     match tokio::time::timeout(limit, crate::tls::postgres::connect(url, |_| {})).await {
         Err(_) => Err(Failure::Unreachable(format!("no answer within {limit:?}"))),
         // A URL that cannot be used, a certificate that does not verify: no wait mends it.
-        Ok(Err(crate::tls::postgres::ConnectFailure::Refused(err))) => Err(Failure::Refused(err)),
-        Ok(Err(crate::tls::postgres::ConnectFailure::Driver(err))) => Err(classify(url, &err)),
-        Ok(Ok((client, connection))) => {
+        Ok(Err(ConnectFailure::Refused(err))) => Err(Failure::Refused(err)),
+        Ok(Err(ConnectFailure::Driver(err))) => Err(classify(url, err)),
+        // Refused, reset, unreachable, a name that does not resolve (yet), a
+        // read-only server where writes are wanted (a failover in progress).
+        Ok(Err(failure @ ConnectFailure::Network(_))) => {
+            Err(Failure::Unreachable(redact(&failure.to_string())))
+        }
+        Ok(Ok(Connected { client, connection, .. })) => {
             // Without its client the connection says goodbye (Terminate) and ends.
             drop(client);
             let _ = tokio::time::timeout(Duration::from_secs(1), connection).await;
@@ -298,37 +301,45 @@ async fn probe(url: &str, limit: Duration) -> Result<(), Failure> {
 
 /// An outage (wait) or an answer (fail), by the server's SQLSTATE when it sent one,
 /// else by whether the error is the network's.
-fn classify(url: &str, err: &tokio_postgres::Error) -> Failure {
-    let refused = |message: String| Failure::Refused(Error::DatabaseConnect { url: redact(url), message });
-    let said = redact(&error_chain(err));
-    if let Some(code) = err.code() {
-        return match code.code().get(..2) {
+fn classify(url: &str, err: tokio_postgres::Error) -> Failure {
+    let said = redact(&error_chain(&err));
+    let hint = match err.code() {
+        Some(code) => match code.code().get(..2) {
             // 08 connection exception, 53 insufficient resources (too many
             // connections), 57 operator intervention (starting up, shutting down,
             // terminated by the administrator): a server that will answer later.
-            Some("08" | "53" | "57") => Failure::Unreachable(said),
+            Some("08" | "53" | "57") => return Failure::Unreachable(said),
             // 3D000: no such database.
-            _ if code == &tokio_postgres::error::SqlState::INVALID_CATALOG_NAME => refused(format!(
-                "{said} (the server answered: create the database, or correct its name in DATABASE_URL)"
-            )),
+            _ if code == &tokio_postgres::error::SqlState::INVALID_CATALOG_NAME => {
+                " (the server answered: create the database, or correct its name in DATABASE_URL)"
+            }
             // 28000, 28P01: no such role, wrong password, or pg_hba.conf refuses.
-            Some("28") => refused(format!(
-                "{said} (login refused: check the user and password in DATABASE_URL, and pg_hba.conf)"
-            )),
-            _ => refused(said),
-        };
-    }
+            Some("28") => " (login refused: check the user and password in DATABASE_URL, and pg_hba.conf)",
+            _ => "",
+        },
+        // Refused, reset, unreachable, a name that does not resolve (yet).
+        None if caused_by_io(&err) => return Failure::Unreachable(said),
+        // An unreadable connection string, TLS demanded, a password the server asked
+        // for and the URL lacks, something that is not PostgreSQL on that port.
+        None => "",
+    };
+    Failure::Refused(Error::DatabaseConnect {
+        url: redact(url),
+        message: format!("{said}{hint}"),
+        cause: Some(Box::new(err)),
+    })
+}
+
+/// Whether an I/O error is among `err`'s causes.
+fn caused_by_io(err: &tokio_postgres::Error) -> bool {
     let mut source = std::error::Error::source(err);
     while let Some(cause) = source {
         if cause.is::<std::io::Error>() {
-            // Refused, reset, unreachable, a name that does not resolve (yet).
-            return Failure::Unreachable(said);
+            return true;
         }
         source = cause.source();
     }
-    // An unreadable connection string, TLS demanded, a password the server asked for
-    // and the URL lacks, something that is not PostgreSQL on that port.
-    refused(said)
+    false
 }
 
 /// The error and its causes, `: `-joined (tokio-postgres' own message is a summary

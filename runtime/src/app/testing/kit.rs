@@ -89,10 +89,13 @@ impl TestKit {
         let database = format!("idemq_kit_{id}");
         let database_url = with_database(&admin_url, &database)?;
         let mut admin = crate::store::db::connect(&admin_url).await?;
-        diesel::sql_query(format!("CREATE DATABASE \"{database}\""))
-            .execute(&mut admin)
-            .await
-            .map_err(|err| Error::DatabaseConnect { url: redact(&admin_url), message: err.to_string() })?;
+        diesel::sql_query(format!("CREATE DATABASE \"{database}\"")).execute(&mut admin).await.map_err(
+            |err| Error::DatabaseConnect {
+                url: redact(&admin_url),
+                message: err.to_string(),
+                cause: Some(Box::new(err)),
+            },
+        )?;
         crate::store::migrate::migrate(&database_url).await?;
         setup(database_url.clone()).await.map_err(|err| {
             Error::Config(format!("the test's setup failed: {}", crate::error::report(&*err)))

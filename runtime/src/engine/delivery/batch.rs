@@ -7,9 +7,7 @@ use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
-use diesel_async::pooled_connection::deadpool::Object;
 use diesel_async::pooled_connection::PoolableConnection;
-use diesel_async::AsyncPgConnection;
 use lapin::message::Delivery;
 
 use super::faults::{panic_message, Fault, InfraFault};
@@ -20,7 +18,7 @@ use crate::base::outcome::{FailureKind, Outcome};
 use crate::base::verdict;
 use crate::handler::prepare::{Prepared, Rejection};
 use crate::handler::ErrorClass;
-use crate::store::db;
+use crate::store::db::{self, Conn};
 
 /// How often a transaction refused for contention (serialization failure,
 /// deadlock) is run again in-process before it counts as a failed attempt.
@@ -62,6 +60,7 @@ impl Consumer {
             queue: &self.queue,
             deliveries: items.len(),
             splits,
+            contended,
             took: started.elapsed(),
         });
         decisions
@@ -197,9 +196,9 @@ impl Consumer {
             Err(Fault::Infra(InfraFault::Database(err))) => Err(self.diagnose(&mut conn, err).await),
             decided => decided,
         };
-        if matches!(result, Err(Fault::Infra(_))) || PoolableConnection::is_broken(&mut *conn) {
+        if matches!(result, Err(Fault::Infra(_))) || PoolableConnection::is_broken(&mut **conn) {
             // Never return a connection in an unknown state to the pool.
-            drop(Object::take(conn));
+            drop(db::Pooled::take(conn));
         }
         result
     }
@@ -209,7 +208,7 @@ impl Consumer {
     /// transaction, which dead-letters it as poison once the starts reach the limit.
     async fn attempt_alone(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         items: &[Delivered],
         index: usize,
         prepared: Option<Prepared>,

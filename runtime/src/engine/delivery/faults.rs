@@ -55,7 +55,9 @@ impl Consumer {
     /// the runtime stops; anything else (a lock timeout behind a zombie, a restart in
     /// progress) is retried.
     pub(super) async fn diagnose(&self, conn: &mut AsyncPgConnection, err: diesel::result::Error) -> Fault {
-        if db::is_connection_error(&err) || PoolableConnection::is_broken(conn) {
+        // A read-only server (a standby; 25006) holds idemq's tables all the same:
+        // no schema check, a fault to wait out.
+        if db::is_connection_error(&err) || db::is_read_only(&err) || PoolableConnection::is_broken(conn) {
             return Fault::Infra(InfraFault::Database(err));
         }
         match crate::store::migrate::check_schema(conn).await {
@@ -75,13 +77,12 @@ impl std::fmt::Display for Failure {
 }
 
 /// Cancels the statement running on the connection `cancel` belongs to, bounded.
-pub(super) async fn cancel_statement(
-    cancel: &tokio_postgres::CancelToken,
-    tls: &tokio_postgres_rustls::MakeRustlsConnect,
-) {
-    match tokio::time::timeout(BOOKKEEPING_TIMEOUT, cancel.cancel_query(tls.clone())).await {
+pub(super) async fn cancel_statement(cancel: &db::Canceller) {
+    match tokio::time::timeout(BOOKKEEPING_TIMEOUT, cancel.cancel()).await {
         Ok(Ok(())) => {}
-        Ok(Err(error)) => tracing::warn!(%error, "could not cancel the handler's statement"),
+        Ok(Err(error)) => {
+            tracing::warn!(error = %crate::error::redact(&error.to_string()), "could not cancel the handler's statement")
+        }
         Err(_) => tracing::warn!("cancelling the handler's statement timed out"),
     }
 }

@@ -1,12 +1,19 @@
 //! The handler phase of the transaction (see `transact`): each new message's
 //! handler in the open transaction, in arrival order, and what a failure means — in
-//! a batch of several a split, alone a charged attempt.
+//! a batch of several a split, alone a charged attempt (after in-process runs, when
+//! the server rolled it back for contention).
+//!
+//! Contention is the server's word, not the handler's: a handler failed for it when
+//! the latest error PostgreSQL sent on its connection while it ran was a
+//! serialization failure, a deadlock or a lock timeout (40001, 40P01, 55P03; see
+//! `store::db::contended_since`) — in any language, whether the handler returned the
+//! driver's error or its own, and never because its error's text says "deadlock".
 
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use diesel_async::pooled_connection::PoolableConnection;
-use diesel_async::{AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager};
+use diesel_async::{AnsiTransactionManager, AsyncConnection, TransactionManager};
 use futures_util::FutureExt;
 
 use super::faults::{answers, cancel_statement, panic_message, rollback, Failure, Fault, InfraFault};
@@ -18,7 +25,7 @@ use crate::base::verdict;
 use crate::handler::context::Context;
 use crate::handler::prepare::{Fingerprint, Prepared};
 use crate::handler::{ErrorClass, HandlerError};
-use crate::store::db;
+use crate::store::db::{self, Conn};
 
 /// What one handler's run came to.
 enum Handled {
@@ -32,6 +39,8 @@ struct Failed {
     key: crate::Key,
     fingerprint: Fingerprint,
     failure: Failure,
+    /// The server rolled its statements back for contention (see the module docs).
+    contended: bool,
     took: Duration,
 }
 
@@ -40,7 +49,7 @@ impl Consumer {
     /// the first failure ends the run ([`Self::handler_failure`]).
     pub(super) async fn handle(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         tx: &mut Tx<'_>,
         new: Vec<(usize, Prepared)>,
     ) -> Result<Step<Vec<Done>>, Fault> {
@@ -49,7 +58,7 @@ impl Consumer {
                 return Err(rollback(conn, infra(err)).await);
             }
         }
-        let cancel = conn.cancel_token();
+        let cancel = conn.canceller();
         let mut done = Vec::with_capacity(new.len());
         let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();
         for (position, (index, prepared)) in new.into_iter().enumerate() {
@@ -69,9 +78,9 @@ impl Consumer {
     /// connection then does not answer at all met an outage, not a failure of its own.
     async fn run_handler(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         tx: &Tx<'_>,
-        cancel: &tokio_postgres::CancelToken,
+        cancel: &db::Canceller,
         index: usize,
         prepared: Prepared,
     ) -> Result<Handled, Fault> {
@@ -89,6 +98,7 @@ impl Consumer {
             // rows must not share ids.
             ctx.use_random_ids();
         }
+        let mark = conn.mark();
         let run = AssertUnwindSafe(effect(conn, &mut ctx)).catch_unwind();
         let started = Instant::now();
         let ran_for = tokio::time::timeout(self.shared.handler_timeout, run).await;
@@ -104,11 +114,11 @@ impl Consumer {
             // it would keep its locks); `attempt` then drops the connection (it is in
             // a transaction, so broken), which ends the transaction server-side.
             Ok(Err(panic)) => {
-                cancel_statement(cancel, &self.shared.cancel_tls).await;
+                cancel_statement(cancel).await;
                 Failure::Cut(format!("the handler panicked: {}", panic_message(&*panic)))
             }
             Err(_elapsed) => {
-                cancel_statement(cancel, &self.shared.cancel_tls).await;
+                cancel_statement(cancel).await;
                 if !answers(conn).await {
                     // Its connection does not answer either: the handler was most
                     // likely waiting for an unreachable database, which is an
@@ -123,28 +133,33 @@ impl Consumer {
                 Failure::Cut(format!("the handler did not finish within {:?}", self.shared.handler_timeout))
             }
         };
-        Ok(Handled::Failed(Failed { index, key, fingerprint, failure, took }))
+        // Read before anything else runs on the connection (a cut-off handler's
+        // cancelled statement answers 57014, which is no contention).
+        let contended = matches!(failure, Failure::Returned(_)) && db::contended_since(conn, mark);
+        Ok(Handled::Failed(Failed { index, key, fingerprint, failure, contended, took }))
     }
 
     /// A handler failed, at `position` of the new messages: the transaction is
     /// rolled back. In a batch of several the others run without it and it runs
-    /// alone; alone, its attempt is charged (a request's permanent failure is stored
-    /// first) and the repeats of its key run next.
+    /// alone; alone and rolled back for contention (not a permanent error), it runs
+    /// again in-process ([`Fault::Contention`]); else its attempt is charged (a
+    /// request's permanent failure is stored first) and the repeats of its key run
+    /// next.
     async fn handler_failure(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         tx: &mut Tx<'_>,
         new_indices: &[usize],
         position: usize,
         failed: Failed,
     ) -> Result<(), Fault> {
-        let Failed { index, key, fingerprint, failure, took } = failed;
+        let Failed { index, key, fingerprint, failure, contended, took } = failed;
         if let Failure::Returned(_) = &failure {
-            match self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await {
+            match self.bounded(AnsiTransactionManager::rollback_transaction(&mut **conn)).await {
                 // A failed ROLLBACK means the connection broke: whatever the
                 // handler wrapped, this is an infrastructure fault.
                 Err(err) => return Err(infra(err)),
-                Ok(()) if PoolableConnection::is_broken(conn) => {
+                Ok(()) if PoolableConnection::is_broken(&mut **conn) => {
                     return Err(Fault::Infra(InfraFault::Broken(failure.to_string())))
                 }
                 Ok(()) => {}
@@ -155,13 +170,19 @@ impl Consumer {
             // others run without it (those after it never ran), and it runs alone.
             tracing::debug!(queue = %self.queue, key = %key, error = %failure, batch = tx.batch, "a handler failed in a batch; running it alone");
             tx.ran.next = split(new_indices, verdict::around(new_indices.len(), position), &tx.repeats);
-            tx.ran.contended = db::is_contention_message(&failure.to_string());
+            tx.ran.contended = contended;
             return Ok(());
         }
         let error = match failure {
             Failure::Returned(error) => error,
             Failure::Cut(message) => HandlerError::transient(message),
         };
+        if contended && error.class() != ErrorClass::Permanent {
+            return Err(Fault::Contention {
+                error: format!("PostgreSQL rolled the handler's transaction back: {error}"),
+                key: key.as_str().to_owned(),
+            });
+        }
         let class = error.class();
         let outcome = self.handler_failed(error, tx.items[index].counts.attempt);
         if class == ErrorClass::Permanent && tx.dedup {
@@ -180,7 +201,7 @@ impl Consumer {
     /// (see [`crate::store::forget`] to apply it after a fix). Other failures store nothing.
     async fn store_failure(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         item: &Delivered,
         key: &crate::Key,
         fingerprint: &Fingerprint,

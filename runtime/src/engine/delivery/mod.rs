@@ -121,8 +121,6 @@ mod transact;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use diesel_async::pooled_connection::deadpool::Pool;
-use diesel_async::AsyncPgConnection;
 use lapin::message::Delivery;
 use lapin::Channel;
 use tokio::sync::RwLock;
@@ -138,6 +136,7 @@ use crate::base::width::Width;
 use crate::broker::acks::Acks;
 use crate::error::Error;
 use crate::handler::prepare::{ErasedHandler, InputLimits, Prepared, Rejection};
+use crate::store::db;
 
 use counts::Counts;
 use settle::Unsettled;
@@ -181,9 +180,7 @@ pub(crate) struct Consumer {
 
 /// What every consumer of a runtime shares.
 pub(crate) struct Shared {
-    pub(crate) pool: Pool<AsyncPgConnection>,
-    /// The pool's TLS, for cancel requests (sent on a connection of their own).
-    pub(crate) cancel_tls: tokio_postgres_rustls::MakeRustlsConnect,
+    pub(crate) pool: db::Pool,
     pub(crate) limits: InputLimits,
     pub(crate) handler_timeout: Duration,
     /// How long idemq waits for an answer to one of its own statements (see

@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use diesel_async::pooled_connection::PoolableConnection;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use diesel_async::{AnsiTransactionManager, TransactionManager};
 
 use super::faults::{no_answer, rollback, Fault, InfraFault};
 use super::{Consumer, Decision, Delivered, Ran};
@@ -29,7 +29,7 @@ use crate::base::verdict;
 use crate::handler::context::HandlerOutput;
 use crate::handler::prepare::{Fingerprint, Prepared};
 use crate::handler::HandlerError;
-use crate::store::db::{self, CommitFailure, Stored};
+use crate::store::db::{self, CommitFailure, Conn, Stored};
 
 /// What a handler failure says when the handler ignored a failed statement.
 const ABORTED: &str = "a statement in the handler failed and its error was ignored; \
@@ -116,7 +116,7 @@ impl Consumer {
     /// for the first one's fate (the same key twice keeps one dedup row).
     pub(super) async fn transact(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         items: &[Delivered],
         runnable: Vec<(usize, Prepared)>,
         starts: Option<i32>,
@@ -144,12 +144,13 @@ impl Consumer {
     /// batch whose insert is refused with the connection up runs in halves.
     async fn claim(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         tx: &mut Tx<'_>,
         firsts: Vec<(usize, Prepared)>,
     ) -> Result<Step<Claimed>, Fault> {
         let rows: Vec<(&str, &[u8])> =
             firsts.iter().map(|(_, p)| (p.key.as_str(), p.fingerprint.as_slice())).collect();
+        let mark = conn.mark();
         let claimed = if tx.dedup {
             self.bounded(db::begin_and_claim(conn, &self.scope, &rows)).await
         } else {
@@ -159,16 +160,17 @@ impl Consumer {
         let claim = match claimed {
             Ok(claim) => claim,
             Err(err) => {
+                let contended = db::contended_since(conn, mark);
                 let rolled_back = !db::is_connection_error(&err)
-                    && self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await.is_ok()
-                    && !PoolableConnection::is_broken(conn);
+                    && self.bounded(AnsiTransactionManager::rollback_transaction(&mut **conn)).await.is_ok()
+                    && !PoolableConnection::is_broken(&mut **conn);
                 if firsts.len() > 1 && rolled_back {
-                    // Refused with the connection up (its lock timeout behind another
-                    // batch holding one of these keys): smaller batches.
+                    // Refused with the connection up (most often its lock timeout
+                    // behind another batch holding one of these keys): smaller batches.
                     tracing::debug!(queue = %self.queue, error = %err, batch = tx.batch, "the batch's dedup insert failed; running it in halves");
                     let indices: Vec<usize> = firsts.iter().map(|(index, _)| *index).collect();
                     tx.ran.next = split(&indices, verdict::halves(indices.len()), &tx.repeats);
-                    tx.ran.contended = true;
+                    tx.ran.contended = contended;
                     return Ok(Step::Ended);
                 }
                 return Err(infra(err));
@@ -186,7 +188,7 @@ impl Consumer {
     /// started `delivery_limit` times (poison).
     async fn open(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         tx: &mut Tx<'_>,
         claimed: Claimed,
         starts: Option<i32>,
@@ -197,13 +199,13 @@ impl Consumer {
         }
         let Some(xid) = xid.filter(|_| !new.is_empty()) else {
             // Nothing new: nothing to keep.
-            self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await.map_err(infra)?;
+            self.bounded(AnsiTransactionManager::rollback_transaction(&mut **conn)).await.map_err(infra)?;
             let repeats = std::mem::take(&mut tx.repeats);
             self.resolve_repeats(tx, repeats);
             return Ok(Step::Ended);
         };
         if let Some(outcome) = starts.and_then(|starts| verdict::poison(starts, self.delivery_limit)) {
-            self.bounded(AnsiTransactionManager::rollback_transaction(conn)).await.map_err(infra)?;
+            self.bounded(AnsiTransactionManager::rollback_transaction(&mut **conn)).await.map_err(infra)?;
             let (index, prepared) = &new[0];
             let decision = self.decision(outcome, prepared.key.as_str(), Some(tx.began_at), tx.batch);
             tx.ran.decided.push((*index, decision));
@@ -216,7 +218,7 @@ impl Consumer {
     /// deliveries, and later the repeats of their keys.
     async fn read_applied(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         tx: &mut Tx<'_>,
         applied_before: Vec<Repeat>,
     ) -> Result<(), Fault> {
@@ -238,7 +240,7 @@ impl Consumer {
     /// The outbox rows (what the handlers published, a request's reply) and the
     /// stored results of the whole batch: one statement each. Returns whether it
     /// wrote outbox rows (the relay is woken after COMMIT).
-    async fn write(&self, conn: &mut AsyncPgConnection, tx: &Tx<'_>, done: &[Done]) -> Result<bool, Fault> {
+    async fn write(&self, conn: &mut Conn, tx: &Tx<'_>, done: &[Done]) -> Result<bool, Fault> {
         let mut rows: Vec<Outgoing> = Vec::new();
         let mut results: Vec<(&str, &[u8])> = Vec::new();
         for done in done {
@@ -269,7 +271,7 @@ impl Consumer {
     /// decide; answered with an error, it was a rollback ([`Self::commit_failed`]).
     async fn commit(
         &self,
-        conn: &mut AsyncPgConnection,
+        conn: &mut Conn,
         mut tx: Tx<'_>,
         xid: i64,
         done: Vec<Done>,
@@ -324,8 +326,7 @@ impl Consumer {
             tracing::debug!(queue = %self.queue, ?failure, batch = tx.batch, "the batch's COMMIT failed; running it in halves");
             let indices: Vec<usize> = done.iter().map(|done| done.index).collect();
             tx.ran.next = split(&indices, verdict::halves(indices.len()), &tx.repeats);
-            tx.ran.contended = matches!(failure, CommitFailure::Refused { contention: true, .. })
-                || matches!(&failure, CommitFailure::Refused { error, .. } if db::is_contention_message(&error.to_string()));
+            tx.ran.contended = matches!(failure, CommitFailure::Refused { contention: true, .. });
             return Ok(tx.ran);
         }
         let Done { index, key, .. } = done.pop().expect("a transaction with an xid ran a handler");

@@ -4,8 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel_async::pooled_connection::deadpool::Pool;
-use diesel_async::AsyncPgConnection;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -163,11 +161,15 @@ impl Relay {
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let RelayBuilder { amqp_url, database_url, env_urls: _, settings, observers } = self.builder;
         let pool = relay_pool(&database_url)?;
-        let connect_error = |message: String| Error::DatabaseConnect { url: redact(&database_url), message };
-        let mut conn = pool.get().await.map_err(|err| connect_error(err.to_string()))?;
+        let connect_error = |err: Box<dyn std::error::Error + Send + Sync>| Error::DatabaseConnect {
+            url: redact(&database_url),
+            message: err.to_string(),
+            cause: Some(err),
+        };
+        let mut conn = pool.get().await.map_err(|err| connect_error(Box::new(err)))?;
         if let Some(problem) = crate::store::migrate::check_schema(&mut conn)
             .await
-            .map_err(|err| connect_error(err.to_string()))?
+            .map_err(|err| connect_error(Box::new(err)))?
         {
             return Err(problem.into());
         }
@@ -181,9 +183,14 @@ impl Relay {
 }
 
 /// The relay's own small pool: one connection for passes, one spare.
-pub(crate) fn relay_pool(database_url: &str) -> Result<Pool<AsyncPgConnection>, Error> {
-    db::build_pool(database_url, 2, SessionLimits::for_handler_timeout(CONFIRM_TIMEOUT))
-        .map_err(|err| Error::DatabaseConnect { url: redact(database_url), message: err.to_string() })
+pub(crate) fn relay_pool(database_url: &str) -> Result<db::Pool, Error> {
+    db::build_pool(database_url, 2, SessionLimits::for_handler_timeout(CONFIRM_TIMEOUT)).map_err(|err| {
+        Error::DatabaseConnect {
+            url: redact(database_url),
+            message: err.to_string(),
+            cause: Some(Box::new(err)),
+        }
+    })
 }
 
 #[cfg(test)]

@@ -8,6 +8,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::store::db;
+
 /// A fault of the broker link or the database that the relay waits out.
 ///
 /// `Display` says what the relay was doing; the driver's error is the `source`, not
@@ -37,10 +39,10 @@ pub(crate) enum RelayError {
     Stopping,
     /// No database connection from the relay's pool.
     #[error("could not take a database connection from the pool")]
-    Pool(#[source] diesel_async::pooled_connection::deadpool::PoolError),
+    Pool(#[source] db::PoolError),
     /// A dedicated database connection (the `LISTEN` one) could not be made.
-    #[error("could not connect to the database")]
-    DatabaseConnect(#[source] diesel::ConnectionError),
+    #[error(transparent)]
+    DatabaseConnect(crate::error::Error),
     /// A statement failed.
     #[error("could not {action}")]
     Database {

@@ -6,9 +6,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel_async::pooled_connection::deadpool::Pool;
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
-use futures_util::StreamExt;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -41,7 +38,7 @@ impl OutboxSignal {
     }
 
     /// Sends the pending `NOTIFY`s (at most one per [`NOTIFY_INTERVAL`]) until `stop`.
-    pub(crate) async fn notify_elsewhere(&self, pool: Pool<AsyncPgConnection>, stop: CancellationToken) {
+    pub(crate) async fn notify_elsewhere(&self, pool: db::Pool, stop: CancellationToken) {
         loop {
             tokio::select! {
                 () = tokio::time::sleep(NOTIFY_INTERVAL) => {}
@@ -85,13 +82,9 @@ pub(super) async fn listen(database_url: String, wake: Arc<Notify>, stop: Cancel
 /// One `LISTEN` connection's life: connects, listens and wakes `wake` per
 /// notification until the connection fails (never `Ok`).
 async fn forward(database_url: &str, wake: &Notify) -> Result<(), RelayError> {
-    let mut conn = db::establish(database_url).await.map_err(RelayError::DatabaseConnect)?;
-    conn.batch_execute(&format!("LISTEN {CHANNEL}"))
-        .await
-        .map_err(RelayError::database("start to LISTEN"))?;
-    let mut notifications = std::pin::pin!(conn.notifications_stream());
-    while let Some(notification) = notifications.next().await {
-        notification.map_err(RelayError::database("receive a notification"))?;
+    let mut listener =
+        db::Listener::start(database_url, CHANNEL).await.map_err(RelayError::DatabaseConnect)?;
+    while listener.next().await.is_some() {
         wake.notify_one();
     }
     Err(RelayError::NotificationsEnded)

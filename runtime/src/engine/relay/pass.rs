@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use diesel::QueryResult;
-use diesel_async::pooled_connection::deadpool::Pool;
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use lapin::options::BasicPublishOptions;
 use lapin::{Confirmation, PublisherConfirm};
@@ -49,11 +48,7 @@ type Published = Option<Result<(), Refusal>>;
 
 /// Claims due rows, publishes them and records what the broker said, in one
 /// transaction. `Err`: the database failed (nothing recorded; the rows stay).
-pub(super) async fn pass(
-    pool: &Pool<AsyncPgConnection>,
-    settings: Settings,
-    link: &mut Link,
-) -> Result<Pass, RelayError> {
+pub(super) async fn pass(pool: &db::Pool, settings: Settings, link: &mut Link) -> Result<Pass, RelayError> {
     let mut conn = pool.get().await.map_err(RelayError::Pool)?;
     let limit = i64::try_from(settings.batch_size).unwrap_or(i64::MAX);
     let pass = conn

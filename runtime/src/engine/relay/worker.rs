@@ -4,14 +4,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use diesel_async::pooled_connection::deadpool::Pool;
-use diesel_async::AsyncPgConnection;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::backoff::Backoff;
 use crate::base::observe::{Observers, RelayPass};
 use crate::broker::brokers::Brokers;
+use crate::store::db;
 
 use super::error::RelayError;
 use super::link::Link;
@@ -22,7 +21,7 @@ use super::FINAL_PASS;
 
 /// A relay's loop and what it needs.
 pub(crate) struct Worker {
-    pub(crate) pool: Pool<AsyncPgConnection>,
+    pub(crate) pool: db::Pool,
     /// The broker addresses, tried in turn (the one last lost, last).
     pub(crate) brokers: Brokers,
     pub(crate) database_url: String,

@@ -125,16 +125,18 @@ impl Assembly {
 
         let mut startup = Startup::new(b.startup_timeout, b.reconnect_max, observers.clone());
         let limits = SessionLimits::for_handler_timeout(b.handler_timeout);
-        let pool = db::build_pool(&b.database_url, b.concurrency, limits).map_err(|err| {
-            Error::DatabaseConnect { url: redact(&b.database_url), message: err.to_string() }
-        })?;
+        let pool =
+            db::build_pool(&b.database_url, b.concurrency, limits).map_err(|err| Error::DatabaseConnect {
+                url: redact(&b.database_url),
+                message: err.to_string(),
+                cause: Some(Box::new(err)),
+            })?;
         if !startup.database(&pool, &b.database_url, shutdown).await? {
             return Ok(None);
         }
         let relay_wake = b.relay.map(|_| Arc::new(Notify::new()));
         let shared = Arc::new(Shared {
             pool,
-            cancel_tls: crate::tls::postgres::Target::parse(&b.database_url)?.tls,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },
             handler_timeout: b.handler_timeout,
             statement_deadline: limits.client_deadline(),
@@ -370,7 +372,7 @@ impl Running {
 #[cfg(feature = "metrics")]
 async fn watch_backlog(
     metrics: Arc<crate::engine::metrics::Metrics>,
-    pool: diesel_async::pooled_connection::deadpool::Pool<diesel_async::AsyncPgConnection>,
+    pool: db::Pool,
     stop: CancellationToken,
 ) {
     loop {

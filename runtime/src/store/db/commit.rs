@@ -1,10 +1,16 @@
-//! The checked COMMIT and how a failed statement's error is read: the check that
-//! refuses an aborted or ended transaction in the COMMIT's own round trip, and the
-//! lost-connection and contention classifications the delivery state machine acts on.
+//! The checked COMMIT: the check that refuses an aborted or ended transaction in the
+//! COMMIT's own round trip, and what its failure means — read by the SQLSTATE the
+//! server sent (see `sqlstate`), whatever language the server speaks.
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::QueryResult;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager};
+
+use super::conn::Conn;
+use super::sqlstate::{
+    is_connection_error, is_contention, INVALID_SQL_STATEMENT_NAME, INVALID_TEXT_REPRESENTATION,
+    IN_FAILED_SQL_TRANSACTION,
+};
 
 /// Prepared on every pooled connection (see `SessionLimits::setup_sql`, in `pool`), so the
 /// check below is planned once per connection, not once per COMMIT.
@@ -20,14 +26,19 @@ pub(super) const PREPARE_CHECK: &str = "PREPARE idemq_check(bigint) AS \
 ///   would answer `ROLLBACK` and no error, and the delivery would be acked;
 /// - if the transaction is no longer the one that wrote the dedup row (its id, `xid`,
 ///   was returned by the insert) — the handler ran its own COMMIT or ROLLBACK, and
-///   maybe began another — the check fails with [`ENDED_MARKER`] in the message
-///   (the `ELSE` is evaluated only then: the function is not constant);
+///   maybe began another — the check fails casting [`ENDED_MARKER`] to `int` (22P02;
+///   the `ELSE` is evaluated only then: the function is not constant);
+/// - if the prepared check is gone (the handler ran `DISCARD ALL` or `DEALLOCATE`),
+///   `EXECUTE` fails with 26000;
 /// - otherwise COMMIT runs, and any error it answers is the server's refusal.
 fn checked_commit(xid: i64) -> String {
     format!("EXECUTE idemq_check({xid}); COMMIT")
 }
 
-/// What the cast error of [`checked_commit`] quotes, whatever the server's language.
+/// What the cast error (22P02) of [`checked_commit`] quotes, whatever the server's
+/// language: idemq's own literal, the value that did not parse. Read together with
+/// the code, so that a handler's own 22P02 (a bad number in its input) is not taken
+/// for it.
 const ENDED_MARKER: &str = "idemq_transaction_ended";
 
 /// Why the checked COMMIT did not commit.
@@ -53,39 +64,46 @@ pub(crate) enum CommitFailure {
 /// not the one the dedup row was written in (see [`checked_commit`]). On any refusal the
 /// transaction is rolled back and the connection stays usable; on
 /// [`CommitFailure::Unknown`] it must be dropped.
-pub(crate) async fn commit_checked(conn: &mut AsyncPgConnection, xid: i64) -> Result<(), CommitFailure> {
-    match conn.batch_execute(&checked_commit(xid)).await {
+pub(crate) async fn commit_checked(conn: &mut Conn, xid: i64) -> Result<(), CommitFailure> {
+    let mark = conn.mark();
+    let error = match conn.batch_execute(&checked_commit(xid)).await {
         Ok(()) => {
             // The COMMIT went out by hand, so diesel's bookkeeping must be told; a
             // connection it believes to be in a transaction is discarded by the pool.
             left_transaction(conn).map_err(CommitFailure::Unknown)?;
-            Ok(())
+            return Ok(());
         }
-        Err(error) if is_connection_error(&error) => Err(CommitFailure::Unknown(error)),
-        Err(DieselError::DatabaseError(_, info)) if info.message().contains("\"idemq_check\"") => {
-            Err(CommitFailure::CheckMissing)
-        }
-        Err(error) => {
-            let failure = match &error {
-                DieselError::DatabaseError(_, info) if info.message().contains(ENDED_MARKER) => {
-                    CommitFailure::Ended
-                }
-                DieselError::DatabaseError(_, info)
-                    if info.message().starts_with("current transaction is aborted") =>
-                {
-                    CommitFailure::Aborted
-                }
-                _ => CommitFailure::Refused { contention: is_contention(&error), error },
-            };
-            // The aborted transaction, or the one the handler began after ending
-            // ours, or nothing (COMMIT's failure ended it; ROLLBACK only warns).
-            match AnsiTransactionManager::rollback_transaction(conn).await {
-                // NotInTransaction: the handler ended it through diesel, which knows.
-                Ok(()) | Err(DieselError::NotInTransaction) => Err(failure),
-                Err(rollback_error) => Err(CommitFailure::Unknown(rollback_error)),
-            }
-        }
+        Err(error) if is_connection_error(&error) => return Err(CommitFailure::Unknown(error)),
+        Err(error) => error,
+    };
+    // The one error the server answered this simple query with (it stops at the
+    // first); none recorded only if the error was not the server's.
+    let failure = match conn.sent_since(mark).last() {
+        Some(INVALID_SQL_STATEMENT_NAME) => return Err(CommitFailure::CheckMissing),
+        Some(INVALID_TEXT_REPRESENTATION) if quotes_ended_marker(&error) => CommitFailure::Ended,
+        Some(IN_FAILED_SQL_TRANSACTION) => CommitFailure::Aborted,
+        Some(code) => CommitFailure::Refused { contention: is_contention(code), error },
+        None => CommitFailure::Refused {
+            contention: matches!(
+                error,
+                DieselError::DatabaseError(DatabaseErrorKind::SerializationFailure, _)
+            ),
+            error,
+        },
+    };
+    // The aborted transaction, or the one the handler began after ending
+    // ours, or nothing (COMMIT's failure ended it; ROLLBACK only warns).
+    match AnsiTransactionManager::rollback_transaction(&mut **conn).await {
+        // NotInTransaction: the handler ended it through diesel, which knows.
+        Ok(()) | Err(DieselError::NotInTransaction) => Err(failure),
+        Err(rollback_error) => Err(CommitFailure::Unknown(rollback_error)),
     }
+}
+
+/// Whether a 22P02 is the check's own: its message quotes [`ENDED_MARKER`] (the
+/// value that did not parse, not translated).
+fn quotes_ended_marker(error: &DieselError) -> bool {
+    matches!(error, DieselError::DatabaseError(_, info) if info.message().contains(ENDED_MARKER))
 }
 
 /// Records in diesel's transaction manager that the top-level transaction ended.
@@ -94,32 +112,4 @@ fn left_transaction(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     AnsiTransactionManager::transaction_manager_status_mut(conn)
         .transaction_state()?
         .change_transaction_depth(TransactionDepthChange::DecreaseDepth)
-}
-
-/// The connection failed (closed, could not send): the server's answer is unknown.
-pub(crate) fn is_connection_error(error: &DieselError) -> bool {
-    matches!(
-        error,
-        DieselError::DatabaseError(
-            DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
-            _
-        ) | DieselError::BrokenTransactionManager
-    )
-}
-
-/// Whether an error's text says the transaction collided with another: a lock wait
-/// over `lock_timeout`, a deadlock, a serialization failure. (diesel-async gives no
-/// SQLSTATE for most of these; PostgreSQL's English messages are matched.)
-pub(crate) fn is_contention_message(message: &str) -> bool {
-    ["lock timeout", "deadlock detected", "could not serialize access"].iter().any(|m| message.contains(m))
-}
-
-/// A serialization failure or a deadlock: running the transaction again may succeed.
-fn is_contention(error: &DieselError) -> bool {
-    match error {
-        DieselError::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
-        // 40P01 has no kind of its own in diesel-async (it maps to Unknown).
-        DieselError::DatabaseError(_, info) => info.message().starts_with("deadlock detected"),
-        _ => false,
-    }
 }

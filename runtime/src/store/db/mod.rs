@@ -5,25 +5,34 @@
 //! Split by concern, every item re-exported here so callers keep one path
 //! (`crate::store::db::X`):
 //! - `dedup`: BEGIN with the dedup claim, stored rows and results, `forget`;
-//! - `commit`: the checked COMMIT and the reading of errors (lost connection,
-//!   contention);
+//! - `commit`: the checked COMMIT and what its failure means;
+//! - `sqlstate`: how a failed statement's error is read — a lost connection by
+//!   diesel's kinds, the rest (contention, an aborted transaction, a missing
+//!   prepared statement) by the SQLSTATE the server sent, never by its message;
 //! - `outbox`: the outbox table's statements and the relays' `NOTIFY` channel;
 //! - `marks`: start marks and copy records;
 //! - `housekeeping`: retention deletes and their lock, applied migrations, table sizes;
 //! - `pool`: the pool and each connection's session settings;
-//! - `connect`: `establish`/`connect`, with TLS and keepalives.
+//! - `conn`: the pool's connection, [`Conn`]: diesel-async's, with the SQLSTATEs its
+//!   server sent and its cancel request;
+//! - `connect`: `open`/`connect` (with TLS, keepalives and the wire log), the
+//!   `LISTEN` connection, and the task that drives each connection.
 
 mod commit;
+mod conn;
 mod connect;
 mod dedup;
 mod housekeeping;
 mod marks;
 mod outbox;
 mod pool;
+mod sqlstate;
 
-pub(crate) use commit::{commit_checked, is_connection_error, is_contention_message, CommitFailure};
-pub(crate) use connect::{connect, establish};
+pub(crate) use commit::{commit_checked, CommitFailure};
+pub(crate) use conn::Conn;
+pub(crate) use connect::{connect, Listener};
 // Named only by the delivery docs' link, which keeps this path.
+pub(crate) use crate::tls::postgres::Canceller;
 #[allow(unused_imports)]
 pub(crate) use dedup::BATCH_LOCK_TIMEOUT;
 pub(crate) use dedup::{
@@ -38,4 +47,5 @@ pub(crate) use outbox::{
     claim_outbox, delete_outbox, insert_outbox, notify_relays, outbox_backlog, postpone_outbox, OutboxRow,
     CHANNEL,
 };
-pub(crate) use pool::{build_pool, SessionLimits};
+pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, SessionLimits};
+pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};

@@ -3,13 +3,13 @@
 
 use std::time::Duration;
 
-use diesel_async::pooled_connection::deadpool::Pool;
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
-use futures_util::FutureExt;
+use diesel_async::pooled_connection::PoolableConnection;
+use diesel_async::SimpleAsyncConnection;
 
 use super::commit::PREPARE_CHECK;
-use super::connect::establish;
+use super::conn::Conn;
+use super::connect::open;
+use crate::error::Error;
 
 /// Session limits of every pooled connection, so that nothing idemq starts can hold
 /// locks for long past the handler timeout, even when its client is gone: a
@@ -51,34 +51,70 @@ impl SessionLimits {
     }
 }
 
-/// The pool every delivery takes its connection from.
+/// The pool every delivery takes its connection from: idemq's [`Conn`]s, each made
+/// by [`open`] and set up with `limits` once.
+pub(crate) type Pool = deadpool::managed::Pool<Manager>;
+/// A connection taken from a [`Pool`]; back to it when dropped (unless taken out
+/// with `Object::take`).
+pub(crate) type Pooled = deadpool::managed::Object<Manager>;
+/// Why a [`Pool`] handed out no connection.
+pub(crate) type PoolError = deadpool::managed::PoolError<NewConnection>;
+
+/// The pool of `size` connections to `database_url`.
 pub(crate) fn build_pool(
     database_url: &str,
     size: usize,
     limits: SessionLimits,
-) -> Result<Pool<AsyncPgConnection>, deadpool::managed::BuildError> {
-    let mut config = ManagerConfig::default();
-    // Broken connections are detected and dropped by the delivery state machine, so
-    // the per-checkout `SELECT 1` of `Verified` buys nothing but latency.
-    config.recycling_method = RecyclingMethod::Fast;
-    let setup_sql = limits.setup_sql();
-    config.custom_setup = Box::new(move |url| {
-        let setup_sql = setup_sql.clone();
-        let url = url.to_owned();
-        async move {
-            let mut conn = establish(&url).await?;
-            conn.batch_execute(&setup_sql)
-                .await
-                .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?;
-            Ok(conn)
-        }
-        .boxed()
-    });
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
+) -> Result<Pool, deadpool::managed::BuildError> {
+    let manager = Manager { url: database_url.to_owned(), setup_sql: limits.setup_sql() };
     Pool::builder(manager)
         .max_size(size)
         .wait_timeout(Some(Duration::from_secs(30)))
         .create_timeout(Some(Duration::from_secs(10)))
         .runtime(deadpool::Runtime::Tokio1)
         .build()
+}
+
+/// Makes and recycles the pool's connections, as diesel-async's manager with
+/// `RecyclingMethod::Fast` does: broken connections are detected and dropped by the
+/// delivery state machine, so a per-checkout `SELECT 1` would buy nothing but
+/// latency; a connection is recycled unless it is broken (closed, or left in a
+/// transaction).
+#[derive(Debug)]
+pub(crate) struct Manager {
+    url: String,
+    setup_sql: String,
+}
+
+/// Why the pool could not make a connection.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum NewConnection {
+    /// No connection: as [`open`] fails.
+    #[error(transparent)]
+    Connect(Error),
+    /// The session set-up (the limits, the COMMIT check's prepared statement) failed.
+    #[error("the session set-up failed: {0}")]
+    Setup(#[source] diesel::result::Error),
+}
+
+impl deadpool::managed::Manager for Manager {
+    type Type = Conn;
+    type Error = NewConnection;
+
+    async fn create(&self) -> Result<Conn, NewConnection> {
+        let mut conn = open(&self.url).await.map_err(NewConnection::Connect)?;
+        conn.batch_execute(&self.setup_sql).await.map_err(NewConnection::Setup)?;
+        Ok(conn)
+    }
+
+    async fn recycle(
+        &self,
+        conn: &mut Conn,
+        _: &deadpool::managed::Metrics,
+    ) -> deadpool::managed::RecycleResult<NewConnection> {
+        if std::thread::panicking() || PoolableConnection::is_broken(&mut **conn) {
+            return Err(deadpool::managed::RecycleError::Message("Broken connection".into()));
+        }
+        Ok(())
+    }
 }

@@ -1,4 +1,6 @@
-//! TLS for PostgreSQL with libpq's parameters, through tokio-postgres and rustls.
+//! PostgreSQL connections: libpq's TLS parameters read ([`Target::parse`]), every
+//! connection made by idemq itself ([`connect`]), and the SQLSTATE of every error the
+//! server sends read off the wire ([`wire`]).
 //!
 //! tokio-postgres reads `sslmode` as `disable|prefer|require` only, and neither
 //! `sslrootcert`, `sslcert` nor `sslkey`: [`Target::parse`] takes those four out of
@@ -17,10 +19,28 @@
 //! `verify-full`). `sslcert`/`sslkey` default to `~/.postgresql/postgresql.crt` and
 //! `.key` when both exist. Both URL forms are read: `postgres://…?sslmode=…` (one host
 //! or several) and `host=… sslmode=…`.
+//!
+//! idemq opens the socket and runs the SSLRequest and the rustls handshake itself
+//! ([`connect`]), then hands the stream to tokio-postgres for the startup and login,
+//! wrapped in a [`Wire`](wire::Wire): diesel-async drops the SQLSTATE of a server
+//! error, and the message it keeps is in the server's language (`lc_messages`). Why
+//! not tokio-postgres's own `Config::connect` with a TLS connector that wraps the
+//! stream: it calls the connector only when TLS is used, so a plaintext connection
+//! (`sslmode=disable`, `prefer` against a server without TLS, every Unix socket)
+//! would have no [`Wire`](wire::Wire). SCRAM's channel binding still works: the
+//! stream tells tokio-postgres the server certificate's `tls-server-end-point`. What
+//! it costs: diesel-async takes only a connection over tokio-postgres's own socket
+//! type, so one over idemq's stream is driven by a task of idemq's (see
+//! `store::db::connect`) and diesel-async's `notifications_stream` yields nothing on
+//! it (the relay's `LISTEN` reads its notifications from that task instead).
+
+mod connect;
+pub(crate) mod wire;
+
+pub(crate) use connect::{connect, Canceller, ConnectFailure, Connected, Connection};
 
 use std::path::PathBuf;
 
-use tokio_postgres::config::SslMode as DriverSslMode;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{ClientCert, Dialect, Roots, Settings, Verify};
@@ -39,8 +59,8 @@ pub(crate) enum SslMode {
     VerifyFull,
 }
 
-/// A database URL read: the driver's configuration and the TLS connector to use with
-/// it.
+/// A database URL read: the driver's configuration (its `sslmode` unused: [`connect`]
+/// negotiates TLS by `mode`), and the rustls configuration to use with it.
 #[derive(Clone)]
 pub(crate) struct Target {
     pub(crate) config: tokio_postgres::Config,
@@ -83,18 +103,13 @@ impl Target {
                 )))
             }
         };
-        let mut config: tokio_postgres::Config = rest.parse().map_err(|err: tokio_postgres::Error| {
+        let config: tokio_postgres::Config = rest.parse().map_err(|err: tokio_postgres::Error| {
             Error::Config(format!(
                 "DATABASE_URL: {} cannot be read: {}",
                 redact(url),
                 redact(&err.to_string())
             ))
         })?;
-        config.ssl_mode(match mode {
-            SslMode::Disable => DriverSslMode::Disable,
-            SslMode::Prefer => DriverSslMode::Prefer,
-            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => DriverSslMode::Require,
-        });
         let home = |file: &str| {
             std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".postgresql").join(file))
         };
@@ -156,7 +171,7 @@ impl Target {
         };
         let settings = Settings { roots: roots.unwrap_or(Roots::System), verify, client };
         let tls = if mode == SslMode::Disable {
-            // Never used (the driver does not ask for TLS), but one type for all modes.
+            // Never used (no TLS is negotiated), but one type for all modes.
             MakeRustlsConnect::new(
                 Settings { roots: Roots::System, verify: Verify::Nothing, client: None }
                     .client_config(Dialect::Postgres)?,
@@ -165,58 +180,6 @@ impl Target {
             MakeRustlsConnect::new(settings.client_config(Dialect::Postgres)?)
         };
         Ok(Self { config, tls, mode })
-    }
-}
-
-/// A connection to drive, TLS or not.
-pub(crate) type Connection = tokio_postgres::Connection<
-    tokio_postgres::Socket,
-    <MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>>::Stream,
->;
-
-/// Connects to `url` (its TLS as the URL says): the client and the connection to
-/// drive.
-///
-/// # Errors
-/// [`Error::Config`] for a URL that cannot be used, [`Error::Tls`] for a handshake
-/// that failed, else the driver's error as [`ConnectFailure::Driver`].
-pub(crate) async fn connect(
-    url: &str,
-    edit: impl FnOnce(&mut tokio_postgres::Config),
-) -> Result<(tokio_postgres::Client, Connection), ConnectFailure> {
-    let mut target = Target::parse(url).map_err(ConnectFailure::Refused)?;
-    edit(&mut target.config);
-    target.config.connect(target.tls.clone()).await.map_err(|err| match super::rustls_error(&err) {
-        Some(tls) => {
-            ConnectFailure::Refused(super::refused(Dialect::Postgres, url, &host_of(&target.config), tls))
-        }
-        None => ConnectFailure::Driver(err),
-    })
-}
-
-/// Why [`connect`] failed.
-#[derive(Debug)]
-pub(crate) enum ConnectFailure {
-    /// A configuration or TLS refusal: no retry changes it.
-    Refused(Error),
-    /// The driver's error: an outage, or the server's answer.
-    Driver(tokio_postgres::Error),
-}
-
-/// The host(s) of a configuration, for messages.
-fn host_of(config: &tokio_postgres::Config) -> String {
-    let hosts: Vec<String> = config
-        .get_hosts()
-        .iter()
-        .map(|host| match host {
-            tokio_postgres::config::Host::Tcp(name) => name.clone(),
-            tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
-        })
-        .collect();
-    if hosts.is_empty() {
-        "localhost".to_owned()
-    } else {
-        hosts.join(",")
     }
 }
 
