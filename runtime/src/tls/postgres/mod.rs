@@ -84,25 +84,7 @@ impl Target {
         let (rest, params) = split(url);
         let get =
             |name: &str| params.iter().rev().find(|(key, _)| key == name).map(|(_, value)| value.clone());
-        let mode = match get("sslmode").as_deref() {
-            None | Some("prefer") => SslMode::Prefer,
-            Some("disable") => SslMode::Disable,
-            Some("require") => SslMode::Require,
-            Some("verify-ca") => SslMode::VerifyCa,
-            Some("verify-full") => SslMode::VerifyFull,
-            Some("allow") => {
-                return Err(Error::Config(
-                    "DATABASE_URL: sslmode=allow is not supported; use sslmode=prefer (TLS when the server \
-                     offers it) or sslmode=disable"
-                        .into(),
-                ))
-            }
-            Some(other) => {
-                return Err(Error::Config(format!(
-                    "DATABASE_URL: sslmode={other} is not one of disable, prefer, require, verify-ca, verify-full"
-                )))
-            }
-        };
+        let mode = ssl_mode(get("sslmode").as_deref())?;
         let config: tokio_postgres::Config = rest.parse().map_err(|err: tokio_postgres::Error| {
             Error::Config(format!(
                 "DATABASE_URL: {} cannot be read: {}",
@@ -110,65 +92,8 @@ impl Target {
                 redact(&err.to_string())
             ))
         })?;
-        let home = |file: &str| {
-            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".postgresql").join(file))
-        };
-        let explicit_root = get("sslrootcert");
-        let roots = match explicit_root.as_deref() {
-            Some("system") => {
-                if mode != SslMode::VerifyFull && mode != SslMode::Disable {
-                    return Err(Error::Config(format!(
-                        "DATABASE_URL: sslrootcert=system needs sslmode=verify-full (the system's authorities \
-                         sign certificates for anyone's host: only the host name check makes them mean \
-                         something); sslmode is {}",
-                        get("sslmode").unwrap_or_else(|| "prefer".into())
-                    )));
-                }
-                Some(Roots::System)
-            }
-            Some(path) => Some(Roots::File(path.to_owned())),
-            None => home("root.crt")
-                .filter(|path| path.is_file())
-                .map(|path| Roots::File(path.display().to_string())),
-        };
-        let verify = match (mode, &roots) {
-            (SslMode::VerifyFull, Some(_)) => Verify::Full,
-            (SslMode::VerifyCa, Some(_)) => Verify::ChainOnly,
-            (SslMode::VerifyCa | SslMode::VerifyFull, None) => {
-                return Err(Error::Config(format!(
-                    "DATABASE_URL: sslmode={} checks the server's certificate, but no root certificate is \
-                     given: add sslrootcert=PATH (the CA's PEM file), or sslrootcert=system with verify-full, \
-                     or put the CA at ~/.postgresql/root.crt",
-                    if mode == SslMode::VerifyCa { "verify-ca" } else { "verify-full" }
-                )))
-            }
-            // libpq: with a root certificate, `require` (and `prefer`) verify the chain.
-            (_, Some(_)) => Verify::ChainOnly,
-            (_, None) => Verify::Nothing,
-        };
-        let client = match (get("sslcert"), get("sslkey")) {
-            (Some(cert), Some(key)) => Some(ClientCert { cert, key }),
-            (Some(cert), None) => {
-                match home("postgresql.key").filter(|path| path.is_file()) {
-                    Some(key) => Some(ClientCert { cert, key: key.display().to_string() }),
-                    None => return Err(Error::Config(
-                        "DATABASE_URL: sslcert= is given without sslkey=; a client certificate needs its key"
-                            .into(),
-                    )),
-                }
-            }
-            (None, Some(_)) => {
-                return Err(Error::Config(
-                    "DATABASE_URL: sslkey= is given without sslcert=; a client certificate needs both".into(),
-                ))
-            }
-            (None, None) => match (home("postgresql.crt"), home("postgresql.key")) {
-                (Some(cert), Some(key)) if cert.is_file() && key.is_file() => {
-                    Some(ClientCert { cert: cert.display().to_string(), key: key.display().to_string() })
-                }
-                _ => None,
-            },
-        };
+        let (roots, verify) = verification(mode, get("sslrootcert").as_deref())?;
+        let client = client_certificate(get("sslcert"), get("sslkey"))?;
         let settings = Settings { roots: roots.unwrap_or(Roots::System), verify, client };
         let tls = if mode == SslMode::Disable {
             // Never used (no TLS is negotiated), but one type for all modes.
@@ -180,6 +105,96 @@ impl Target {
             MakeRustlsConnect::new(settings.client_config(Dialect::Postgres)?)
         };
         Ok(Self { config, tls, mode })
+    }
+}
+
+/// libpq's `sslmode` (`prefer` when absent); `allow` is refused.
+fn ssl_mode(given: Option<&str>) -> Result<SslMode, Error> {
+    match given {
+        None | Some("prefer") => Ok(SslMode::Prefer),
+        Some("disable") => Ok(SslMode::Disable),
+        Some("require") => Ok(SslMode::Require),
+        Some("verify-ca") => Ok(SslMode::VerifyCa),
+        Some("verify-full") => Ok(SslMode::VerifyFull),
+        Some("allow") => Err(Error::Config(
+            "DATABASE_URL: sslmode=allow is not supported; use sslmode=prefer (TLS when the server \
+             offers it) or sslmode=disable"
+                .into(),
+        )),
+        Some(other) => Err(Error::Config(format!(
+            "DATABASE_URL: sslmode={other} is not one of disable, prefer, require, verify-ca, verify-full"
+        ))),
+    }
+}
+
+/// A file under `~/.postgresql/`, libpq's default place for certificates.
+fn home(file: &str) -> Option<PathBuf> {
+    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".postgresql").join(file))
+}
+
+/// The root certificates (`sslrootcert`: a file, `system`, or libpq's
+/// `~/.postgresql/root.crt` when present) and what `mode` verifies with them.
+fn verification(mode: SslMode, root: Option<&str>) -> Result<(Option<Roots>, Verify), Error> {
+    let mode_name = match mode {
+        SslMode::Disable => "disable",
+        SslMode::Prefer => "prefer",
+        SslMode::Require => "require",
+        SslMode::VerifyCa => "verify-ca",
+        SslMode::VerifyFull => "verify-full",
+    };
+    let roots = match root {
+        Some("system") => {
+            if mode != SslMode::VerifyFull && mode != SslMode::Disable {
+                return Err(Error::Config(format!(
+                    "DATABASE_URL: sslrootcert=system needs sslmode=verify-full (the system's authorities \
+                     sign certificates for anyone's host: only the host name check makes them mean \
+                     something); sslmode is {mode_name}"
+                )));
+            }
+            Some(Roots::System)
+        }
+        Some(path) => Some(Roots::File(path.to_owned())),
+        None => {
+            home("root.crt").filter(|path| path.is_file()).map(|path| Roots::File(path.display().to_string()))
+        }
+    };
+    let verify = match (mode, &roots) {
+        (SslMode::VerifyFull, Some(_)) => Verify::Full,
+        (SslMode::VerifyCa, Some(_)) => Verify::ChainOnly,
+        (SslMode::VerifyCa | SslMode::VerifyFull, None) => {
+            return Err(Error::Config(format!(
+            "DATABASE_URL: sslmode={mode_name} checks the server's certificate, but no root certificate is \
+                 given: add sslrootcert=PATH (the CA's PEM file), or sslrootcert=system with verify-full, \
+                 or put the CA at ~/.postgresql/root.crt"
+        )))
+        }
+        // libpq: with a root certificate, `require` (and `prefer`) verify the chain.
+        (_, Some(_)) => Verify::ChainOnly,
+        (_, None) => Verify::Nothing,
+    };
+    Ok((roots, verify))
+}
+
+/// The client certificate: `sslcert` with `sslkey` (or libpq's
+/// `~/.postgresql/postgresql.key`), or libpq's defaults when both files are present.
+fn client_certificate(cert: Option<String>, key: Option<String>) -> Result<Option<ClientCert>, Error> {
+    match (cert, key) {
+        (Some(cert), Some(key)) => Ok(Some(ClientCert { cert, key })),
+        (Some(cert), None) => match home("postgresql.key").filter(|path| path.is_file()) {
+            Some(key) => Ok(Some(ClientCert { cert, key: key.display().to_string() })),
+            None => Err(Error::Config(
+                "DATABASE_URL: sslcert= is given without sslkey=; a client certificate needs its key".into(),
+            )),
+        },
+        (None, Some(_)) => Err(Error::Config(
+            "DATABASE_URL: sslkey= is given without sslcert=; a client certificate needs both".into(),
+        )),
+        (None, None) => match (home("postgresql.crt"), home("postgresql.key")) {
+            (Some(cert), Some(key)) if cert.is_file() && key.is_file() => {
+                Ok(Some(ClientCert { cert: cert.display().to_string(), key: key.display().to_string() }))
+            }
+            _ => Ok(None),
+        },
     }
 }
 
