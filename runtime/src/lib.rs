@@ -279,6 +279,7 @@ pub use base::verdict::OnConflict;
 pub use broker::topology::{Exchange, Queue, Topology};
 pub use engine::runtime::{shutdown_signal, shutdown_signals, Runtime, RuntimeBuilder, ShutdownSignals};
 pub use error::{Dependency, Error};
+pub use handler::batch::Batch;
 pub use handler::context::{Context, HandlerOutput};
 pub use handler::key::{Key, Metadata};
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
@@ -401,6 +402,58 @@ pub mod __private {
     impl<R, E> __IdemqResult<R, E> for ::core::result::Result<R, E> {
         fn __idemq_result(self) -> ::core::result::Result<R, E> {
             self
+        }
+    }
+
+    /// A batch handler's `handle` (a batch of one).
+    pub use crate::handler::batch::as_batch_of_one as __idemq_batch_of_one;
+
+    #[diagnostic::on_unimplemented(
+        message = "a batch handler's message argument is `&mut idemq::Batch<M>`, not `{Self}`",
+        label = "write `&mut idemq::Batch<YourMessage>` here",
+        note = "a handler takes one message (`msg: YourMessage`), or the new messages of a \
+                transaction together (`batch: &mut idemq::Batch<YourMessage>`)"
+    )]
+    pub trait __IdemqBatch<'c, M> {
+        fn __idemq_batch(batch: &'c mut crate::Batch<M>) -> Self;
+    }
+    #[diagnostic::do_not_recommend]
+    impl<'c, M> __IdemqBatch<'c, M> for &'c mut crate::Batch<M> {
+        fn __idemq_batch(batch: &'c mut crate::Batch<M>) -> Self {
+            batch
+        }
+    }
+
+    #[diagnostic::on_unimplemented(
+        message = "a batch handler's result `{Self}` must be `()` or `Vec<R>` with `R: serde::Serialize`",
+        label = "write `()` or `Vec<YourResult>` here",
+        note = "a batch handler returns `Result<(), E>`, or `Result<Vec<R>, E>` with one result per \
+                message in the batch's order (stored with each message's dedup row and sent again \
+                as the reply to a duplicated request)"
+    )]
+    pub trait __IdemqBatchOutput {
+        fn __idemq_batch_output(
+            self,
+            messages: usize,
+        ) -> ::core::result::Result<::std::vec::Vec<crate::HandlerOutput>, crate::HandlerError>;
+    }
+    #[diagnostic::do_not_recommend]
+    impl __IdemqBatchOutput for () {
+        fn __idemq_batch_output(
+            self,
+            messages: usize,
+        ) -> ::core::result::Result<::std::vec::Vec<crate::HandlerOutput>, crate::HandlerError> {
+            ::core::result::Result::Ok(::std::vec![crate::HandlerOutput::none(); messages])
+        }
+    }
+    #[diagnostic::do_not_recommend]
+    impl<R: crate::__private::Serialize> __IdemqBatchOutput for ::std::vec::Vec<R> {
+        fn __idemq_batch_output(
+            self,
+            _messages: usize,
+        ) -> ::core::result::Result<::std::vec::Vec<crate::HandlerOutput>, crate::HandlerError> {
+            // The number is checked by the runtime, for handlers written by hand too.
+            self.iter().map(crate::HandlerOutput::json).collect()
         }
     }
 
