@@ -43,8 +43,8 @@
 //! The life of a delivery is one state machine, in one module (`engine/delivery/`, whose `mod.rs` tells it):
 //!
 //! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
-//! batch's rows in one statement) → handlers → checked COMMIT → ack | retry |
-//! dead-letter
+//! batch's rows in one statement) → handlers (or one batch handler call) → checked
+//! COMMIT → ack | retry | dead-letter
 //!
 //! - **Ack after commit, always.** Handlers never see the delivery or its acker. The
 //!   COMMIT is *checked*, in the same round trip: a transaction aborted by a statement
@@ -103,8 +103,8 @@
 //!   `multiple` ack, only below the channel's watermark of unsettled deliveries); a
 //!   lone message is a batch of one, never waiting for a timer. No delivery is
 //!   charged for a neighbour: a failing handler is re-run alone and the others
-//!   without it, a batch failing as a whole (refused COMMIT, a lock wait over 200 ms)
-//!   in halves. Decisions are pure functions (`base/verdict.rs`), acks have their own
+//!   without it, a batch failing as a whole (refused COMMIT, a lock wait over 200 ms,
+//!   a failed batch handler) in halves. Decisions are pure functions (`base/verdict.rs`), acks have their own
 //!   module (`broker/acks.rs`). Per-message mode is `batch_size(1)`.
 //! - **Lanes:** `#[idempotent_handler(key = "...", lane = "account")]` sends one lane
 //!   value's deliveries to one pipeline, in arrival order: never applied concurrently
@@ -134,7 +134,7 @@
 //! [`idempotent_handler`] and the derive [`Message`], [`Runtime`] and its
 //! [`RuntimeBuilder`], [`Topology`] / [`Queue`] / [`Exchange`], [`Handler`],
 //! [`HandlerError`] / [`Permanent`] / [`ErrorClass`], [`Context`] /
-//! [`HandlerOutput`], [`Key`] / [`Metadata`], [`RetryPolicy`], [`OnConflict`],
+//! [`HandlerOutput`], [`Batch`] (batch handlers), [`Key`] / [`Metadata`], [`RetryPolicy`], [`OnConflict`],
 //! [`Outcome`] / [`FailureKind`], [`Error`] / [`Dependency`], [`migrate`] and the
 //! shutdown signals. Everything else lives in one module, under one path:
 //!
@@ -206,6 +206,23 @@
 //! database). `E` is any
 //! error (transient: retried) or a [`HandlerError`]; wrap in [`Permanent`] to
 //! dead-letter without retrying.
+//!
+//! A **batch handler** takes `batch: &mut` [`Batch<M>`](Batch) instead of the message
+//! (and no context: each message in the batch has its own) and returns `Result<(),
+//! E>` or `Result<Vec<R>, E>`, one result per message in order. It is called once per
+//! transaction with the transaction's new messages, in arrival order, so its effect
+//! can be a few multi-row statements instead of a few statements per message (the
+//! demo's `apply_payment`). The guarantees are the same: duplicates are answered
+//! before it runs; key, lane and options apply per message; results, replies and
+//! outbox ids stay per message. Its failure (error, panic, timeout) names no message,
+//! so the batch is rolled back and run again in halves ([`Handler::handle_batch`])
+//! until the message at fault runs alone — only then is an attempt charged, as for a
+//! handler of one message, which is re-run *around* the failing message instead. The
+//! design keeps one erased path for both forms: a batch handler's decoded message
+//! waits for its batch (`handler/prepare.rs`), where a handler of one message's is
+//! already bound into its effect; a batch handler's `handle` is a batch of one, so
+//! any caller of the trait still works. Prefer a handler of one message unless a hot
+//! path can write multi-row statements (README, "Batch handlers: when to choose them").
 //!
 //! The stored key ([`Key`]) is the key as written — integers in decimal, uuids
 //! hyphenated — when it has at most [`key::MAX_STORED_KEY_BYTES`] (256) UTF-8 bytes and
