@@ -33,6 +33,7 @@ fn round_runs(concurrency: usize, shape: Shape) -> Vec<Run> {
         run(Contender::IdemqGroup, Load::Backlog),
         run(Contender::IdemqLanes, Load::Backlog),
         run(Contender::IdemqOutbox, Load::Backlog),
+        run(Contender::IdemqBatch, Load::Backlog),
         run(Contender::IdemqLanes, Load::DuplicatesOnly),
         run(Contender::Baseline, Load::DuplicatesOnly),
     ]

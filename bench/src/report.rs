@@ -180,13 +180,14 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> String {
 }
 
 /// The backlog contenders of the summary: number (as in BENCHMARKS.md), label.
-const BACKLOG: [(&str, &str); 8] = [
+const BACKLOG: [(&str, &str); 9] = [
     ("1", "raw"),
     ("2", "baseline"),
     ("3", "idemq-per-message"),
     ("4", "idemq-group"),
     ("5", "idemq-lanes"),
     ("7", "idemq-outbox"),
+    ("8", "idemq-batch"),
     ("6", "idemq-lanes dups-only"),
     ("", "baseline dups-only"),
 ];
@@ -224,6 +225,8 @@ pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]
         ("6/5", "idemq-lanes: duplicates only / first deliveries", "idemq-lanes dups-only", "idemq-lanes"),
         ("7/5", "an outbox event per payment / idemq-lanes", "idemq-outbox", "idemq-lanes"),
         ("7/2", "idemq-lanes + outbox / baseline (no event)", "idemq-outbox", "baseline"),
+        ("8/5", "batch handler / per-message handler (lanes)", "idemq-batch", "idemq-lanes"),
+        ("8/2", "idemq batch handler / baseline", "idemq-batch", "baseline"),
         ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
     ] {
         println!("  {numbers:>3}  {what:<48} {:>6}", ratio(rate(a), rate(b)));

@@ -12,7 +12,7 @@
 use diesel::prelude::*;
 use diesel::upsert::excluded;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemq::{idempotent_handler, Context, Exchange, HandlerError, Message, Queue, Topology};
+use idemq::{idempotent_handler, Batch, Context, Exchange, HandlerError, Message, Queue, Topology};
 use serde::{Deserialize, Serialize};
 
 pub mod demo;
@@ -83,12 +83,30 @@ impl From<PaymentRequested> for PaymentApplied {
     }
 }
 
-/// Applies a payment — one ledger row, one balance update — and publishes a
-/// [`PaymentApplied`] event. Runs inside idemq's dedup transaction, so a redelivered
-/// payment is never applied twice, and its event goes out once the transaction
-/// commits (never if it rolls back).
+/// Applies the new payments of one transaction together — one multi-row ledger
+/// insert and one balance upsert for all of them ([`record_payments`]) — and publishes
+/// a [`PaymentApplied`] event per payment. Runs inside idemq's dedup transaction, so a
+/// redelivered payment is never applied twice, and the events go out once the
+/// transaction commits (never if it rolls back). A batch handler: see the README,
+/// "Batch handlers: when to choose them"; [`apply_payment_each`] is the same effect
+/// one payment at a time.
 #[idempotent_handler(key = "payment_id", lane = "account")]
 pub async fn apply_payment(
+    conn: &mut AsyncPgConnection,
+    batch: &mut Batch<PaymentRequested>,
+) -> Result<(), HandlerError> {
+    record_payments(conn, batch.messages()).await?;
+    for (msg, ctx) in batch.iter_mut() {
+        ctx.send(&PaymentApplied::from(msg.clone()))?;
+    }
+    Ok(())
+}
+
+/// [`apply_payment`] one payment at a time (the same dedup name, so the same dedup
+/// rows): one ledger row, one balance update, one event per handler call. For
+/// comparison (the benchmark runs both).
+#[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
+pub async fn apply_payment_each(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
     ctx: &mut Context,
@@ -96,6 +114,58 @@ pub async fn apply_payment(
     record_payment(conn, &msg).await?;
     let event = PaymentApplied::from(msg);
     ctx.send(&event)?;
+    Ok(())
+}
+
+/// The effect of several payments on the demo's tables, in two statements: one
+/// `INSERT … VALUES (..), (..)` into `ledger`, and one upsert into `accounts` with
+/// each account's total. The amounts are summed per account first — PostgreSQL
+/// refuses an `ON CONFLICT DO UPDATE` that touches one row twice in a statement
+/// ("command cannot affect row a second time") — and the accounts go in sorted
+/// order, so concurrent batches lock their rows in one order (no deadlock between
+/// them). Does nothing for no payments.
+///
+/// # Errors
+/// The database's; a total beyond `i64` is refused as PostgreSQL refuses a balance
+/// beyond `bigint`.
+pub async fn record_payments(
+    conn: &mut AsyncPgConnection,
+    payments: &[PaymentRequested],
+) -> Result<(), diesel::result::Error> {
+    if payments.is_empty() {
+        return Ok(());
+    }
+    let rows: Vec<_> = payments
+        .iter()
+        .map(|msg| {
+            (
+                ledger::payment_id.eq(&msg.payment_id),
+                ledger::account.eq(&msg.account),
+                ledger::amount_cents.eq(msg.amount_cents),
+            )
+        })
+        .collect();
+    diesel::insert_into(ledger::table).values(rows).execute(conn).await?;
+    let mut totals: std::collections::BTreeMap<&str, i64> = std::collections::BTreeMap::new();
+    for msg in payments {
+        let total = totals.entry(msg.account.as_str()).or_default();
+        *total = total.checked_add(msg.amount_cents).ok_or_else(|| {
+            diesel::result::Error::QueryBuilderError(
+                format!("the payments to account {} add up beyond a bigint", msg.account).into(),
+            )
+        })?;
+    }
+    let balances: Vec<_> = totals
+        .into_iter()
+        .map(|(account, total)| (accounts::account.eq(account), accounts::balance_cents.eq(total)))
+        .collect();
+    diesel::insert_into(accounts::table)
+        .values(balances)
+        .on_conflict(accounts::account)
+        .do_update()
+        .set(accounts::balance_cents.eq(accounts::balance_cents + excluded(accounts::balance_cents)))
+        .execute(conn)
+        .await?;
     Ok(())
 }
 

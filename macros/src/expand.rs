@@ -1,8 +1,12 @@
 //! Code generation: the unit struct that replaces the fn and its `idemq::Handler` impl.
 //!
+//! A batch handler (`batch: &mut Batch<M>`) gets `batched` (true), `handle_batch`
+//! (the fn) and a `handle` that runs a batch of one.
+//!
 //! The type checks the macro cannot make itself go through traits of
 //! `idemq::__private` (`__IdemqConnection`, `__IdemqContext`, `__IdemqResult`,
-//! `__IdemqOutput`, `__IdemqError`), defined once there: each has an
+//! `__IdemqOutput`, `__IdemqError`, and for batch handlers `__IdemqBatch` and
+//! `__IdemqBatchOutput`), defined once there: each has an
 //! `on_unimplemented` message saying what to write, is used on the user's own tokens
 //! (so the error underlines them), and its impl is `do_not_recommend` (so rustc
 //! reports that message, not the impl's unmet bound or a pointer into the expansion).
@@ -46,7 +50,18 @@ fn fallback(item: &ItemFn, err: &syn::Error) -> TokenStream {
 }
 
 fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
-    let HandlerFn { item, conn_ty, message_ty, message_by_ref, ctx_ty, roles, output, error_ty } = handler;
+    let HandlerFn {
+        item,
+        conn_ty,
+        message_ty,
+        message_by_ref,
+        batch_ty,
+        ctx_ty,
+        roles,
+        output,
+        error_ty,
+        ok_ty,
+    } = handler;
     let ItemFn { attrs, vis, sig, block } = item;
     let ident = &sig.ident;
     let inputs = &sig.inputs;
@@ -107,6 +122,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         Role::Message if *message_by_ref => quote! { &__idemq_message },
         Role::Message => quote! { __idemq_message },
         Role::Context => quote! { __idemq_ctx },
+        Role::Batch => quote! { __idemq_batch },
     });
     let unused_ctx = ctx_ty.is_none().then(|| quote! { let _ = __idemq_ctx; });
     // Naming the return type underlines all of it; `impl Trait` (legal in an async
@@ -124,14 +140,76 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     };
     // Spanned on the fn's name: a future that is not `Send` is reported there (with
     // rustc's note on the value held across an `.await`), not on the attribute.
-    let boxed = quote_spanned! {ident.span()=>
-        ::std::boxed::Box::pin(async move {
-            let result = #ident::call(#(#call_args),*).await;
-            match #result_expr {
-                ::core::result::Result::Ok(value) => #output_expr,
-                ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
+    let handle = match batch_ty {
+        None => {
+            let boxed = quote_spanned! {ident.span()=>
+                ::std::boxed::Box::pin(async move {
+                    let result = #ident::call(#(#call_args),*).await;
+                    match #result_expr {
+                        ::core::result::Result::Ok(value) => #output_expr,
+                        ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
+                    }
+                })
+            };
+            quote! {
+                fn handle<'__idemq_a>(
+                    &'__idemq_a self,
+                    __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+                    __idemq_ctx: &'__idemq_a mut ::idemq::Context,
+                    __idemq_message: <Self as ::idemq::Handler>::Message,
+                ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
+                    let __idemq_conn = #conn_expr;
+                    #ctx_expr
+                    #unused_ctx
+                    #boxed
+                }
             }
-        })
+        }
+        // A batch handler: `handle_batch` calls the fn; `handle` (one message, for
+        // callers of the trait) is a batch of one.
+        Some(batch_ty) => {
+            let batch_expr = quote_spanned! {batch_ty.span()=>
+                <#batch_ty as ::idemq::__private::__IdemqBatch<'_, <Self as ::idemq::Handler>::Message>>::__idemq_batch(__idemq_batch)
+            };
+            let results_span = ok_ty.as_ref().map_or_else(|| output.span(), Spanned::span);
+            let results_expr = quote_spanned! {results_span=>
+                ::idemq::__private::__IdemqBatchOutput::__idemq_batch_output(value, __idemq_count)
+            };
+            let boxed = quote_spanned! {ident.span()=>
+                ::std::boxed::Box::pin(async move {
+                    let result = #ident::call(#(#call_args),*).await;
+                    match #result_expr {
+                        ::core::result::Result::Ok(value) => #results_expr,
+                        ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
+                    }
+                })
+            };
+            quote! {
+                fn batched(&self) -> bool {
+                    true
+                }
+
+                fn handle<'__idemq_a>(
+                    &'__idemq_a self,
+                    __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+                    __idemq_ctx: &'__idemq_a mut ::idemq::Context,
+                    __idemq_message: <Self as ::idemq::Handler>::Message,
+                ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
+                    ::idemq::__private::__idemq_batch_of_one(self, __idemq_conn, __idemq_ctx, __idemq_message)
+                }
+
+                fn handle_batch<'__idemq_a>(
+                    &'__idemq_a self,
+                    __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+                    __idemq_batch: &'__idemq_a mut ::idemq::Batch<<Self as ::idemq::Handler>::Message>,
+                ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::std::vec::Vec<::idemq::HandlerOutput>, ::idemq::HandlerError>> {
+                    let __idemq_conn = #conn_expr;
+                    let __idemq_count = __idemq_batch.len();
+                    let __idemq_batch = #batch_expr;
+                    #boxed
+                }
+            }
+        }
     };
     // The user's docs describe the handler: they go on the type users register; the
     // other attributes (`#[allow]`, `#[tracing::instrument]`, …) stay on the fn.
@@ -191,17 +269,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
 
             #settings
 
-            fn handle<'__idemq_a>(
-                &'__idemq_a self,
-                __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
-                __idemq_ctx: &'__idemq_a mut ::idemq::Context,
-                __idemq_message: <Self as ::idemq::Handler>::Message,
-            ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
-                let __idemq_conn = #conn_expr;
-                #ctx_expr
-                #unused_ctx
-                #boxed
-            }
+            #handle
         }
     }
 }

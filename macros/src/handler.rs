@@ -15,6 +15,8 @@ pub(crate) enum Role {
     Connection,
     Message,
     Context,
+    /// `&mut idemq::Batch<M>`: the new messages of a transaction, together.
+    Batch,
 }
 
 /// A handler fn that has the right shape.
@@ -22,8 +24,12 @@ pub(crate) struct HandlerFn {
     pub(crate) item: ItemFn,
     /// The first argument's type, as written (`&mut AsyncPgConnection`).
     pub(crate) conn_ty: Type,
-    /// The message's type (`T` of a `msg: T` or `msg: &T` argument).
+    /// The message's type (`T` of a `msg: T` or `msg: &T` argument, `M` of a
+    /// `batch: &mut Batch<M>` argument).
     pub(crate) message_ty: Type,
+    /// The batch argument's type as written (`&mut idemq::Batch<M>`), for a batch
+    /// handler.
+    pub(crate) batch_ty: Option<Type>,
     /// The message is taken as `&T`.
     pub(crate) message_by_ref: bool,
     /// The context argument's type (`&mut Context` or `&Context`), if taken.
@@ -34,6 +40,9 @@ pub(crate) struct HandlerFn {
     pub(crate) output: Type,
     /// The `E` of a written-out `Result<(), E>`, to underline error-type errors on it.
     pub(crate) error_ty: Option<Type>,
+    /// The `R` of a written-out `Result<R, E>`, to underline a batch handler's
+    /// result errors on it.
+    pub(crate) ok_ty: Option<Type>,
 }
 
 impl HandlerFn {
@@ -69,9 +78,59 @@ impl HandlerFn {
                 FnArg::Typed(pat) => typed.push(pat),
             }
         }
+        // A batch handler: `(conn, batch: &mut Batch<M>)`, and no context (each
+        // message of the batch has its own).
+        let batch_at = typed.iter().position(|arg| batch_message(&arg.ty).is_some());
+        if let Some(at) = batch_at {
+            let arg = typed[at];
+            let message = match batch_message(&arg.ty) {
+                Some(Ok(message)) => Some((message, false)),
+                Some(Err(problem)) => {
+                    errors.push(syn::Error::new_spanned(&arg.ty, problem));
+                    None
+                }
+                None => unreachable!("found above"),
+            };
+            let batch_ty = Some((*arg.ty).clone());
+            let conn_ty = match typed.as_slice() {
+                [conn, _] if at == 1 => check_conn(conn, &mut errors),
+                [_, _] => {
+                    errors.push(syn::Error::new_spanned(
+                        &arg.ty,
+                        "the batch comes after the connection: \
+                         `(conn: &mut AsyncPgConnection, batch: &mut idemq::Batch<YourMessage>)`",
+                    ));
+                    None
+                }
+                [_] => {
+                    errors.push(syn::Error::new(
+                        sig.paren_token.span.join(),
+                        "a batch handler takes the connection first: \
+                         `(conn: &mut AsyncPgConnection, batch: &mut idemq::Batch<YourMessage>)`",
+                    ));
+                    None
+                }
+                _ => {
+                    errors.push(syn::Error::new(
+                        sig.paren_token.span.join(),
+                        "a batch handler takes `(conn: &mut AsyncPgConnection, batch: &mut \
+                         idemq::Batch<YourMessage>)` and nothing else: each message of the batch has \
+                         its own context (`for (msg, ctx) in batch.iter_mut()`), so remove the \
+                         `ctx` argument",
+                    ));
+                    None
+                }
+            };
+            return finish(
+                errors,
+                item,
+                (conn_ty, message, None, vec![Role::Connection, Role::Batch]),
+                batch_ty,
+            );
+        }
         // After the connection, the argument of type `&mut Context` (or `&Context`)
         // is the context, the other the message: either order is accepted.
-        let (conn_ty, message, ctx_ty, roles) = match typed.as_slice() {
+        let parts = match typed.as_slice() {
             [conn, message] => (
                 check_conn(conn, &mut errors),
                 check_message(message, &mut errors),
@@ -103,26 +162,77 @@ impl HandlerFn {
                 (None, None, None, Vec::new())
             }
         };
-        let output = match &sig.output {
-            ReturnType::Type(_, ty) => Some((**ty).clone()),
-            ReturnType::Default => {
-                errors.push(syn::Error::new(
-                    sig.paren_token.span.close(),
-                    "a handler returns `Result<R, E>` (R: `()` or a result to store and reply with; \
+        finish(errors, item, parts, None)
+    }
+}
+
+/// The parsed arguments: the connection's type, the message's (and whether by
+/// reference), the context's, and each argument's role.
+type Parts = (Option<Type>, Option<(Type, bool)>, Option<Type>, Vec<Role>);
+
+/// The return type checked, and every error collected, into the handler fn.
+fn finish(mut errors: Errors, item: ItemFn, parts: Parts, batch_ty: Option<Type>) -> syn::Result<HandlerFn> {
+    let sig = &item.sig;
+    let (conn_ty, message, ctx_ty, roles) = parts;
+    let output = match &sig.output {
+        ReturnType::Type(_, ty) => Some((**ty).clone()),
+        ReturnType::Default => {
+            errors.push(syn::Error::new(
+                sig.paren_token.span.close(),
+                "a handler returns `Result<R, E>` (R: `()` or a result to store and reply with; \
                      E: any error, or idemq::HandlerError): add `-> Result<(), YourError>`",
-                ));
-                None
-            }
-        };
-        let validated = errors.finish(|| ());
-        validated?;
-        match (conn_ty, message, output) {
-            (Some(conn_ty), Some((message_ty, message_by_ref)), Some(output)) => {
-                let error_ty = error_type(&output);
-                Ok(Self { item, conn_ty, message_ty, message_by_ref, ctx_ty, roles, output, error_ty })
-            }
-            _ => unreachable!("every missing part records an error"),
+            ));
+            None
         }
+    };
+    let validated = errors.finish(|| ());
+    validated?;
+    match (conn_ty, message, output) {
+        (Some(conn_ty), Some((message_ty, message_by_ref)), Some(output)) => {
+            let (ok_ty, error_ty) = result_types(&output).unzip();
+            Ok(HandlerFn {
+                item,
+                conn_ty,
+                message_ty,
+                message_by_ref,
+                batch_ty,
+                ctx_ty,
+                roles,
+                output,
+                error_ty,
+                ok_ty,
+            })
+        }
+        _ => unreachable!("every missing part records an error"),
+    }
+}
+
+/// `M` of `&mut Batch<M>` (any path ending in `Batch` with one type argument; the
+/// compiler then checks it is idemq's), or what is wrong with a `Batch` argument:
+/// `None` for any other type.
+fn batch_message(ty: &Type) -> Option<Result<Type, &'static str>> {
+    let Type::Reference(reference) = peel(ty) else { return None };
+    let Type::Path(path) = peel(&reference.elem) else { return None };
+    let last = path.path.segments.last().filter(|last| path.qself.is_none() && last.ident == "Batch")?;
+    let mut types = match &last.arguments {
+        PathArguments::AngleBracketed(args) => args
+            .args
+            .iter()
+            .filter_map(|arg| match arg {
+                GenericArgument::Type(ty) => Some(ty.clone()),
+                _ => None,
+            })
+            .collect::<Vec<_>>(),
+        _ => Vec::new(),
+    };
+    match (reference.mutability.is_some(), types.len()) {
+        (true, 1) => types.pop().map(Ok),
+        (true, _) => Some(Err("a batch handler takes `batch: &mut idemq::Batch<YourMessage>`: \
+                              name the message type the batch holds")),
+        (false, 1) => Some(Err("take the batch as `&mut idemq::Batch<YourMessage>`: the handler \
+                               publishes through each message's context in it")),
+        // `&Batch` of a message type of the user's own named `Batch`.
+        (false, _) => None,
     }
 }
 
@@ -194,8 +304,8 @@ fn check_message(arg: &PatType, errors: &mut Errors) -> Option<(Type, bool)> {
     }
 }
 
-/// `E` in `Result<R, E>` (any path ending in `Result` with two type arguments).
-fn error_type(output: &Type) -> Option<Type> {
+/// `R` and `E` in `Result<R, E>` (any path ending in `Result` with two type arguments).
+fn result_types(output: &Type) -> Option<(Type, Type)> {
     let Type::Path(path) = peel(output) else { return None };
     let last = path.path.segments.last()?;
     if last.ident != "Result" {
@@ -207,7 +317,7 @@ fn error_type(output: &Type) -> Option<Type> {
         _ => None,
     });
     match (types.next(), types.next(), types.next()) {
-        (Some(_), Some(error), None) => Some(error.clone()),
+        (Some(ok), Some(error), None) => Some((ok.clone(), error.clone())),
         _ => None,
     }
 }

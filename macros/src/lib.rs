@@ -103,6 +103,34 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// # let _ = apply_payment;
 /// ```
 ///
+/// # Batch handlers
+///
+/// Take `batch: &mut idemq::Batch<M>` instead of the message (and no context: each
+/// message in the batch has its own) and the handler is called once per transaction
+/// with its new messages together, in arrival order, to write one multi-row
+/// statement for all of them. It returns `Result<(), E>`, or `Result<Vec<R>, E>`
+/// with one result per message, in the batch's order. The key and the options apply
+/// per message, as for a handler of one message.
+///
+/// ```
+/// use diesel_async::AsyncPgConnection;
+/// use idemq::{idempotent_handler, Batch, HandlerError};
+/// # #[derive(serde::Deserialize, serde::Serialize)] struct PaymentRequested { payment_id: String, amount_cents: i64 }
+///
+/// #[idempotent_handler(key = "payment_id")]
+/// async fn apply_payments(
+///     conn: &mut AsyncPgConnection,
+///     batch: &mut Batch<PaymentRequested>,
+/// ) -> Result<(), HandlerError> {
+///     let _ = (conn, batch.messages()); // one INSERT … VALUES (..), (..) for all of them
+///     for (msg, ctx) in batch.iter_mut() {
+///         ctx.publish("", "payments.applied", msg)?;
+///     }
+///     Ok(())
+/// }
+/// # let _ = apply_payments;
+/// ```
+///
 /// # The key
 ///
 /// | form | the key is |

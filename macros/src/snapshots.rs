@@ -92,3 +92,26 @@ fn no_dedup_and_a_key_from_the_type() {
         },
     );
 }
+
+#[test]
+fn a_batch_handler() {
+    check(
+        "batch",
+        quote!(key = "payment_id", lane = "account"),
+        quote! {
+            /// Applies payments, a transaction's at once.
+            async fn apply_payment(conn: &mut AsyncPgConnection, batch: &mut idemq::Batch<PaymentRequested>) -> Result<(), HandlerError> {
+                Ok(())
+            }
+        },
+    );
+    check(
+        "batch_results",
+        quote!(key = "payment_id"),
+        quote! {
+            async fn apply_payment(conn: &mut AsyncPgConnection, batch: &mut Batch<PaymentRequested>) -> Result<Vec<Receipt>, Error> {
+                Ok(Vec::new())
+            }
+        },
+    );
+}

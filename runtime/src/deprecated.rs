@@ -17,9 +17,6 @@ pub use crate::key::{FromMessage, FromMessageAndMetadata, KeyField, KeyFn, Keyed
 pub use crate::observe::Observe;
 pub use crate::store::schema;
 
-#[deprecated(since = "0.2.0", note = "moved: use `idemq::observe::Batch`")]
-pub type Batch<'a> = crate::observe::Batch<'a>;
-
 #[deprecated(since = "0.2.0", note = "moved: use `idemq::observe::Commit`")]
 pub type Commit<'a> = crate::observe::Commit<'a>;
 

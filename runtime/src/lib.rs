@@ -43,8 +43,8 @@
 //! The life of a delivery is one state machine, in one module (`engine/delivery/`, whose `mod.rs` tells it):
 //!
 //! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
-//! batch's rows in one statement) → handlers → checked COMMIT → ack | retry |
-//! dead-letter
+//! batch's rows in one statement) → handlers (or one batch handler call) → checked
+//! COMMIT → ack | retry | dead-letter
 //!
 //! - **Ack after commit, always.** Handlers never see the delivery or its acker. The
 //!   COMMIT is *checked*, in the same round trip: a transaction aborted by a statement
@@ -103,8 +103,8 @@
 //!   `multiple` ack, only below the channel's watermark of unsettled deliveries); a
 //!   lone message is a batch of one, never waiting for a timer. No delivery is
 //!   charged for a neighbour: a failing handler is re-run alone and the others
-//!   without it, a batch failing as a whole (refused COMMIT, a lock wait over 200 ms)
-//!   in halves. Decisions are pure functions (`base/verdict.rs`), acks have their own
+//!   without it, a batch failing as a whole (refused COMMIT, a lock wait over 200 ms,
+//!   a failed batch handler) in halves. Decisions are pure functions (`base/verdict.rs`), acks have their own
 //!   module (`broker/acks.rs`). Per-message mode is `batch_size(1)`.
 //! - **Lanes:** `#[idempotent_handler(key = "...", lane = "account")]` sends one lane
 //!   value's deliveries to one pipeline, in arrival order: never applied concurrently
@@ -134,7 +134,7 @@
 //! [`idempotent_handler`] and the derive [`Message`], [`Runtime`] and its
 //! [`RuntimeBuilder`], [`Topology`] / [`Queue`] / [`Exchange`], [`Handler`],
 //! [`HandlerError`] / [`Permanent`] / [`ErrorClass`], [`Context`] /
-//! [`HandlerOutput`], [`Key`] / [`Metadata`], [`RetryPolicy`], [`OnConflict`],
+//! [`HandlerOutput`], [`Batch`] (batch handlers), [`Key`] / [`Metadata`], [`RetryPolicy`], [`OnConflict`],
 //! [`Outcome`] / [`FailureKind`], [`Error`] / [`Dependency`], [`migrate`] and the
 //! shutdown signals. Everything else lives in one module, under one path:
 //!
@@ -206,6 +206,23 @@
 //! database). `E` is any
 //! error (transient: retried) or a [`HandlerError`]; wrap in [`Permanent`] to
 //! dead-letter without retrying.
+//!
+//! A **batch handler** takes `batch: &mut` [`Batch<M>`](Batch) instead of the message
+//! (and no context: each message in the batch has its own) and returns `Result<(),
+//! E>` or `Result<Vec<R>, E>`, one result per message in order. It is called once per
+//! transaction with the transaction's new messages, in arrival order, so its effect
+//! can be a few multi-row statements instead of a few statements per message (the
+//! demo's `apply_payment`). The guarantees are the same: duplicates are answered
+//! before it runs; key, lane and options apply per message; results, replies and
+//! outbox ids stay per message. Its failure (error, panic, timeout) names no message,
+//! so the batch is rolled back and run again in halves ([`Handler::handle_batch`])
+//! until the message at fault runs alone — only then is an attempt charged, as for a
+//! handler of one message, which is re-run *around* the failing message instead. The
+//! design keeps one erased path for both forms: a batch handler's decoded message
+//! waits for its batch (`handler/prepare.rs`), where a handler of one message's is
+//! already bound into its effect; a batch handler's `handle` is a batch of one, so
+//! any caller of the trait still works. Prefer a handler of one message unless a hot
+//! path can write multi-row statements (README, "Batch handlers: when to choose them").
 //!
 //! The stored key ([`Key`]) is the key as written — integers in decimal, uuids
 //! hyphenated — when it has at most [`key::MAX_STORED_KEY_BYTES`] (256) UTF-8 bytes and
@@ -279,6 +296,7 @@ pub use base::verdict::OnConflict;
 pub use broker::topology::{Exchange, Queue, Topology};
 pub use engine::runtime::{shutdown_signal, shutdown_signals, Runtime, RuntimeBuilder, ShutdownSignals};
 pub use error::{Dependency, Error};
+pub use handler::batch::Batch;
 pub use handler::context::{Context, HandlerOutput};
 pub use handler::key::{Key, Metadata};
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
@@ -401,6 +419,58 @@ pub mod __private {
     impl<R, E> __IdemqResult<R, E> for ::core::result::Result<R, E> {
         fn __idemq_result(self) -> ::core::result::Result<R, E> {
             self
+        }
+    }
+
+    /// A batch handler's `handle` (a batch of one).
+    pub use crate::handler::batch::as_batch_of_one as __idemq_batch_of_one;
+
+    #[diagnostic::on_unimplemented(
+        message = "a batch handler's message argument is `&mut idemq::Batch<M>`, not `{Self}`",
+        label = "write `&mut idemq::Batch<YourMessage>` here",
+        note = "a handler takes one message (`msg: YourMessage`), or the new messages of a \
+                transaction together (`batch: &mut idemq::Batch<YourMessage>`)"
+    )]
+    pub trait __IdemqBatch<'c, M> {
+        fn __idemq_batch(batch: &'c mut crate::Batch<M>) -> Self;
+    }
+    #[diagnostic::do_not_recommend]
+    impl<'c, M> __IdemqBatch<'c, M> for &'c mut crate::Batch<M> {
+        fn __idemq_batch(batch: &'c mut crate::Batch<M>) -> Self {
+            batch
+        }
+    }
+
+    #[diagnostic::on_unimplemented(
+        message = "a batch handler's result `{Self}` must be `()` or `Vec<R>` with `R: serde::Serialize`",
+        label = "write `()` or `Vec<YourResult>` here",
+        note = "a batch handler returns `Result<(), E>`, or `Result<Vec<R>, E>` with one result per \
+                message in the batch's order (stored with each message's dedup row and sent again \
+                as the reply to a duplicated request)"
+    )]
+    pub trait __IdemqBatchOutput {
+        fn __idemq_batch_output(
+            self,
+            messages: usize,
+        ) -> ::core::result::Result<::std::vec::Vec<crate::HandlerOutput>, crate::HandlerError>;
+    }
+    #[diagnostic::do_not_recommend]
+    impl __IdemqBatchOutput for () {
+        fn __idemq_batch_output(
+            self,
+            messages: usize,
+        ) -> ::core::result::Result<::std::vec::Vec<crate::HandlerOutput>, crate::HandlerError> {
+            ::core::result::Result::Ok(::std::vec![crate::HandlerOutput::none(); messages])
+        }
+    }
+    #[diagnostic::do_not_recommend]
+    impl<R: crate::__private::Serialize> __IdemqBatchOutput for ::std::vec::Vec<R> {
+        fn __idemq_batch_output(
+            self,
+            _messages: usize,
+        ) -> ::core::result::Result<::std::vec::Vec<crate::HandlerOutput>, crate::HandlerError> {
+            // The number is checked by the runtime, for handlers written by hand too.
+            self.iter().map(crate::HandlerOutput::json).collect()
         }
     }
 

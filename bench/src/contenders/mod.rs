@@ -39,16 +39,20 @@ pub(crate) enum Contender {
     /// idemq-lanes whose handler also publishes an event per payment through the
     /// transactional outbox (the demo's `apply_payment`, to a queue of the run's).
     IdemqOutbox,
+    /// idemq-lanes with the payment effect as a batch handler (the demo's
+    /// `record_payments`: one multi-row ledger insert and one upsert per transaction).
+    IdemqBatch,
 }
 
 impl Contender {
-    pub(crate) const ALL: [Self; 6] = [
+    pub(crate) const ALL: [Self; 7] = [
         Self::Raw,
         Self::Baseline,
         Self::IdemqPerMessage,
         Self::IdemqGroup,
         Self::IdemqLanes,
         Self::IdemqOutbox,
+        Self::IdemqBatch,
     ];
 
     /// The name on the command line (`bench --child <name>`) and in the tables.
@@ -60,6 +64,7 @@ impl Contender {
             Self::IdemqGroup => "idemq-group",
             Self::IdemqLanes => "idemq-lanes",
             Self::IdemqOutbox => "idemq-outbox",
+            Self::IdemqBatch => "idemq-batch",
         }
     }
 
@@ -89,6 +94,9 @@ impl Contender {
             Self::IdemqOutbox => "idemq-lanes, and the handler publishes a PaymentApplied event per payment through \
                                   the outbox (relay in-process; the run waits until every event is published)"
                 .to_owned(),
+            Self::IdemqBatch => "idemq-lanes with the payment effect as a batch handler: one call per transaction, \
+                                 one multi-row ledger insert and one upsert of per-account totals (record_payments)"
+                .to_owned(),
         }
     }
 
@@ -99,7 +107,14 @@ impl Contender {
 
     /// Whether it is an idemq runtime, which declares the retry policy's wait queues.
     pub(crate) fn is_idemq(self) -> bool {
-        matches!(self, Self::IdemqPerMessage | Self::IdemqGroup | Self::IdemqLanes | Self::IdemqOutbox)
+        matches!(
+            self,
+            Self::IdemqPerMessage
+                | Self::IdemqGroup
+                | Self::IdemqLanes
+                | Self::IdemqOutbox
+                | Self::IdemqBatch
+        )
     }
 
     /// Whether it takes a concurrency (the others run with their defaults).
@@ -125,6 +140,7 @@ impl Contender {
             Self::IdemqGroup => runtime::start(runtime::Flavor::Group, urls, queue, recorder),
             Self::IdemqLanes => runtime::start(runtime::Flavor::Lanes, urls, queue, recorder),
             Self::IdemqOutbox => runtime::start(runtime::Flavor::Outbox, urls, queue, recorder),
+            Self::IdemqBatch => runtime::start(runtime::Flavor::Batch, urls, queue, recorder),
         }
     }
 }

@@ -1,12 +1,14 @@
-//! Contenders 3–5: idemq's [`Runtime`] on the payments queue, with the default
+//! Contenders 3–5, 7 and 8: idemq's [`Runtime`] on the payments queue, with the default
 //! retry policy (whose wait queues it declares at start-up). Every setting not
 //! named here is the builder's default.
 
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
-use idemq::{idempotent_handler, observe::Settled, Context, HandlerError, Outcome, Queue, Runtime, Topology};
-use idemq_example_payments::{record_payment, PaymentApplied, PaymentRequested};
+use idemq::{
+    idempotent_handler, observe::Settled, Batch, Context, HandlerError, Outcome, Queue, Runtime, Topology,
+};
+use idemq_example_payments::{record_payment, record_payments, PaymentApplied, PaymentRequested};
 use tokio_util::sync::CancellationToken;
 
 use super::Consumer;
@@ -31,6 +33,17 @@ async fn apply_payment_laned(
     msg: PaymentRequested,
 ) -> Result<(), diesel::result::Error> {
     record_payment(conn, &msg).await
+}
+
+/// The same effect as a batch handler, with the demo's lane: one call per
+/// transaction, the demo's `record_payments` (one multi-row ledger insert, one upsert
+/// of per-account totals) — the batch form of `apply_payment_laned`.
+#[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
+async fn apply_payment_batched(
+    conn: &mut AsyncPgConnection,
+    batch: &mut Batch<PaymentRequested>,
+) -> Result<(), diesel::result::Error> {
+    record_payments(conn, batch.messages()).await
 }
 
 /// Where the outbox contender's events go: the run's events queue.
@@ -65,6 +78,8 @@ pub(super) enum Flavor {
     Lanes,
     /// Defaults, the laned handler with an outbox event per payment.
     Outbox,
+    /// Defaults, the laned batch handler.
+    Batch,
 }
 
 pub(super) fn start(
@@ -88,6 +103,7 @@ pub(super) fn start(
             let _ = EVENTS.set(events_queue(queue));
             builder.consume(queue, apply_payment_with_event)
         }
+        Flavor::Batch => builder.consume(queue, apply_payment_batched),
     };
     let runtime = builder.build()?;
     let stats = runtime.stats();

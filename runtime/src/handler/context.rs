@@ -56,6 +56,12 @@ impl Context {
         }
     }
 
+    /// A context of no message, held by a `&mut Context` while the context it held
+    /// is lent to a batch of one (see `batch::as_batch_of_one`).
+    pub(crate) fn detached() -> Self {
+        Self::new("", "", 0, false, &BasicProperties::default())
+    }
+
     /// Gives published messages random ids (a handler without dedup rows).
     pub(crate) fn use_random_ids(&mut self) {
         self.random_ids = true;

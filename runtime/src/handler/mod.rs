@@ -4,6 +4,7 @@
 //! unit struct that replaces their fn. The runtime only ever sees `dyn` handlers
 //! through [`Handler`], the way axum only sees `Handler` and never your fn's type.
 
+pub(crate) mod batch;
 pub(crate) mod context;
 pub(crate) mod identity;
 pub(crate) mod key;
@@ -18,6 +19,7 @@ use serde::de::DeserializeOwned;
 
 use crate::base::retry::RetryPolicy;
 use crate::base::verdict::OnConflict;
+use crate::handler::batch::Batch;
 use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::key::{Key, KeyError, Metadata};
 
@@ -110,6 +112,34 @@ pub trait Handler: Send + Sync + 'static {
         ctx: &'a mut Context,
         message: Self::Message,
     ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>>;
+
+    /// Whether the runtime calls [`Handler::handle_batch`] (once per transaction,
+    /// with its new messages together) instead of [`Handler::handle`] (once per
+    /// message). The attribute says `true` for a fn taking `&mut Batch<M>`.
+    fn batched(&self) -> bool {
+        false
+    }
+
+    /// Applies the effects of a transaction's new messages (arrival order) on
+    /// `conn`, together, inside the runtime's transaction: called instead of
+    /// [`Handler::handle`] when [`Handler::batched`] says so. Each message has its
+    /// own [`Context`] in the batch; the outputs are one per message, in the batch's
+    /// order (another number fails the batch).
+    ///
+    /// A failure is the whole batch's: the transaction is rolled back, and the
+    /// runtime runs the batch again in halves until the failing message is alone,
+    /// which alone is charged an attempt (see the crate docs, "Handlers").
+    ///
+    /// The default (for a handler without a batch form, which the runtime never
+    /// calls this way) runs [`Handler::handle`] for each message in order, moving the
+    /// messages out of the batch.
+    fn handle_batch<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        batch: &'a mut Batch<Self::Message>,
+    ) -> BoxFuture<'a, Result<Vec<HandlerOutput>, HandlerError>> {
+        batch::one_by_one(self, conn, batch)
+    }
 }
 
 pub use crate::base::verdict::ErrorClass;

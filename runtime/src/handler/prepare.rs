@@ -1,11 +1,13 @@
 //! Turning a delivery's bytes into a typed message and its key, type-erased so the
 //! runtime can hold handlers of different message types.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
 
 use crate::base::outcome::FailureKind;
+use crate::handler::batch::Batch;
 use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::key::{Key, KeyError, Metadata};
 use crate::handler::{BoxFuture, Handler, HandlerError};
@@ -22,7 +24,24 @@ pub(crate) type Effect = Box<
         + Send,
 >;
 
-/// A decoded message: its key, fingerprint and effect.
+/// A decoded message, erased, waiting for the other new messages of its transaction
+/// (a batch handler's; see [`ErasedHandler::run_batch`]).
+pub(crate) type Erased = Box<dyn Any + Send>;
+
+/// What a batch handler's run gives back: one output per message (as many as the
+/// handler returned: the engine checks the number) and the contexts, holding what
+/// each message published.
+pub(crate) type BatchRun = Result<(Vec<HandlerOutput>, Vec<Context>), HandlerError>;
+
+/// What runs a decoded message.
+pub(crate) enum Payload {
+    /// A handler of one message: the message's effect, ready to run.
+    Effect(Effect),
+    /// A batch handler's message, run with the others of its transaction.
+    Message(Erased),
+}
+
+/// A decoded message: its key, fingerprint and what runs it.
 pub(crate) struct Prepared {
     pub(crate) key: Key,
     /// SHA-256 of the canonical form of what the message type reads of the body
@@ -30,7 +49,7 @@ pub(crate) struct Prepared {
     pub(crate) fingerprint: fingerprint::Fingerprint,
     /// The message's lane value, if its handler has a lane.
     pub(crate) lane: Option<Key>,
-    pub(crate) effect: Effect,
+    pub(crate) payload: Payload,
 }
 
 /// Why a message was refused before any transaction: always a dead letter.
@@ -58,6 +77,16 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn on_conflict(&self) -> Option<crate::OnConflict>;
     fn batch_size(&self) -> Option<usize>;
     fn dedup(&self) -> bool;
+    /// Whether its messages run together, as a [`Batch`] ([`Payload::Message`]).
+    fn batched(&self) -> bool;
+    /// Runs the batch handler on `messages` (each a [`Payload::Message`] this handler
+    /// prepared), each with its context.
+    fn run_batch<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        messages: Vec<Erased>,
+        contexts: Vec<Context>,
+    ) -> BoxFuture<'a, BatchRun>;
     fn prepare(
         &self,
         body: &[u8],
@@ -108,6 +137,34 @@ impl<H: Handler> ErasedHandler for Arc<H> {
         H::dedup(self)
     }
 
+    fn batched(&self) -> bool {
+        H::batched(self)
+    }
+
+    fn run_batch<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        messages: Vec<Erased>,
+        contexts: Vec<Context>,
+    ) -> BoxFuture<'a, BatchRun> {
+        Box::pin(async move {
+            let messages = messages
+                .into_iter()
+                .map(|message| message.downcast::<H::Message>().map(|message| *message))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| {
+                    HandlerError::permanent(format!(
+                        "idemq bug: a message given to the batch handler {} is not a {}",
+                        std::any::type_name::<H>(),
+                        std::any::type_name::<H::Message>()
+                    ))
+                })?;
+            let mut batch = Batch::new(messages, contexts);
+            let outputs = H::handle_batch(self, conn, &mut batch).await?;
+            Ok((outputs, batch.into_contexts()))
+        })
+    }
+
     fn prepare(
         &self,
         body: &[u8],
@@ -153,10 +210,15 @@ impl<H: Handler> ErasedHandler for Arc<H> {
                 return Err(Rejection { kind: FailureKind::Key, message: format!("lane `{path}`: {err}") });
             }
         };
-        let handler = Arc::clone(self);
-        let effect: Effect =
-            Box::new(move |conn, ctx| Box::pin(async move { handler.handle(conn, ctx, message).await }));
-        Ok(Prepared { key, fingerprint, lane, effect })
+        let payload = if H::batched(self) {
+            Payload::Message(Box::new(message))
+        } else {
+            let handler = Arc::clone(self);
+            let effect: Effect =
+                Box::new(move |conn, ctx| Box::pin(async move { handler.handle(conn, ctx, message).await }));
+            Payload::Effect(effect)
+        };
+        Ok(Prepared { key, fingerprint, lane, payload })
     }
 }
 

@@ -1,7 +1,9 @@
 //! The handler phase of the transaction (see `transact`): each new message's
-//! handler in the open transaction, in arrival order, and what a failure means — in
-//! a batch of several a split, alone a charged attempt (after in-process runs, when
-//! the server rolled it back for contention).
+//! handler in the open transaction, in arrival order — or a batch handler once, with
+//! all of them — and what a failure means: in a batch of several a split (around the
+//! failing message, or in halves when a batch handler failed, naming none), alone a
+//! charged attempt (after in-process runs, when the server rolled it back for
+//! contention).
 //!
 //! Contention is the server's word, not the handler's: a handler failed for it when
 //! the latest error PostgreSQL sent on its connection while it ran was a
@@ -22,8 +24,9 @@ use super::{Consumer, Delivered};
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{self, Outgoing, Request};
 use crate::base::verdict;
+use crate::handler::batch::length_mismatch;
 use crate::handler::context::Context;
-use crate::handler::prepare::{Fingerprint, Prepared};
+use crate::handler::prepare::{Fingerprint, Payload, Prepared};
 use crate::handler::{ErrorClass, HandlerError};
 use crate::store::db::{self, Conn};
 
@@ -44,9 +47,17 @@ struct Failed {
     took: Duration,
 }
 
+/// How a handler's run ended when it did not finish with `Ok`.
+enum Unfinished {
+    Returned(HandlerError),
+    Panicked(String),
+    TimedOut,
+}
+
 impl Consumer {
-    /// The handlers of the new messages, in arrival order, in the open transaction;
-    /// the first failure ends the run ([`Self::handler_failure`]).
+    /// The new messages, in the open transaction: each handler in arrival order, or
+    /// a batch handler once with all of them ([`Self::handle_together`]); the first
+    /// failure ends the run ([`Self::handler_failure`]).
     pub(super) async fn handle(
         &self,
         conn: &mut Conn,
@@ -58,6 +69,9 @@ impl Consumer {
                 return Err(rollback(conn, infra(err)).await);
             }
         }
+        if self.handler.batched() {
+            return self.handle_together(conn, tx, new).await;
+        }
         let cancel = conn.canceller();
         let mut done = Vec::with_capacity(new.len());
         let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();
@@ -65,7 +79,7 @@ impl Consumer {
             match self.run_handler(conn, tx, &cancel, index, prepared).await? {
                 Handled::Done(handled) => done.push(handled),
                 Handled::Failed(failed) => {
-                    self.handler_failure(conn, tx, &new_indices, position, failed).await?;
+                    self.handler_failure(conn, tx, &new_indices, Some(position), failed).await?;
                     return Ok(Step::Ended);
                 }
             }
@@ -73,9 +87,8 @@ impl Consumer {
         Ok(Step::Next(done))
     }
 
-    /// One handler in the open transaction, within the handler timeout. A handler
-    /// cut off (panic, timeout) has its statement cancelled on the server; one whose
-    /// connection then does not answer at all met an outage, not a failure of its own.
+    /// One handler in the open transaction, within the handler timeout (see
+    /// [`Self::guarded`] and [`Self::unfinished`]).
     async fn run_handler(
         &self,
         conn: &mut Conn,
@@ -84,7 +97,82 @@ impl Consumer {
         index: usize,
         prepared: Prepared,
     ) -> Result<Handled, Fault> {
-        let Prepared { key, fingerprint, effect, .. } = prepared;
+        let Prepared { key, fingerprint, payload, .. } = prepared;
+        let Payload::Effect(effect) = payload else {
+            unreachable!("a handler of one message prepares effects (handler/prepare.rs)")
+        };
+        let mut ctx = self.context(tx, index, &key);
+        let mark = conn.mark();
+        let (ran, took) = self.guarded(effect(conn, &mut ctx)).await;
+        let unfinished = match ran {
+            Ok(output) => {
+                let published = ctx.take_published();
+                return Ok(Handled::Done(Done { index, key, fingerprint, output, published, took }));
+            }
+            Err(unfinished) => unfinished,
+        };
+        let failure = self.unfinished(conn, cancel, unfinished).await?;
+        // Read before anything else runs on the connection (a cut-off handler's
+        // cancelled statement answers 57014, which is no contention).
+        let contended = matches!(failure, Failure::Returned(_)) && db::contended_since(conn, mark);
+        Ok(Handled::Failed(Failed { index, key, fingerprint, failure, contended, took }))
+    }
+
+    /// A batch handler, once, with every new message of the transaction (arrival
+    /// order), each with its own context, within the handler timeout. Its results
+    /// are one per message (another number fails it); each message is then `Done`
+    /// as if its own handler had run, with the call's time as its handler time. A
+    /// failure is the whole call's: in a batch of several it runs again in halves
+    /// (no message named), alone it is that message's charged attempt.
+    async fn handle_together(
+        &self,
+        conn: &mut Conn,
+        tx: &mut Tx<'_>,
+        new: Vec<(usize, Prepared)>,
+    ) -> Result<Step<Vec<Done>>, Fault> {
+        let cancel = conn.canceller();
+        let count = new.len();
+        let (mut heads, mut messages, mut contexts) =
+            (Vec::with_capacity(count), Vec::with_capacity(count), Vec::with_capacity(count));
+        for (index, Prepared { key, fingerprint, payload, .. }) in new {
+            let Payload::Message(message) = payload else {
+                unreachable!("a batch handler prepares messages (handler/prepare.rs)")
+            };
+            contexts.push(self.context(tx, index, &key));
+            messages.push(message);
+            heads.push((index, key, fingerprint));
+        }
+        let mark = conn.mark();
+        let (ran, took) = self.guarded(self.handler.run_batch(conn, messages, contexts)).await;
+        let unfinished = match ran {
+            Ok((outputs, contexts)) if outputs.len() == count => {
+                let done = heads
+                    .into_iter()
+                    .zip(outputs)
+                    .zip(contexts)
+                    .map(|(((index, key, fingerprint), output), mut ctx)| {
+                        let published = ctx.take_published();
+                        Done { index, key, fingerprint, output, published, took }
+                    })
+                    .collect();
+                return Ok(Step::Next(done));
+            }
+            Ok((outputs, _)) => Unfinished::Returned(length_mismatch(outputs.len(), count)),
+            Err(unfinished) => unfinished,
+        };
+        let failure = self.unfinished(conn, &cancel, unfinished).await?;
+        let contended = matches!(failure, Failure::Returned(_)) && db::contended_since(conn, mark);
+        let indices: Vec<usize> = heads.iter().map(|(index, ..)| *index).collect();
+        // Alone, the failure is this message's; in a batch of several, the key is
+        // only the first's (for the log): no message is named.
+        let (index, key, fingerprint) = heads.swap_remove(0);
+        let failed = Failed { index, key, fingerprint, failure, contended, took };
+        self.handler_failure(conn, tx, &indices, None, failed).await?;
+        Ok(Step::Ended)
+    }
+
+    /// The context of the message at `index`, keyed `key`.
+    fn context(&self, tx: &Tx<'_>, index: usize, key: &crate::Key) -> Context {
         let delivered = &tx.items[index];
         let mut ctx = Context::new(
             &self.scope,
@@ -98,26 +186,48 @@ impl Consumer {
             // rows must not share ids.
             ctx.use_random_ids();
         }
-        let mark = conn.mark();
-        let run = AssertUnwindSafe(effect(conn, &mut ctx)).catch_unwind();
+        ctx
+    }
+
+    /// Runs a handler's future within the handler timeout, a panic caught; returns
+    /// how it ended and how long it ran.
+    async fn guarded<T>(
+        &self,
+        run: impl std::future::Future<Output = Result<T, HandlerError>>,
+    ) -> (Result<T, Unfinished>, Duration) {
+        let run = AssertUnwindSafe(run).catch_unwind();
         let started = Instant::now();
         let ran_for = tokio::time::timeout(self.shared.handler_timeout, run).await;
         let took = started.elapsed();
-        let failure = match ran_for {
-            Ok(Ok(Ok(output))) => {
-                let published = ctx.take_published();
-                return Ok(Handled::Done(Done { index, key, fingerprint, output, published, took }));
-            }
-            Ok(Ok(Err(error))) => Failure::Returned(error),
+        let ran = match ran_for {
+            Ok(Ok(Ok(value))) => Ok(value),
+            Ok(Ok(Err(error))) => Err(Unfinished::Returned(error)),
+            Ok(Err(panic)) => Err(Unfinished::Panicked(panic_message(&*panic))),
+            Err(_elapsed) => Err(Unfinished::TimedOut),
+        };
+        (ran, took)
+    }
+
+    /// What a handler's run that did not finish with `Ok` means. One cut off (panic,
+    /// timeout) has its statement cancelled on the server; one whose connection then
+    /// does not answer at all met an outage, not a failure of its own.
+    async fn unfinished(
+        &self,
+        conn: &mut Conn,
+        cancel: &db::Canceller,
+        unfinished: Unfinished,
+    ) -> Result<Failure, Fault> {
+        Ok(match unfinished {
+            Unfinished::Returned(error) => Failure::Returned(error),
             // Both leave the transaction open and maybe a statement running: cancel
             // it on the server (dropping the connection alone would not stop it, and
             // it would keep its locks); `attempt` then drops the connection (it is in
             // a transaction, so broken), which ends the transaction server-side.
-            Ok(Err(panic)) => {
+            Unfinished::Panicked(message) => {
                 cancel_statement(cancel).await;
-                Failure::Cut(format!("the handler panicked: {}", panic_message(&*panic)))
+                Failure::Cut(format!("the handler panicked: {message}"))
             }
-            Err(_elapsed) => {
+            Unfinished::TimedOut => {
                 cancel_statement(cancel).await;
                 if !answers(conn).await {
                     // Its connection does not answer either: the handler was most
@@ -132,16 +242,13 @@ impl Consumer {
                 }
                 Failure::Cut(format!("the handler did not finish within {:?}", self.shared.handler_timeout))
             }
-        };
-        // Read before anything else runs on the connection (a cut-off handler's
-        // cancelled statement answers 57014, which is no contention).
-        let contended = matches!(failure, Failure::Returned(_)) && db::contended_since(conn, mark);
-        Ok(Handled::Failed(Failed { index, key, fingerprint, failure, contended, took }))
+        })
     }
 
-    /// A handler failed, at `position` of the new messages: the transaction is
-    /// rolled back. In a batch of several the others run without it and it runs
-    /// alone; alone and rolled back for contention (not a permanent error), it runs
+    /// A handler failed, at `culprit` of the new messages (`None`: a batch handler,
+    /// which names none): the transaction is rolled back. In a batch of several the
+    /// others run without it and it runs alone (without a culprit: the batch runs in
+    /// halves); alone and rolled back for contention (not a permanent error), it runs
     /// again in-process ([`Fault::Contention`]); else its attempt is charged (a
     /// request's permanent failure is stored first) and the repeats of its key run
     /// next.
@@ -150,7 +257,7 @@ impl Consumer {
         conn: &mut Conn,
         tx: &mut Tx<'_>,
         new_indices: &[usize],
-        position: usize,
+        culprit: Option<usize>,
         failed: Failed,
     ) -> Result<(), Fault> {
         let Failed { index, key, fingerprint, failure, contended, took } = failed;
@@ -168,8 +275,17 @@ impl Consumer {
         if new_indices.len() > 1 {
             // Maybe a neighbour's doing (a lock, an aborted transaction): the
             // others run without it (those after it never ran), and it runs alone.
-            tracing::debug!(queue = %self.queue, key = %key, error = %failure, batch = tx.batch, "a handler failed in a batch; running it alone");
-            tx.ran.next = split(new_indices, verdict::around(new_indices.len(), position), &tx.repeats);
+            let ranges = match culprit {
+                Some(position) => {
+                    tracing::debug!(queue = %self.queue, key = %key, error = %failure, batch = tx.batch, "a handler failed in a batch; running it alone");
+                    verdict::around(new_indices.len(), position)
+                }
+                None => {
+                    tracing::debug!(queue = %self.queue, error = %failure, batch = tx.batch, "a batch handler failed; running its batch in halves");
+                    verdict::halves(new_indices.len())
+                }
+            };
+            tx.ran.next = split(new_indices, ranges, &tx.repeats);
             tx.ran.contended = contended;
             return Ok(());
         }

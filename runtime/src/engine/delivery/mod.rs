@@ -2,8 +2,10 @@
 //!
 //! Deliveries run in batches (group commit): up to `batch_size` deliveries of one
 //! consumer that have arrived, in one transaction, acked together after COMMIT. A
-//! lone delivery is a batch of one; per-message mode is `batch_size = 1`. Each
-//! delivery of a batch goes through the same states:
+//! lone delivery is a batch of one; per-message mode is `batch_size = 1`. The new
+//! messages' handlers run in arrival order — or, for a batch handler
+//! ([`crate::Batch`]), one call takes them all — and each delivery of a batch goes
+//! through the same states ("handler" below is that one call for a batch handler):
 //!
 //! ```text
 //!            ┌────────── too large / not JSON / bad shape / bad key ──────────┐
@@ -49,8 +51,8 @@
 //!   and counted as a handler failure, never acked as applied.
 //! - Only a delivery run alone is charged a failed attempt. In a batch of several,
 //!   a handler that fails (error, panic, timeout) is re-run alone, the others without
-//!   it ([`verdict::around`]); a batch that fails as a whole (refused or aborted
-//!   COMMIT, a lock timeout: batches wait [`db::BATCH_LOCK_TIMEOUT`] for a lock, far
+//!   it ([`verdict::around`]); a batch that fails as a whole (a batch handler's
+//!   failure, which names no message; a refused or aborted COMMIT, a lock timeout: batches wait [`db::BATCH_LOCK_TIMEOUT`] for a lock, far
 //!   below the deadlock detector's second) is re-run in halves ([`verdict::halves`]).
 //!   Outcomes are the ones per-message mode would give.
 //! - A COMMIT the server answered with an error is a rollback (a handler failure;
@@ -79,8 +81,9 @@
 //!   recorded copy can only ever settle the message it was made from: the lineage
 //!   hashes the message's scope, key, `message_id`, body and replay generation
 //!   ([`crate::handler::identity`]), so two messages that differ to their handler never share one.
-//! - What handlers publish (through their [`Context`]) and return goes into the
-//!   batch's transaction after the last handler, one statement for the outbox rows
+//! - What handlers publish (through their [`Context`], one per message, in a batch
+//!   handler's [`Batch`](crate::Batch) too) and return (one result per message) goes
+//!   into the batch's transaction after the last handler, one statement for the outbox rows
 //!   (with a request's reply) and one for the results: published if and only if the
 //!   effect commits. A duplicated request's stored reply is committed to the outbox
 //!   before the duplicate is acked; a request's permanent failure is committed as its
@@ -101,8 +104,9 @@
 //!   (claim the dedup rows → sort the known from the new → run the handlers → write
 //!   the outbox and results → checked COMMIT), or end the run with its decisions.
 //! - `handlers`: the handler phase of that transaction — each handler in arrival
-//!   order, cut off on panic or timeout, and what its failure means (a split in a
-//!   batch, a charged attempt alone, a request's permanent failure stored).
+//!   order, or a batch handler once with every new message, cut off on panic or
+//!   timeout, and what its failure means (a split in a batch, a charged attempt
+//!   alone, a request's permanent failure stored).
 //! - `settle`: telling the broker — acks, nacks, retry copies, dead letters, stored
 //!   replies — and the bookkeeping after (copy records, start marks, the `settled`
 //!   event); the guard that nacks what a task left unsettled.

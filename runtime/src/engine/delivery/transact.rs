@@ -6,7 +6,8 @@
 //! claim   BEGIN + the dedup rows (one statement)      → Claimed { new, applied before }
 //! open    the applied-before decided; nothing new,
 //!         or poison: ROLLBACK                         → Open { xid, new }
-//! handle  the handlers, in arrival order (`handlers`) → every handler Done
+//! handle  the handlers, in arrival order, or a batch
+//!         handler once with them all (`handlers`)   → every message Done
 //! write   outbox rows and results (one statement each)
 //! commit  checked COMMIT                              → applied | rolled back | unknown
 //! ```
@@ -108,7 +109,7 @@ pub(super) fn infra(err: diesel::result::Error) -> Fault {
 impl Consumer {
     /// The transaction of `runnable` (batch index, decoded message): the dedup rows
     /// of the batch in one statement, the handlers of the new messages in arrival
-    /// order, the checked COMMIT. `starts` is how often the handler of a message run
+    /// order (or one batch handler call), the checked COMMIT. `starts` is how often the handler of a message run
     /// alone started (this time included).
     ///
     /// Deliveries it cannot decide together go to `next` (see [`verdict::around`]
@@ -408,7 +409,8 @@ impl Consumer {
     }
 }
 
-/// A handler that ran to `Ok` in the open transaction.
+/// A message whose handler ran to `Ok` in the open transaction (for a batch
+/// handler: each message of the call, with its own output and published messages).
 pub(super) struct Done {
     pub(super) index: usize,
     pub(super) key: crate::Key,
@@ -416,7 +418,7 @@ pub(super) struct Done {
     pub(super) output: HandlerOutput,
     /// What it published, for the outbox.
     pub(super) published: Vec<Outgoing>,
-    /// How long it ran.
+    /// How long it ran (a batch handler: the whole call, for each message).
     pub(super) took: Duration,
 }
 

@@ -1,0 +1,114 @@
+/// Applies payments, a transaction's at once.
+///
+/// Idempotent handler `apply_payment` (dedup key `payment_id`); register it with the runtime. The original fn is [`apply_payment::call`].
+#[allow(non_camel_case_types)]
+#[derive(
+    ::core::fmt::Debug,
+    ::core::clone::Clone,
+    ::core::marker::Copy,
+    ::core::default::Default
+)]
+struct apply_payment;
+impl apply_payment {
+    /// The fn `apply_payment` as written, for unit tests; the runtime calls it through `idemq::Handler`, inside its transaction.
+    async fn call(
+        conn: &mut AsyncPgConnection,
+        batch: &mut idemq::Batch<PaymentRequested>,
+    ) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+impl ::idemq::Handler for apply_payment {
+    type Message = PaymentRequested;
+    fn name(&self) -> &'static str {
+        "apply_payment"
+    }
+    fn key_path(&self) -> &'static str {
+        "payment_id"
+    }
+    fn key(
+        &self,
+        __idemq_message: &<Self as ::idemq::Handler>::Message,
+        __idemq_metadata: &::idemq::Metadata<'_>,
+    ) -> ::core::result::Result<::idemq::Key, ::idemq::key::KeyError> {
+        let _ = __idemq_metadata;
+        let __idemq_keyed = __idemq_message;
+        ::idemq::key::KeyField::to_key(&(*__idemq_keyed).payment_id)
+    }
+    fn lane_path(&self) -> ::core::option::Option<&'static str> {
+        ::core::option::Option::Some("account")
+    }
+    fn lane(
+        &self,
+        __idemq_message: &<Self as ::idemq::Handler>::Message,
+    ) -> ::core::option::Option<
+        ::core::result::Result<::idemq::Key, ::idemq::key::KeyError>,
+    > {
+        let __idemq_keyed = __idemq_message;
+        ::core::option::Option::Some(
+            ::idemq::key::KeyField::to_key(&(*__idemq_keyed).account),
+        )
+    }
+    fn batched(&self) -> bool {
+        true
+    }
+    fn handle<'__idemq_a>(
+        &'__idemq_a self,
+        __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+        __idemq_ctx: &'__idemq_a mut ::idemq::Context,
+        __idemq_message: <Self as ::idemq::Handler>::Message,
+    ) -> ::idemq::BoxFuture<
+        '__idemq_a,
+        ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>,
+    > {
+        ::idemq::__private::__idemq_batch_of_one(
+            self,
+            __idemq_conn,
+            __idemq_ctx,
+            __idemq_message,
+        )
+    }
+    fn handle_batch<'__idemq_a>(
+        &'__idemq_a self,
+        __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+        __idemq_batch: &'__idemq_a mut ::idemq::Batch<
+            <Self as ::idemq::Handler>::Message,
+        >,
+    ) -> ::idemq::BoxFuture<
+        '__idemq_a,
+        ::core::result::Result<
+            ::std::vec::Vec<::idemq::HandlerOutput>,
+            ::idemq::HandlerError,
+        >,
+    > {
+        let __idemq_conn = <&mut AsyncPgConnection as ::idemq::__private::__IdemqConnection<
+            '_,
+        >>::__idemq_connection(__idemq_conn);
+        let __idemq_count = __idemq_batch.len();
+        let __idemq_batch = <&mut idemq::Batch<
+            PaymentRequested,
+        > as ::idemq::__private::__IdemqBatch<
+            '_,
+            <Self as ::idemq::Handler>::Message,
+        >>::__idemq_batch(__idemq_batch);
+        ::std::boxed::Box::pin(async move {
+            let result = apply_payment::call(__idemq_conn, __idemq_batch).await;
+            match <Result<
+                (),
+                HandlerError,
+            > as ::idemq::__private::__IdemqResult<_, _>>::__idemq_result(result) {
+                ::core::result::Result::Ok(value) => {
+                    ::idemq::__private::__IdemqBatchOutput::__idemq_batch_output(
+                        value,
+                        __idemq_count,
+                    )
+                }
+                ::core::result::Result::Err(error) => {
+                    ::core::result::Result::Err(
+                        ::idemq::__private::__IdemqError::__idemq_error(error),
+                    )
+                }
+            }
+        })
+    }
+}
