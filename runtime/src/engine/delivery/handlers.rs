@@ -26,7 +26,7 @@ use crate::base::outgoing::{self, Outgoing, Request};
 use crate::base::verdict;
 use crate::handler::batch::length_mismatch;
 use crate::handler::context::Context;
-use crate::handler::prepare::{Fingerprint, Payload, Prepared};
+use crate::handler::prepare::{Erased, Fingerprint, Payload, Prepared};
 use crate::handler::{ErrorClass, HandlerError};
 use crate::store::db::{self, Conn};
 
@@ -69,9 +69,11 @@ impl Consumer {
                 return Err(rollback(conn, infra(err)).await);
             }
         }
-        if self.handler.batched() {
-            return self.handle_together(conn, tx, new).await;
-        }
+        let new = match batch_messages(new) {
+            Ok(messages) if self.handler.batched() => return self.handle_together(conn, tx, messages).await,
+            Ok(messages) => messages.into_iter().map(Waiting::into_prepared).collect(),
+            Err(new) => new,
+        };
         let cancel = conn.canceller();
         let mut done = Vec::with_capacity(new.len());
         let new_indices: Vec<usize> = new.iter().map(|(index, _)| *index).collect();
@@ -98,8 +100,23 @@ impl Consumer {
         prepared: Prepared,
     ) -> Result<Handled, Fault> {
         let Prepared { key, fingerprint, payload, .. } = prepared;
-        let Payload::Effect(effect) = payload else {
-            unreachable!("a handler of one message prepares effects (handler/prepare.rs)")
+        let effect = match payload {
+            Payload::Effect(effect) => effect,
+            // `batch_messages` sends a batch handler's messages to `handle_together`
+            // whenever they are all messages, and a handler prepares one form only
+            // (handler/prepare.rs): this is a bug of idemq's, failed, never a panic.
+            Payload::Message(_) => {
+                let failure =
+                    Failure::Cut("idemq bug: a batch handler's message reached the per-message path".into());
+                return Ok(Handled::Failed(Failed {
+                    index,
+                    key,
+                    fingerprint,
+                    failure,
+                    contended: false,
+                    took: Duration::ZERO,
+                }));
+            }
         };
         let mut ctx = self.context(tx, index, &key);
         let mark = conn.mark();
@@ -128,16 +145,13 @@ impl Consumer {
         &self,
         conn: &mut Conn,
         tx: &mut Tx<'_>,
-        new: Vec<(usize, Prepared)>,
+        new: Vec<Waiting>,
     ) -> Result<Step<Vec<Done>>, Fault> {
         let cancel = conn.canceller();
         let count = new.len();
         let (mut heads, mut messages, mut contexts) =
             (Vec::with_capacity(count), Vec::with_capacity(count), Vec::with_capacity(count));
-        for (index, Prepared { key, fingerprint, payload, .. }) in new {
-            let Payload::Message(message) = payload else {
-                unreachable!("a batch handler prepares messages (handler/prepare.rs)")
-            };
+        for Waiting { index, key, fingerprint, message } in new {
             contexts.push(self.context(tx, index, &key));
             messages.push(message);
             heads.push((index, key, fingerprint));
@@ -351,4 +365,36 @@ impl Consumer {
     pub(super) fn handler_failed(&self, error: HandlerError, attempt: u32) -> Outcome {
         verdict::handler_failed(error.class(), error.to_string(), attempt, &self.retry)
     }
+}
+
+/// A decoded message waiting for its batch handler's call, at `index` of the batch.
+struct Waiting {
+    index: usize,
+    key: crate::Key,
+    fingerprint: Fingerprint,
+    message: Erased,
+}
+
+impl Waiting {
+    /// Back as it came (a batch handler that is not one: never, see `handle`).
+    fn into_prepared(self) -> (usize, Prepared) {
+        let Self { index, key, fingerprint, message } = self;
+        (index, Prepared { key, fingerprint, lane: None, payload: Payload::Message(message) })
+    }
+}
+
+/// The new messages for one batch handler call ([`Consumer::handle_together`]): `Ok`
+/// when every one of them is a decoded message waiting for its batch (what a batch
+/// handler prepares), else the messages as they came, for one call each.
+fn batch_messages(new: Vec<(usize, Prepared)>) -> Result<Vec<Waiting>, Vec<(usize, Prepared)>> {
+    if new.is_empty() || !new.iter().all(|(_, prepared)| matches!(prepared.payload, Payload::Message(_))) {
+        return Err(new);
+    }
+    Ok(new
+        .into_iter()
+        .filter_map(|(index, Prepared { key, fingerprint, payload, .. })| match payload {
+            Payload::Message(message) => Some(Waiting { index, key, fingerprint, message }),
+            Payload::Effect(_) => None,
+        })
+        .collect())
 }
