@@ -18,7 +18,7 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AnsiTransactionManager, AsyncConnection, TransactionManager};
 use futures_util::FutureExt;
 
-use super::faults::{answers, cancel_statement, panic_message, rollback, Failure, Fault, InfraFault};
+use super::faults::{answers, cancel_statement, panic_message, Failure, Fault, InfraFault};
 use super::transact::{infra, rerun_repeats, split, Done, Step, Tx};
 use super::{Consumer, Delivered};
 use crate::base::outcome::Outcome;
@@ -64,11 +64,6 @@ impl Consumer {
         tx: &mut Tx<'_>,
         new: Vec<(usize, Prepared)>,
     ) -> Result<Step<Vec<Done>>, Fault> {
-        if new.len() > 1 {
-            if let Err(err) = self.bounded(db::limit_batch_lock_waits(conn)).await {
-                return Err(rollback(conn, infra(err)).await);
-            }
-        }
         let new = match batch_messages(new) {
             Ok(messages) if self.handler.batched() => return self.handle_together(conn, tx, messages).await,
             Ok(messages) => messages.into_iter().map(Waiting::into_prepared).collect(),

@@ -46,8 +46,9 @@ diesel::define_sql_function! {
 }
 
 /// BEGIN, then the dedup rows of `rows` (key, fingerprint; keys distinct) inserted
-/// where absent — pipelined, one round trip for both, one statement for the whole
-/// batch (its keys and fingerprints go as two array parameters, so there is no limit
+/// where absent, then — for a batch of several — the batch's limit on lock waits
+/// ([`BATCH_LOCK_TIMEOUT`], for the statements after the insert: the handlers') —
+/// pipelined, one round trip for all, one statement for the whole batch (its keys and fingerprints go as two array parameters, so there is no limit
 /// of bind parameters to mind). Rows are inserted in key order: two batches sharing
 /// keys take their index locks in the same order and cannot deadlock on them.
 ///
@@ -68,11 +69,15 @@ pub(crate) async fn begin_and_claim(
     sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
     // Both through shared references, polled together: tokio-postgres sends them
     // back to back in this order, and the server runs them in order.
-    let (mut first, mut second) = (&*conn, &*conn);
+    let (mut first, mut second, mut third) = (&*conn, &*conn, &*conn);
     let began = first.batch_execute("BEGIN");
+    let limited = limit_lock_waits(&mut third, sorted.len());
     // `txid_current()` is evaluated per inserted row. (Function calls, not SQL
     // literals: a literal would make diesel prepare the statement anew every time.)
-    let (began, inserted) = if let [(key, fingerprint)] = sorted.as_slice() {
+    // (On a connection's first claim of a shape the insert is prepared first, a
+    // round trip, and the limit overtakes it: that once, the claim itself waits at
+    // most the batch's limit, and a batch refused for it runs in halves.)
+    let (began, inserted, limited) = if let [(key, fingerprint)] = sorted.as_slice() {
         // One row: a plain single-row insert (per-message mode's hot path).
         let insert = diesel::insert_into(idemq_dedup::table)
             .values((
@@ -83,7 +88,7 @@ pub(crate) async fn begin_and_claim(
             .on_conflict_do_nothing()
             .returning((idemq_dedup::key, txid_current()))
             .get_results::<(String, i64)>(&mut second);
-        futures_util::join!(began, insert)
+        futures_util::join!(began, insert, limited)
     } else {
         let keys: Vec<&str> = sorted.iter().map(|(key, _)| *key).collect();
         let fingerprints: Vec<&[u8]> = sorted.iter().map(|(_, fingerprint)| *fingerprint).collect();
@@ -97,8 +102,11 @@ pub(crate) async fn begin_and_claim(
             .on_conflict_do_nothing()
             .returning((idemq_dedup::key, txid_current()))
             .get_results::<(String, i64)>(&mut second);
-        futures_util::join!(began, insert)
+        futures_util::join!(began, insert, limited)
     };
+    // After a failed insert the limit fails too (the transaction is aborted): the
+    // insert's error is the one to report.
+    let inserted = inserted.and_then(|inserted| limited.map(|()| inserted));
     match (began, inserted) {
         (Ok(()), Ok(inserted)) => Ok(Claim {
             xid: <[_]>::first(&inserted).map(|(_, xid)| *xid),
@@ -131,19 +139,27 @@ pub(crate) async fn begin_without_claim(conn: &mut AsyncPgConnection, keys: &[&s
     AnsiTransactionManager::transaction_manager_status_mut(conn)
         .transaction_state()?
         .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
-    let (mut first, mut second) = (&*conn, &*conn);
+    let (mut first, mut second, mut third) = (&*conn, &*conn, &*conn);
     let began = first.batch_execute("BEGIN");
     let xid = diesel::select(txid_current()).get_result::<i64>(&mut second);
-    let (began, xid) = futures_util::join!(began, xid);
+    let limited = limit_lock_waits(&mut third, keys.len());
+    let (began, xid, limited) = futures_util::join!(began, xid, limited);
     began?;
-    Ok(Claim { xid: Some(xid?), inserted: keys.iter().map(|key| (*key).to_owned()).collect() })
+    let xid = xid?;
+    limited?;
+    Ok(Claim { xid: Some(xid), inserted: keys.iter().map(|key| (*key).to_owned()).collect() })
 }
 
-/// Makes the open transaction wait at most [`BATCH_LOCK_TIMEOUT`] for a lock: for a
-/// transaction that runs several handlers (one running alone keeps the session's
-/// limit, and only its failures are charged as attempts).
-pub(crate) async fn limit_batch_lock_waits(conn: &mut AsyncPgConnection) -> QueryResult<()> {
-    conn.batch_execute(&format!("SET LOCAL lock_timeout = {}", BATCH_LOCK_TIMEOUT.as_millis())).await
+/// Makes the open transaction wait at most [`BATCH_LOCK_TIMEOUT`] for a lock when
+/// it holds `deliveries` > 1 (one running alone keeps the session's limit, and only
+/// its failures are charged as attempts); sent in the pipeline after BEGIN and the
+/// claim, it costs no round trip of its own.
+async fn limit_lock_waits(conn: &mut &AsyncPgConnection, deliveries: usize) -> QueryResult<()> {
+    if deliveries > 1 {
+        conn.batch_execute(&format!("SET LOCAL lock_timeout = {}", BATCH_LOCK_TIMEOUT.as_millis())).await
+    } else {
+        Ok(())
+    }
 }
 
 /// What an existing dedup row holds.

@@ -36,8 +36,7 @@ pub(crate) use crate::tls::postgres::Canceller;
 #[allow(unused_imports)]
 pub(crate) use dedup::BATCH_LOCK_TIMEOUT;
 pub(crate) use dedup::{
-    begin_and_claim, begin_without_claim, forget, limit_batch_lock_waits, store_failure, store_results,
-    stored_rows, Stored,
+    begin_and_claim, begin_without_claim, forget, store_failure, store_results, stored_rows, Stored,
 };
 #[cfg(feature = "cli")]
 pub(crate) use housekeeping::table_sizes;
