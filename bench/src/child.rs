@@ -146,7 +146,7 @@ async fn backlog(spec: &ChildSpec, urls: &Urls) -> Result<ChildReport, BenchErro
         tokio::time::sleep(POLL).await;
     }
     let window = clock.stop();
-    let outbox_lag = if spec.contender == crate::contenders::Contender::IdemqOutbox {
+    let outbox_lag = if spec.contender.publishes_events() {
         outbox_drained(urls, clock.started + window.elapsed).await?
     } else {
         None

@@ -169,7 +169,7 @@ impl Bench<'_> {
         }
         if result.ok() {
             let mut queues = RunQueues::new(format!("idemq-bench-{run_id}"), run.contender.is_idemq());
-            if run.contender == Contender::IdemqOutbox {
+            if run.contender.publishes_events() {
                 queues = queues.with_events();
             }
             queues.declare(&self.admin).await?;

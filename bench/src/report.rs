@@ -225,8 +225,8 @@ pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]
         ("6/5", "idemq-lanes: duplicates only / first deliveries", "idemq-lanes dups-only", "idemq-lanes"),
         ("7/5", "an outbox event per payment / idemq-lanes", "idemq-outbox", "idemq-lanes"),
         ("7/2", "idemq-lanes + outbox / baseline (no event)", "idemq-outbox", "baseline"),
-        ("8/5", "batch handler / per-message handler (lanes)", "idemq-batch", "idemq-lanes"),
-        ("8/2", "idemq batch handler / baseline", "idemq-batch", "baseline"),
+        ("8/7", "batch handler / per-message (lanes, events)", "idemq-batch", "idemq-outbox"),
+        ("8/2", "demo's apply_payment / baseline (no event)", "idemq-batch", "baseline"),
         ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
     ] {
         println!("  {numbers:>3}  {what:<48} {:>6}", ratio(rate(a), rate(b)));

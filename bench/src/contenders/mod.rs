@@ -94,8 +94,9 @@ impl Contender {
             Self::IdemqOutbox => "idemq-lanes, and the handler publishes a PaymentApplied event per payment through \
                                   the outbox (relay in-process; the run waits until every event is published)"
                 .to_owned(),
-            Self::IdemqBatch => "idemq-lanes with the payment effect as a batch handler: one call per transaction, \
-                                 one multi-row ledger insert and one upsert of per-account totals (record_payments)"
+            Self::IdemqBatch => "idemq-outbox with the demo's apply_payment as it is, a batch handler: one call per \
+                                 transaction, one multi-row ledger insert and one upsert of per-account totals \
+                                 (record_payments), an event per payment through the outbox"
                 .to_owned(),
         }
     }
@@ -115,6 +116,12 @@ impl Contender {
                 | Self::IdemqOutbox
                 | Self::IdemqBatch
         )
+    }
+
+    /// Whether its handler publishes an event per payment through the outbox (the run
+    /// declares an events queue and waits for the relay to empty the outbox).
+    pub(crate) fn publishes_events(self) -> bool {
+        matches!(self, Self::IdemqOutbox | Self::IdemqBatch)
     }
 
     /// Whether it takes a concurrency (the others run with their defaults).

@@ -35,15 +35,21 @@ async fn apply_payment_laned(
     record_payment(conn, &msg).await
 }
 
-/// The same effect as a batch handler, with the demo's lane: one call per
-/// transaction, the demo's `record_payments` (one multi-row ledger insert, one upsert
-/// of per-account totals) — the batch form of `apply_payment_laned`.
+/// The demo's `apply_payment` as it is: a batch handler with the demo's lane, one
+/// call per transaction, the demo's `record_payments` (one multi-row ledger insert,
+/// one upsert of per-account totals), and a `PaymentApplied` event per payment
+/// through the outbox — the batch form of `apply_payment_with_event`.
 #[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
 async fn apply_payment_batched(
     conn: &mut AsyncPgConnection,
     batch: &mut Batch<PaymentRequested>,
-) -> Result<(), diesel::result::Error> {
-    record_payments(conn, batch.messages()).await
+) -> Result<(), HandlerError> {
+    record_payments(conn, batch.messages()).await?;
+    let events = EVENTS.get().map_or("", String::as_str);
+    for (msg, ctx) in batch.iter_mut() {
+        ctx.publish("", events, &PaymentApplied::from(msg.clone()))?;
+    }
+    Ok(())
 }
 
 /// Where the outbox contender's events go: the run's events queue.
@@ -103,7 +109,10 @@ pub(super) fn start(
             let _ = EVENTS.set(events_queue(queue));
             builder.consume(queue, apply_payment_with_event)
         }
-        Flavor::Batch => builder.consume(queue, apply_payment_batched),
+        Flavor::Batch => {
+            let _ = EVENTS.set(events_queue(queue));
+            builder.consume(queue, apply_payment_batched)
+        }
     };
     let runtime = builder.build()?;
     let stats = runtime.stats();
