@@ -26,7 +26,7 @@
 //!
 //! #[tokio::main]
 //! async fn main() -> Result<(), idemq::Error> {
-//!     let database_url = std::env::var("DATABASE_URL").unwrap_or(idemq::DEFAULT_DATABASE_URL.into());
+//!     let database_url = std::env::var("DATABASE_URL").unwrap_or(idemq::connect::DEFAULT_DATABASE_URL.into());
 //!     idemq::migrate(&database_url).await?;
 //!     Runtime::builder()
 //!         .database_url(database_url)
