@@ -285,6 +285,22 @@ pub async fn slower_payment(
     Ok(())
 }
 
+/// The "ignore the unique violation" idiom: the payment is written, then a failing
+/// statement's error is dropped with `let _ =` (on the first attempt only) — the
+/// transaction is aborted, and idemq must not ack it.
+#[idempotent_handler(key = "payment_id")]
+pub async fn ignores_an_error(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    let first = next_attempt(&msg.payment_id) == 1;
+    record_payment(conn, &msg).await?;
+    if first {
+        let _ = diesel::sql_query("INSERT INTO no_such_table VALUES (1)").execute(conn).await;
+    }
+    Ok(())
+}
+
 fn attempts() -> &'static Mutex<HashMap<String, u32>> {
     static ATTEMPTS: OnceLock<Mutex<HashMap<String, u32>>> = OnceLock::new();
     ATTEMPTS.get_or_init(Mutex::default)

@@ -5,9 +5,8 @@
 //! read on every kind of connection.
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemq::{idempotent_handler, Error, HandlerError, Outcome};
-use idemq_example_payments::{record_payment, PaymentRequested};
-use idemq_tests::fixture::{next_attempt, payment, Bed, Running};
+use idemq::{Error, Outcome};
+use idemq_tests::fixture::{ignores_an_error, payment, Bed, Running};
 use idemq_tests::TestDb;
 
 /// `url` with `host:port,` put before its host: a first host that refuses.
@@ -76,17 +75,6 @@ async fn a_refused_connection_keeps_the_servers_error_as_its_cause() {
     let code = cause.downcast_ref::<tokio_postgres::Error>().and_then(tokio_postgres::Error::code);
     assert_eq!(code, Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME), "{err:?}");
     assert!(std::error::Error::source(&err).is_none(), "printed once, through the message");
-}
-
-/// Ignores a failed statement's error, on the first attempt.
-#[idempotent_handler(key = "payment_id")]
-async fn ignores_an_error(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
-    let first = next_attempt(&msg.payment_id) == 1;
-    record_payment(conn, &msg).await?;
-    if first {
-        let _ = diesel::sql_query("INSERT INTO no_such_table VALUES (1)").execute(conn).await;
-    }
-    Ok(())
 }
 
 /// Over the server's Unix socket (no TLS there, so the stream is the socket itself)

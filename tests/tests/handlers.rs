@@ -10,7 +10,9 @@ use idemq::{
     headers, idempotent_handler, Error, FailureKind, HandlerError, Outcome, Queue, RetryPolicy, Topology,
 };
 use idemq_example_payments::{record_payment, PaymentRequested};
-use idemq_tests::fixture::{ledger_payment, next_attempt, payment, test_retry_policy, Bed, Running};
+use idemq_tests::fixture::{
+    ignores_an_error, ledger_payment, next_attempt, payment, test_retry_policy, Bed, Running,
+};
 use idemq_tests::in_both_modes;
 use idemq_tests::{eventually, header_str, unique};
 
@@ -31,18 +33,6 @@ async fn first_attempt_fails_then_applies<H: idemq::Handler>(handler: H, phrase:
     assert_eq!(events[1].outcome, Outcome::Applied, "{events:?}");
     assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "the first attempt's writes were rolled back");
     assert_eq!(bed.dedup_rows(&p.payment_id).await, 1);
-}
-
-/// The "ignore the unique violation" idiom: the payment is written, then a failing
-/// statement's error is dropped with `let _ =` (on the first attempt only).
-#[idempotent_handler(key = "payment_id")]
-async fn ignores_an_error(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
-    let first = next_attempt(&msg.payment_id) == 1;
-    record_payment(conn, &msg).await?;
-    if first {
-        let _ = diesel::sql_query("INSERT INTO no_such_table VALUES (1)").execute(conn).await;
-    }
-    Ok(())
 }
 
 in_both_modes! {

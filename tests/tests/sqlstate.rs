@@ -15,7 +15,7 @@ use std::time::Duration;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idemq::{idempotent_handler, observe::Batch, observe::Observe, HandlerError, Outcome};
 use idemq_example_payments::{record_payment, PaymentRequested};
-use idemq_tests::fixture::{next_attempt, payment, Bed, Running};
+use idemq_tests::fixture::{ignores_an_error, next_attempt, payment, Bed, Running};
 use idemq_tests::{in_both_modes, with_timeout, Mode};
 
 /// Makes the bed's database speak German (`lc_messages` for the sessions opened from
@@ -230,17 +230,6 @@ async fn a_handler_error_that_only_says_deadlock_is_no_contention_in_a_batch() {
     assert_eq!(stats.retried, 0, "{stats:?}");
     assert!(!batches.contended(), "a handler's words are not the server's");
     assert_eq!(bed.ledger_total().await, payments.len() as i64);
-}
-
-/// Ignores a failed statement's error, on the first attempt.
-#[idempotent_handler(key = "payment_id")]
-async fn ignores_an_error(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
-    let first = next_attempt(&msg.payment_id) == 1;
-    record_payment(conn, &msg).await?;
-    if first {
-        let _ = diesel::sql_query("INSERT INTO no_such_table VALUES (1)").execute(conn).await;
-    }
-    Ok(())
 }
 
 /// Ends idemq's transaction itself and begins its own, on the first attempt.
