@@ -88,7 +88,7 @@ pub(crate) async fn main(args: &[String], urls: &Urls) -> ExitCode {
         }
         Err(err) => {
             // Each cause once; driver errors may quote a URL, password and all.
-            eprintln!("bench --child {}: {}", spec.contender.name(), idemq_example_payments::report(&*err));
+            eprintln!("bench --child {}: {}", spec.contender.name(), idemq::connect::report(&*err));
             ExitCode::FAILURE
         }
     }

@@ -89,7 +89,7 @@ async fn main() -> ExitCode {
         }
         Err(err) => {
             // Each cause once; driver errors may quote a URL, password and all.
-            eprintln!("bench: {}", idemq_example_payments::report(&*err));
+            eprintln!("bench: {}", idemq::connect::report(&*err));
             ExitCode::FAILURE
         }
     }

@@ -242,24 +242,6 @@ pub enum SetupError {
     },
 }
 
-/// `err` and its causes, `": "`-joined, each once (a cause the text already quotes
-/// is skipped), passwords redacted: how the demo prints an error. For an
-/// [`idemq::Error`] alone, [`idemq::Error::report`] does the same.
-pub fn report(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let said = cause.to_string();
-        if !text.contains(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        source = cause.source();
-    }
-    // Driver errors may quote a URL, password and all.
-    idemq::connect::redact(&text)
-}
-
 fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) -> SetupError {
     let context = context.into();
     move |source| SetupError::Database { context, source }

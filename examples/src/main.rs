@@ -99,7 +99,7 @@ async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             // Each cause once; driver errors may quote a URL, password and all.
-            eprintln!("payments: {}", idemq_example_payments::report(&*err));
+            eprintln!("payments: {}", idemq::connect::report(&*err));
             ExitCode::FAILURE
         }
     }

@@ -10,7 +10,8 @@
 //! and never encrypts. The README's *TLS* section has the details.
 //!
 //! The URLs themselves: [`env_url`] reads one as the runtime does (`AMQP_URL` or
-//! `AMQP_URL_FILE`, …), [`redact`] hides its password for a log line.
+//! `AMQP_URL_FILE`, …), [`redact`] hides its password for a log line, and [`report`]
+//! prints an error with its causes, each once, redacted.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), idemq::Error> {
@@ -25,6 +26,7 @@ use crate::error::Error;
 
 pub use crate::base::redact::redact;
 pub use crate::config::{env_url, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+pub use crate::error::report;
 
 /// Connects to PostgreSQL at `url`, with TLS as its libpq parameters say
 /// (`sslmode=prefer` by default, as libpq) and the dead-peer detection idemq's own

@@ -237,8 +237,10 @@ impl Error {
 }
 
 /// `err` and its causes, `": "`-joined, each once (a cause whose words the text
-/// already holds is skipped: some errors quote their cause), redacted.
-pub(crate) fn report(err: &dyn std::error::Error) -> String {
+/// already holds is skipped: some errors quote their cause), passwords redacted
+/// ([`redact`](crate::connect::redact)): how idemq prints any error, its own
+/// ([`Error::report`]) or an application's that wraps a driver's.
+pub fn report(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(cause) = source {

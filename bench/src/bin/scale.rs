@@ -114,7 +114,7 @@ async fn main() -> ExitCode {
     match run(&options).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("scale: {}", idemq_example_payments::report(&*err));
+            eprintln!("scale: {}", idemq::connect::report(&*err));
             ExitCode::FAILURE
         }
     }
