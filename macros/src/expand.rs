@@ -140,17 +140,21 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     };
     // Spanned on the fn's name: a future that is not `Send` is reported there (with
     // rustc's note on the value held across an `.await`), not on the attribute.
+    // The fn called, its result converted: `ok` turns its `Ok` value into the trait's.
+    let call_and_convert = |ok: &TokenStream| {
+        quote_spanned! {ident.span()=>
+            ::std::boxed::Box::pin(async move {
+                let result = #ident::call(#(#call_args),*).await;
+                match #result_expr {
+                    ::core::result::Result::Ok(value) => #ok,
+                    ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
+                }
+            })
+        }
+    };
     let handle = match batch_ty {
         None => {
-            let boxed = quote_spanned! {ident.span()=>
-                ::std::boxed::Box::pin(async move {
-                    let result = #ident::call(#(#call_args),*).await;
-                    match #result_expr {
-                        ::core::result::Result::Ok(value) => #output_expr,
-                        ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
-                    }
-                })
-            };
+            let boxed = call_and_convert(&output_expr);
             quote! {
                 fn handle<'__idemq_a>(
                     &'__idemq_a self,
@@ -175,15 +179,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             let results_expr = quote_spanned! {results_span=>
                 ::idemq::__private::__IdemqBatchOutput::__idemq_batch_output(value, __idemq_count)
             };
-            let boxed = quote_spanned! {ident.span()=>
-                ::std::boxed::Box::pin(async move {
-                    let result = #ident::call(#(#call_args),*).await;
-                    match #result_expr {
-                        ::core::result::Result::Ok(value) => #results_expr,
-                        ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
-                    }
-                })
-            };
+            let boxed = call_and_convert(&results_expr);
             quote! {
                 fn batched(&self) -> bool {
                     true
