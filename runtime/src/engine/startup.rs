@@ -130,13 +130,19 @@ impl Startup {
         if self.waiting_for != Some(dependency) {
             self.waiting_for = Some(dependency);
             self.backoff = Backoff::new(FIRST_DELAY, self.reconnect_max);
+            self.last_error.clear();
         }
         let url = redact(url);
-        self.last_error = redact(error);
         let left = self.cut_at(dependency).map(|deadline| deadline.saturating_duration_since(Instant::now()));
         if left == Some(Duration::ZERO) {
+            // This attempt ran into the deadline, which cut it short: its error
+            // says only that the time ran out. The attempt before it says why.
+            if self.last_error.is_empty() {
+                self.last_error = redact(error);
+            }
             return Err(self.timed_out(dependency, &url));
         }
+        self.last_error = redact(error);
         let delay = self.backoff.next_delay();
         let delay = to_millis(left.map_or(delay, |left| delay.min(left)));
         let left = left.map(to_millis);
@@ -392,6 +398,22 @@ mod tests {
             "{shown}"
         );
         assert!(matches!(err, Error::StartupTimeout { dependency: Dependency::Broker, .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_cut_short_by_the_deadline_does_not_hide_why_the_wait_began() {
+        let mut startup =
+            Startup::new(Some(Duration::from_secs(1)), Duration::from_secs(1), Observers::default());
+        let stop = CancellationToken::new();
+        let url = "amqp://guest:s3cret@h:5672/%2f";
+        assert!(startup.wait(Dependency::Broker, url, "connection refused", &stop).await.expect("in time"));
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let err = startup
+            .wait(Dependency::Broker, url, "took longer than 936µs", &stop)
+            .await
+            .expect_err("past the deadline");
+        let shown = err.to_string();
+        assert!(shown.contains("connection refused") && !shown.contains("936"), "{shown}");
     }
 
     #[tokio::test(start_paused = true)]
