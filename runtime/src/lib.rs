@@ -43,8 +43,8 @@
 //! The life of a delivery is one state machine, in one module (`engine/delivery/`, whose `mod.rs` tells it):
 //!
 //! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
-//! batch's rows in one statement) → handlers (or one batch handler call) → checked
-//! COMMIT → ack | retry | dead-letter
+//! batch's rows in one statement, which also reads the rows of the duplicates) →
+//! handlers (or one batch handler call) → checked COMMIT → ack | retry | dead-letter
 //!
 //! - **Ack after commit, always.** Handlers never see the delivery or its acker. The
 //!   COMMIT is *checked*, in the same round trip: a transaction aborted by a statement

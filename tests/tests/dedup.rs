@@ -216,3 +216,43 @@ async fn a_commit_that_landed_but_whose_answer_was_lost_is_found_as_a_duplicate_
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
 }
+
+in_both_modes! {
+/// The first copy of a message commits its dedup row while the duplicate's claim is
+/// waiting on it (the claim's own read of the rows applied before cannot see a row
+/// committed after its statement began): the duplicate is still settled as one —
+/// its row read after the wait — never applied, never failed.
+async fn a_duplicate_whose_first_copy_commits_while_its_claim_waits_is_a_duplicate() {
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+
+    let bed = Bed::new().await;
+    let p = payment(700);
+    // The first copy, in flight: its dedup row inserted, not yet committed.
+    let mut first = bed.db.connect().await;
+    first.batch_execute("BEGIN").await.expect("BEGIN");
+    diesel::sql_query("INSERT INTO idemq_dedup (handler, key) VALUES ('apply_payment', $1)")
+        .bind::<diesel::sql_types::Text, _>(&p.payment_id)
+        .execute(&mut first)
+        .await
+        .expect("the first copy's row");
+    bed.publish(&p).await;
+    let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment));
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    idemq_tests::eventually("the duplicate's claim waits on the first copy's row", Duration::from_secs(30), || async {
+        bed.db.count(waiting).await == 1
+    })
+    .await;
+    first.batch_execute("COMMIT").await.expect("COMMIT");
+
+    running.wait_settled(1).await;
+    let events = running.events();
+    let retries = running.stats.snapshot().infrastructure_retries;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events.iter().map(|e| e.outcome.clone()).collect::<Vec<_>>(), [Outcome::Duplicate], "{events:?}");
+    assert_eq!(retries, 0, "decided in its first transaction, not by a retry");
+    assert!(events[0].settled_with_broker, "acked: {events:?}");
+    assert_eq!(bed.ledger_rows(&p.payment_id).await, 0, "not applied: the first copy holds the key");
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+}

@@ -3,7 +3,9 @@
 //! run ([`Step::Ended`]: what it decided, and what runs next, are in [`Tx::ran`]):
 //!
 //! ```text
-//! claim   BEGIN + the dedup rows (one statement)      → Claimed { new, applied before }
+//! claim   BEGIN + the dedup rows, inserted where
+//!         absent, and the rows applied before
+//!         (one statement, one round trip)            → Claimed { new, applied before }
 //! open    the applied-before decided; nothing new,
 //!         or poison: ROLLBACK                         → Open { xid, new }
 //! handle  the handlers, in arrival order, or a batch
@@ -79,6 +81,8 @@ struct Claimed {
     new: Vec<(usize, Prepared)>,
     /// Applied before: only their keys and fingerprints matter now.
     applied_before: Vec<Repeat>,
+    /// Their rows, as far as the claim read them.
+    stored: HashMap<String, Stored>,
 }
 
 /// New messages to run in the open transaction, none of them poison.
@@ -181,7 +185,7 @@ impl Consumer {
         let (new, applied_before): (Vec<_>, Vec<_>) =
             firsts.into_iter().partition(|(_, prepared)| claim.inserted.contains(prepared.key.as_str()));
         let applied_before = applied_before.into_iter().map(Repeat::from).collect();
-        Ok(Step::Next(Claimed { xid: claim.xid, new, applied_before }))
+        Ok(Step::Next(Claimed { xid: claim.xid, new, applied_before, stored: claim.stored }))
     }
 
     /// The deliveries applied before are decided by their stored rows. With nothing
@@ -194,9 +198,9 @@ impl Consumer {
         claimed: Claimed,
         starts: Option<i32>,
     ) -> Result<Step<Open>, Fault> {
-        let Claimed { xid, new, applied_before } = claimed;
+        let Claimed { xid, new, applied_before, stored } = claimed;
         if !applied_before.is_empty() {
-            self.read_applied(conn, tx, applied_before).await?;
+            self.read_applied(conn, tx, applied_before, stored).await?;
         }
         let Some(xid) = xid.filter(|_| !new.is_empty()) else {
             // Nothing new: nothing to keep.
@@ -216,18 +220,26 @@ impl Consumer {
     }
 
     /// The rows applied under the known keys (payload, result): they decide those
-    /// deliveries, and later the repeats of their keys.
+    /// deliveries, and later the repeats of their keys. The claim read most of them
+    /// (`stored`); a row committed while the claim waited for it is read now.
     async fn read_applied(
         &self,
         conn: &mut Conn,
         tx: &mut Tx<'_>,
         applied_before: Vec<Repeat>,
+        mut stored: HashMap<String, Stored>,
     ) -> Result<(), Fault> {
-        let keys: Vec<&str> = applied_before.iter().map(|known| known.key.as_str()).collect();
-        let stored = match self.bounded(db::stored_rows(conn, &self.scope, &keys)).await {
-            Ok(stored) => stored,
-            Err(err) => return Err(rollback(conn, infra(err)).await),
-        };
+        let unread: Vec<&str> = applied_before
+            .iter()
+            .map(|known| known.key.as_str())
+            .filter(|key| !stored.contains_key(*key))
+            .collect();
+        if !unread.is_empty() {
+            match self.bounded(db::stored_rows(conn, &self.scope, &unread)).await {
+                Ok(read) => stored.extend(read),
+                Err(err) => return Err(rollback(conn, infra(err)).await),
+            }
+        }
         // Gone since the insert found it (deleted by hand or by retention): the
         // next run decides again.
         if applied_before.iter().any(|known| !stored.contains_key(&known.key)) {

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use diesel::prelude::*;
-use diesel::sql_types::{Array, Bytea, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Bytea, Nullable, Text};
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager,
 };
@@ -31,31 +31,54 @@ pub(crate) struct Claim {
     /// The keys whose rows it inserted: those messages are new. The others were
     /// applied before (their rows are committed).
     pub(crate) inserted: HashSet<String>,
+    /// The rows applied before, read by the same statement, by key. A key neither
+    /// inserted nor here was committed by another transaction while the insert
+    /// waited for it (after the statement's snapshot): read it with [`stored_rows`].
+    pub(crate) stored: HashMap<String, Stored>,
 }
 
-diesel::define_sql_function! {
-    /// `unnest(text[])`: one row per key.
-    #[sql_name = "unnest"]
-    fn unnest_text(array: Array<Text>) -> Text;
+/// One row of [`CLAIM`]: a key this transaction inserted (`xid` set) or a row that
+/// was there before it.
+#[derive(QueryableByName)]
+struct ClaimRow {
+    #[diesel(sql_type = Text)]
+    key: String,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    xid: Option<i64>,
+    #[diesel(sql_type = Nullable<Bytea>)]
+    fingerprint: Option<Vec<u8>>,
+    #[diesel(sql_type = Nullable<Bytea>)]
+    result: Option<Vec<u8>>,
+    #[diesel(sql_type = Bool)]
+    failed: bool,
 }
 
-diesel::define_sql_function! {
-    /// `unnest(bytea[])`: one row per fingerprint.
-    #[sql_name = "unnest"]
-    fn unnest_bytea(array: Array<Bytea>) -> Bytea;
-}
+/// The claim, one statement for any number of keys (they go as two array
+/// parameters: no limit of bind parameters to mind, one cached statement): the
+/// rows inserted where absent, in the arrays' order, with the transaction's id
+/// (`txid_current()`), and, from the statement's snapshot, the rows that were
+/// there before — so a duplicate costs no read of its own. (A data-modifying
+/// `WITH` runs to completion once; its rows are not visible to the statement's own
+/// read, which therefore returns only the rows applied before.)
+const CLAIM: &str = "WITH new AS (\
+     INSERT INTO idemq_dedup (handler, key, fingerprint) \
+     SELECT $1, k, f FROM unnest($2::text[], $3::bytea[]) AS u(k, f) \
+     ON CONFLICT DO NOTHING RETURNING key) \
+     SELECT key, txid_current() AS xid, NULL::bytea AS fingerprint, NULL::bytea AS result, false AS failed \
+     FROM new \
+     UNION ALL \
+     SELECT key, NULL, fingerprint, result, failed FROM idemq_dedup WHERE handler = $1 AND key = ANY($2)";
 
-/// BEGIN, then the dedup rows of `rows` (key, fingerprint; keys distinct) inserted
-/// where absent, then — for a batch of several — the batch's limit on lock waits
+/// BEGIN, then the claim of `rows` (key, fingerprint; keys distinct; [`CLAIM`]),
+/// then — for a batch of several — the batch's limit on lock waits
 /// ([`BATCH_LOCK_TIMEOUT`], for the statements after the insert: the handlers') —
-/// pipelined, one round trip for all, one statement for the whole batch (its keys and fingerprints go as two array parameters, so there is no limit
-/// of bind parameters to mind). Rows are inserted in key order: two batches sharing
-/// keys take their index locks in the same order and cannot deadlock on them.
+/// pipelined, one round trip for all. Rows are inserted in key order: two batches
+/// sharing keys take their index locks in the same order and cannot deadlock on
+/// them.
 ///
-/// `RETURNING` says which keys were inserted (matched by key: its order is not
-/// guaranteed). On an error the transaction may be open: roll back (diesel counts it
-/// as open from the start, so a connection dropped half-way is never returned to the
-/// pool as clean).
+/// On an error the transaction may be open: roll back (diesel counts it as open
+/// from the start, so a connection dropped half-way is never returned to the pool
+/// as clean).
 pub(crate) async fn begin_and_claim(
     conn: &mut AsyncPgConnection,
     scope: &str,
@@ -67,57 +90,48 @@ pub(crate) async fn begin_and_claim(
         .change_transaction_depth(TransactionDepthChange::IncreaseDepth)?;
     let mut sorted = rows.to_vec();
     sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    // Both through shared references, polled together: tokio-postgres sends them
-    // back to back in this order, and the server runs them in order.
+    let keys: Vec<&str> = sorted.iter().map(|(key, _)| *key).collect();
+    let fingerprints: Vec<&[u8]> = sorted.iter().map(|(_, fingerprint)| *fingerprint).collect();
+    // All through shared references, polled together: tokio-postgres sends them
+    // back to back in this order, and the server runs them in order. (On a
+    // connection's first claim the statement is prepared first, a round trip, and
+    // the limit overtakes it: that once, the claim itself waits at most the batch's
+    // limit, and a batch refused for it runs in halves.)
     let (mut first, mut second, mut third) = (&*conn, &*conn, &*conn);
     let began = first.batch_execute("BEGIN");
+    let claim = diesel::sql_query(CLAIM)
+        .bind::<Text, _>(scope)
+        .bind::<Array<Text>, _>(&keys)
+        .bind::<Array<Bytea>, _>(&fingerprints)
+        .load::<ClaimRow>(&mut second);
     let limited = limit_lock_waits(&mut third, sorted.len());
-    // `txid_current()` is evaluated per inserted row. (Function calls, not SQL
-    // literals: a literal would make diesel prepare the statement anew every time.)
-    // (On a connection's first claim of a shape the insert is prepared first, a
-    // round trip, and the limit overtakes it: that once, the claim itself waits at
-    // most the batch's limit, and a batch refused for it runs in halves.)
-    let (began, inserted, limited) = if let [(key, fingerprint)] = sorted.as_slice() {
-        // One row: a plain single-row insert (per-message mode's hot path).
-        let insert = diesel::insert_into(idemq_dedup::table)
-            .values((
-                idemq_dedup::handler.eq(scope),
-                idemq_dedup::key.eq(*key),
-                idemq_dedup::fingerprint.eq(*fingerprint),
-            ))
-            .on_conflict_do_nothing()
-            .returning((idemq_dedup::key, txid_current()))
-            .get_results::<(String, i64)>(&mut second);
-        futures_util::join!(began, insert, limited)
-    } else {
-        let keys: Vec<&str> = sorted.iter().map(|(key, _)| *key).collect();
-        let fingerprints: Vec<&[u8]> = sorted.iter().map(|(_, fingerprint)| *fingerprint).collect();
-        let insert = diesel::insert_into(idemq_dedup::table)
-            .values(diesel::select((
-                scope.into_sql::<Text>(),
-                unnest_text(keys),
-                unnest_bytea(fingerprints).nullable(),
-            )))
-            .into_columns((idemq_dedup::handler, idemq_dedup::key, idemq_dedup::fingerprint))
-            .on_conflict_do_nothing()
-            .returning((idemq_dedup::key, txid_current()))
-            .get_results::<(String, i64)>(&mut second);
-        futures_util::join!(began, insert, limited)
-    };
+    let (began, claimed, limited) = futures_util::join!(began, claim, limited);
     // After a failed insert the limit fails too (the transaction is aborted): the
     // insert's error is the one to report.
-    let inserted = inserted.and_then(|inserted| limited.map(|()| inserted));
-    match (began, inserted) {
-        (Ok(()), Ok(inserted)) => Ok(Claim {
-            xid: <[_]>::first(&inserted).map(|(_, xid)| *xid),
-            inserted: inserted.into_iter().map(|(key, _)| key).collect(),
-        }),
+    let claimed = claimed.and_then(|claimed| limited.map(|()| claimed));
+    let mut claim = Claim { xid: None, inserted: HashSet::new(), stored: HashMap::new() };
+    match (began, claimed) {
+        (Ok(()), Ok(rows)) => {
+            for ClaimRow { key, xid, fingerprint, result, failed } in rows {
+                match xid {
+                    Some(xid) => {
+                        claim.xid = Some(xid);
+                        claim.inserted.insert(key);
+                    }
+                    None => {
+                        claim.stored.insert(key, Stored { fingerprint, result, failed });
+                    }
+                }
+            }
+            Ok(claim)
+        }
         (Ok(()), Err(err)) => Err(err),
-        (Err(err), Ok(inserted)) if !inserted.is_empty() => {
+        (Err(err), Ok(rows)) if rows.iter().any(|row| row.xid.is_some()) => {
             // BEGIN failed yet the insert ran, on its own, and committed: a dedup row
             // without its effect would turn the message into a duplicate. (Not seen:
             // a BEGIN fails only with the connection, which fails the insert too.)
-            let keys: Vec<String> = inserted.into_iter().map(|(key, _)| key).collect();
+            let keys: Vec<String> =
+                rows.into_iter().filter(|row| row.xid.is_some()).map(|row| row.key).collect();
             tracing::error!(error = %err, scope, ?keys, "BEGIN failed but the dedup insert committed; deleting the rows");
             diesel::delete(
                 idemq_dedup::table
@@ -147,7 +161,11 @@ pub(crate) async fn begin_without_claim(conn: &mut AsyncPgConnection, keys: &[&s
     began?;
     let xid = xid?;
     limited?;
-    Ok(Claim { xid: Some(xid), inserted: keys.iter().map(|key| (*key).to_owned()).collect() })
+    Ok(Claim {
+        xid: Some(xid),
+        inserted: keys.iter().map(|key| (*key).to_owned()).collect(),
+        stored: HashMap::new(),
+    })
 }
 
 /// Makes the open transaction wait at most [`BATCH_LOCK_TIMEOUT`] for a lock when
