@@ -258,6 +258,8 @@ async fn metrics_and_health_are_served_on_the_http_address() {
         format!("idemq_handler_duration_seconds_count{{queue=\"{queue}\"}} 1"),
         format!("idemq_commit_duration_seconds_count{{queue=\"{queue}\"}} 1"),
         format!("idemq_in_flight{{queue=\"{queue}\"}} 0"),
+        format!("idemq_contended_batches_total{{queue=\"{queue}\"}} 0"),
+        format!("idemq_batch_width{{queue=\"{queue}\"}} "),
     ] {
         assert!(busy.contains(&series), "{series} missing:\n{busy}");
     }

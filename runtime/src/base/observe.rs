@@ -144,6 +144,9 @@ pub struct Batch<'a> {
     /// 55P03 lock timeout), in whatever language the server speaks — which narrows
     /// how many of the consumer's batches run at once.
     pub contended: bool,
+    /// How many of the consumer's batches may run at once after this one: its
+    /// concurrency, narrowed while its batches collide.
+    pub width: usize,
     /// From the first transaction's start to the last decision.
     pub took: Duration,
 }

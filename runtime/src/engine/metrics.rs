@@ -18,6 +18,8 @@
 //! | `idemq_commit_duration_seconds{queue}` | the checked COMMIT of a transaction that committed |
 //! | `idemq_transaction_duration_seconds{queue}` | a batch, from its first transaction's start to its last decision (handlers and COMMIT) |
 //! | `idemq_batch_splits_total{queue}` | batches run again smaller |
+//! | `idemq_contended_batches_total{queue}` | batches whose transactions collided with others (a lock wait past the batch limit, a deadlock, a serialization failure): a handler without a lane whose messages update shared rows — give it a lane |
+//! | `idemq_batch_width{queue}` | how many of the consumer's batches may run at once: its concurrency, narrowed while batches collide |
 //! | `idemq_infrastructure_retries_total{queue}` | transactions retried after a database fault |
 //! | `idemq_reconnects_total` | broker connections lost (and re-made) |
 //! | `idemq_connected` | 1 while a session is consuming |
@@ -67,6 +69,8 @@ pub(crate) struct Metrics {
     commit_seconds: Histograms,
     transaction_seconds: Histograms,
     batch_splits: Family<Labels, Counter>,
+    contended_batches: Family<Labels, Counter>,
+    batch_width: Family<Labels, Gauge>,
     infrastructure_retries: Family<Labels, Counter>,
     reconnects: Counter,
     connected: Gauge,
@@ -94,6 +98,8 @@ impl Metrics {
             commit_seconds: histograms(),
             transaction_seconds: histograms(),
             batch_splits: Family::default(),
+            contended_batches: Family::default(),
+            batch_width: Family::default(),
             infrastructure_retries: Family::default(),
             reconnects: Counter::default(),
             connected: Gauge::default(),
@@ -143,6 +149,16 @@ impl Metrics {
         );
         registry.register("idemq_batch_splits", "Batches run again smaller", self.batch_splits.clone());
         registry.register(
+            "idemq_contended_batches",
+            "Batches whose transactions collided with others' (lock wait, deadlock, serialization failure)",
+            self.contended_batches.clone(),
+        );
+        registry.register(
+            "idemq_batch_width",
+            "Batches of the consumer that may run at once (narrowed while batches collide)",
+            self.batch_width.clone(),
+        );
+        registry.register(
             "idemq_infrastructure_retries",
             "Transactions retried after a database fault",
             self.infrastructure_retries.clone(),
@@ -188,6 +204,7 @@ impl Metrics {
             let _ = histograms.get_or_create(&queue_only);
         }
         let _ = self.batch_splits.get_or_create(&queue_only);
+        let _ = self.contended_batches.get_or_create(&queue_only);
         let _ = self.infrastructure_retries.get_or_create(&queue_only);
     }
 
@@ -284,6 +301,10 @@ impl Observe for Metrics {
         if batch.splits > 0 {
             self.batch_splits.get_or_create(&queue).inc_by(batch.splits);
         }
+        if batch.contended {
+            self.contended_batches.get_or_create(&queue).inc();
+        }
+        self.batch_width.get_or_create(&queue).set(i64::try_from(batch.width).unwrap_or(i64::MAX));
     }
 
     fn relay(&self, pass: &RelayPass) {

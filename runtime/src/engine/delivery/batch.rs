@@ -24,6 +24,33 @@ use crate::store::db::{self, Conn};
 /// deadlock) is run again in-process before it counts as a failed attempt.
 const CONTENTION_RETRIES: u32 = 3;
 
+/// How often at most a consumer warns that its batches collide.
+const COLLISION_WARNING_EVERY: Duration = Duration::from_secs(60);
+
+/// A consumer's batches that collided since it last warned about them.
+#[derive(Debug, Default)]
+pub(crate) struct Collisions(std::sync::Mutex<CollisionCount>);
+
+#[derive(Debug, Default)]
+struct CollisionCount {
+    since_warning: u64,
+    warned_at: Option<Instant>,
+}
+
+impl Collisions {
+    /// Counts one collided batch; `Some(n)` when a warning is due, with the
+    /// collisions it reports (this one included).
+    fn note(&self, now: Instant) -> Option<u64> {
+        let mut count = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        count.since_warning += 1;
+        let due = count.warned_at.is_none_or(|at| now.duration_since(at) >= COLLISION_WARNING_EVERY);
+        due.then(|| {
+            count.warned_at = Some(now);
+            std::mem::take(&mut count.since_warning)
+        })
+    }
+}
+
 impl Consumer {
     /// Decides every delivery of the batch: runs it in one transaction, and runs
     /// again smaller whatever could not be decided together.
@@ -56,11 +83,15 @@ impl Consumer {
             }
         }
         self.width.adapt(splits > 0, contended);
+        if contended {
+            self.collided();
+        }
         self.shared.observers.batch(&Batch {
             queue: &self.queue,
             deliveries: items.len(),
             splits,
             contended,
+            width: self.width.current(),
             took: started.elapsed(),
         });
         decisions
@@ -73,6 +104,32 @@ impl Consumer {
                 })
             })
             .collect()
+    }
+
+    /// A batch collided with another transaction (the width has narrowed): says so,
+    /// at most every [`COLLISION_WARNING_EVERY`], with the fix. idemq cannot know
+    /// which rows a handler locks, so it cannot order them for the handler; a lane
+    /// can (the metric `idemq_contended_batches_total` counts every collision).
+    fn collided(&self) {
+        let Some(collisions) = self.collisions.note(Instant::now()) else { return };
+        let width = self.width.current();
+        match self.handler.lane_path() {
+            None => tracing::warn!(
+                queue = %self.queue, collisions, width,
+                "batches of this queue's handler collide on row locks (lock waits past the batch limit, \
+                 deadlocks): each collision rolls a batch back and runs it again smaller, and the consumer \
+                 now runs at most {width} batch(es) at once. If its messages update shared rows (an \
+                 account's balance), give the handler a lane on what they share \
+                 (`#[idempotent_handler(key = \"..\", lane = \"account\")]`): a lane never runs two \
+                 of its messages at once"
+            ),
+            Some(lane) => tracing::warn!(
+                queue = %self.queue, collisions, width, lane,
+                "batches of this queue's handler collide on row locks although it has a lane: its \
+                 messages share rows across lanes (rows that `{lane}` does not identify). Make the lane \
+                 what they share, or lock the rows in one order (sort them) in the handler"
+            ),
+        }
     }
 
     /// Runs `part` (indices into the batch) until it is decided or split, retrying
@@ -266,4 +323,22 @@ impl Consumer {
 enum Turn<'a> {
     Alone(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
     Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'a, ()>),
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::{Collisions, COLLISION_WARNING_EVERY};
+
+    #[test]
+    fn collisions_are_reported_at_once_then_at_most_once_a_minute_with_their_count() {
+        let collisions = Collisions::default();
+        let start = Instant::now();
+        assert_eq!(collisions.note(start), Some(1), "the first is reported at once");
+        assert_eq!(collisions.note(start + Duration::from_secs(1)), None);
+        assert_eq!(collisions.note(start + Duration::from_secs(30)), None);
+        assert_eq!(collisions.note(start + COLLISION_WARNING_EVERY), Some(3), "the count since the last");
+        assert_eq!(collisions.note(start + COLLISION_WARNING_EVERY), None);
+    }
 }

@@ -175,6 +175,8 @@ pub(crate) struct Consumer {
     /// How many of this consumer's batches may run at once (a handler without a
     /// lane); narrows while its batches collide (see [`Width`]).
     pub(crate) width: Width,
+    /// Its batches that collided since it last said so (see `batch`).
+    pub(crate) collisions: batch::Collisions,
     /// How its batches are formed (the handler's `batch = N` applied).
     pub(crate) batch: BatchLimits,
     /// The handler's `on_conflict`, else the runtime's.

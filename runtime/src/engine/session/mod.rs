@@ -352,6 +352,7 @@ async fn start_consumer(
         frame_max,
         session,
         width: Width::new(spec.batch.pipelines),
+        collisions: Default::default(),
         batch: spec.batch,
         on_conflict: spec.on_conflict,
         shared: Arc::clone(&ctx.shared),
