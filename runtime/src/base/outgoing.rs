@@ -136,6 +136,31 @@ impl Outgoing {
         self
     }
 
+    /// The exchange it goes to (`""`: the default exchange).
+    pub fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// Its routing key (a queue's name, on the default exchange).
+    pub fn routing_key(&self) -> &str {
+        &self.routing_key
+    }
+
+    /// Its body, as published.
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// Its AMQP `message_id`: a handler's messages have theirs set when published.
+    pub fn id(&self) -> Option<&str> {
+        self.message_id.as_deref()
+    }
+
+    /// Its string headers.
+    pub fn headers(&self) -> &BTreeMap<String, String> {
+        &self.headers
+    }
+
     /// The reply to a request: to `reply_to` on the default exchange, with the
     /// request's correlation id. Replies to direct reply-to are best effort.
     pub(crate) fn reply(request: &Request, message_id: String, body: Vec<u8>, ok: bool) -> Self {

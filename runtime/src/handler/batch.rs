@@ -84,9 +84,29 @@ impl<M> Batch<M> {
         self.messages.iter().zip(&mut self.contexts)
     }
 
-    /// The contexts, taken back by the runtime after the handler ran.
-    pub(crate) fn into_contexts(self) -> Vec<Context> {
+    /// The contexts, taken back by the runtime after the handler ran, or by a test
+    /// to see what each message published ([`Context::published`]).
+    pub fn into_contexts(self) -> Vec<Context> {
         self.contexts
+    }
+}
+
+/// A batch of the messages, each with its context: for calling a batch handler fn
+/// directly, e.g. in a unit test, with [`Context::standalone`] contexts.
+///
+/// ```
+/// use idemq::{Batch, Context};
+///
+/// let batch: Batch<&str> = ["p-1", "p-2"]
+///     .into_iter()
+///     .map(|id| (id, Context::standalone("apply_payment", id)))
+///     .collect();
+/// assert_eq!(batch.messages(), ["p-1", "p-2"]);
+/// ```
+impl<M> FromIterator<(M, Context)> for Batch<M> {
+    fn from_iter<I: IntoIterator<Item = (M, Context)>>(iter: I) -> Self {
+        let (messages, contexts) = iter.into_iter().unzip();
+        Self { messages, contexts }
     }
 }
 

@@ -56,6 +56,30 @@ impl Context {
         }
     }
 
+    /// A context of no delivery, for calling a handler fn directly — in a unit test
+    /// of its logic, say — as the runtime would for a message with `key` under the
+    /// dedup scope `handler` (the handler's name): [`Context::publish`] and
+    /// [`Context::send`] give the message ids the runtime would, and what was
+    /// published is in [`Context::published`] (it goes nowhere: only the runtime
+    /// writes it to the outbox). The delivery's metadata is empty: attempt 1, no
+    /// headers, no `reply_to`.
+    ///
+    /// ```
+    /// let mut ctx = idemq::Context::standalone("apply_payment", "p-1");
+    /// ctx.publish("", "payments.applied", &serde_json::json!({ "payment_id": "p-1" }))?;
+    /// assert_eq!(ctx.published().len(), 1);
+    /// # Ok::<(), idemq::outbox::PublishError>(())
+    /// ```
+    pub fn standalone(handler: &str, key: &str) -> Self {
+        Self::new(handler, key, 1, false, &BasicProperties::default())
+    }
+
+    /// What the handler published so far (in a [`Context::standalone`]: everything
+    /// it published; the runtime takes them after the handler ran).
+    pub fn published(&self) -> &[Outgoing] {
+        &self.published
+    }
+
     /// A context of no message, held by a `&mut Context` while the context it held
     /// is lent to a batch of one (see `batch::as_batch_of_one`).
     pub(crate) fn detached() -> Self {
