@@ -182,14 +182,14 @@ impl Relay {
     }
 }
 
-/// The relay's own small pool: one connection for passes, one spare.
+/// The relay's own small pool: one connection for passes, one spare; custom plans
+/// only (see [`SessionLimits::custom_plans`]).
 pub(crate) fn relay_pool(database_url: &str) -> Result<db::Pool, Error> {
-    db::build_pool(database_url, 2, SessionLimits::for_handler_timeout(CONFIRM_TIMEOUT)).map_err(|err| {
-        Error::DatabaseConnect {
-            url: redact(database_url),
-            message: err.to_string(),
-            cause: Some(Box::new(err)),
-        }
+    let limits = SessionLimits::for_handler_timeout(CONFIRM_TIMEOUT).custom_plans();
+    db::build_pool(database_url, 2, limits).map_err(|err| Error::DatabaseConnect {
+        url: redact(database_url),
+        message: err.to_string(),
+        cause: Some(Box::new(err)),
     })
 }
 
