@@ -179,38 +179,54 @@ async fn publish_all(link: &mut Link, rows: &[OutboxRow]) -> (Vec<Published>, Op
 
 /// Publishes each row whose exchange exists (the others are refused at once), until
 /// the connection fails. The confirms to await, by row index, and the fault.
+///
+/// The exchanges are checked first (once per connection each), then every publish
+/// is handed to lapin at once: each `basic_publish` queues its frames (and takes its
+/// confirm's delivery tag) when first polled, in row order, and resolves once
+/// lapin's I/O loop has written them — awaited one by one, every row would cost a
+/// wake-up of that loop; together, one wake-up writes them all.
 async fn publish(
     link: &mut Link,
     rows: &[OutboxRow],
     results: &mut [Published],
 ) -> (Vec<(usize, PublisherConfirm)>, Option<RelayError>) {
-    let mut confirms = Vec::with_capacity(rows.len());
+    let mut publishable = Vec::with_capacity(rows.len());
+    let mut lost = None;
     for (index, row) in rows.iter().enumerate() {
         match link.exchange_exists(&row.exchange).await {
-            Ok(true) => {}
-            Ok(false) => {
-                results[index] = Some(Err(Refusal::NoExchange { exchange: row.exchange.clone() }));
-                continue;
+            Ok(true) => publishable.push(index),
+            Ok(false) => results[index] = Some(Err(Refusal::NoExchange { exchange: row.exchange.clone() })),
+            Err(reason) => {
+                lost = Some(reason);
+                break;
             }
-            Err(reason) => return (confirms, Some(reason)),
-        }
-        let options = BasicPublishOptions { mandatory: row.mandatory, ..BasicPublishOptions::default() };
-        let published = link
-            .channel
-            .basic_publish(
-                row.exchange.as_str().into(),
-                row.routing_key.as_str().into(),
-                options,
-                &row.body,
-                properties(row),
-            )
-            .await;
-        match published {
-            Ok(confirm) => confirms.push((index, confirm)),
-            Err(source) => return (confirms, Some(RelayError::Broker { action: "publish", source })),
         }
     }
-    (confirms, None)
+    let channel = &link.channel;
+    let publishes = publishable.iter().map(|&index| {
+        let row = &rows[index];
+        let options = BasicPublishOptions { mandatory: row.mandatory, ..BasicPublishOptions::default() };
+        channel.basic_publish(
+            row.exchange.as_str().into(),
+            row.routing_key.as_str().into(),
+            options,
+            &row.body,
+            properties(row),
+        )
+    });
+    let published = futures_util::future::join_all(publishes).await;
+    let mut confirms = Vec::with_capacity(published.len());
+    for (index, published) in publishable.into_iter().zip(published) {
+        match published {
+            Ok(confirm) => confirms.push((index, confirm)),
+            // The rows after it may have gone out: they stay unknown (`None`), as
+            // rows whose confirm never came do, and are published again next pass.
+            Err(source) => {
+                lost.get_or_insert(RelayError::Broker { action: "publish", source });
+            }
+        }
+    }
+    (confirms, lost)
 }
 
 /// Awaits each confirm (at most [`CONFIRM_TIMEOUT`]) into `results`; a failure sets
