@@ -135,3 +135,22 @@ impl deadpool::managed::Manager for Manager {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::SessionLimits;
+
+    #[test]
+    fn only_sessions_asking_for_custom_plans_get_them() {
+        let limits = SessionLimits::for_handler_timeout(Duration::from_secs(30));
+        assert!(
+            !limits.setup_sql().contains("plan_cache_mode"),
+            "the consumers' sessions keep the server's mode"
+        );
+        let relay = limits.custom_plans().setup_sql();
+        assert!(relay.contains("SET plan_cache_mode = force_custom_plan;"), "{relay}");
+        assert!(relay.ends_with(super::PREPARE_CHECK), "the COMMIT check is still prepared: {relay}");
+    }
+}
