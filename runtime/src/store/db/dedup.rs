@@ -33,7 +33,8 @@ pub(crate) struct Claim {
     pub(crate) inserted: HashSet<String>,
     /// The rows applied before, read by the same statement, by key. A key neither
     /// inserted nor here was committed by another transaction while the insert
-    /// waited for it (after the statement's snapshot): read it with [`stored_rows`].
+    /// waited for it (after the statement's snapshot), or was claimed alone (a plain
+    /// insert, which reads nothing): read it with [`stored_rows`].
     pub(crate) stored: HashMap<String, Stored>,
 }
 
@@ -69,7 +70,8 @@ const CLAIM: &str = "WITH new AS (\
      UNION ALL \
      SELECT key, NULL, fingerprint, result, failed FROM idemq_dedup WHERE handler = $1 AND key = ANY($2)";
 
-/// BEGIN, then the claim of `rows` (key, fingerprint; keys distinct; [`CLAIM`]),
+/// BEGIN, then the claim of `rows` (key, fingerprint; keys distinct; [`CLAIM`],
+/// or for one row a plain insert),
 /// then — for a batch of several — the batch's limit on lock waits
 /// ([`BATCH_LOCK_TIMEOUT`], for the statements after the insert: the handlers') —
 /// pipelined, one round trip for all. Rows are inserted in key order: two batches
@@ -99,11 +101,40 @@ pub(crate) async fn begin_and_claim(
     // limit, and a batch refused for it runs in halves.)
     let (mut first, mut second, mut third) = (&*conn, &*conn, &*conn);
     let began = first.batch_execute("BEGIN");
-    let claim = diesel::sql_query(CLAIM)
-        .bind::<Text, _>(scope)
-        .bind::<Array<Text>, _>(&keys)
-        .bind::<Array<Bytea>, _>(&fingerprints)
-        .load::<ClaimRow>(&mut second);
+    let claim = async {
+        if let [(key, fingerprint)] = sorted.as_slice() {
+            // One row (per-message mode's hot path): a plain single-row insert, ~10%
+            // cheaper for the server than [`CLAIM`] (pgbench, BEGIN + claim +
+            // ROLLBACK); a duplicate's row is then read by a statement of its own.
+            let inserted = diesel::insert_into(idemq_dedup::table)
+                .values((
+                    idemq_dedup::handler.eq(scope),
+                    idemq_dedup::key.eq(*key),
+                    idemq_dedup::fingerprint.eq(*fingerprint),
+                ))
+                .on_conflict_do_nothing()
+                .returning((idemq_dedup::key, txid_current()))
+                .get_results::<(String, i64)>(&mut second)
+                .await?;
+            Ok(inserted
+                .into_iter()
+                .map(|(key, xid)| ClaimRow {
+                    key,
+                    xid: Some(xid),
+                    fingerprint: None,
+                    result: None,
+                    failed: false,
+                })
+                .collect())
+        } else {
+            diesel::sql_query(CLAIM)
+                .bind::<Text, _>(scope)
+                .bind::<Array<Text>, _>(&keys)
+                .bind::<Array<Bytea>, _>(&fingerprints)
+                .load::<ClaimRow>(&mut second)
+                .await
+        }
+    };
     let limited = limit_lock_waits(&mut third, sorted.len());
     let (began, claimed, limited) = futures_util::join!(began, claim, limited);
     // After a failed insert the limit fails too (the transaction is aborted): the
