@@ -76,6 +76,19 @@ async fn open_transactions(bed: &Bed) -> i64 {
     .unwrap_or(0)
 }
 
+/// Terminates the sessions [`open_transactions`] counts, in one statement.
+async fn kill_open_transactions(bed: &Bed) {
+    use diesel_async::RunQueryDsl;
+    let mut conn = bed.db.connect().await;
+    let _: Result<i64, _> = diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = '{}' \
+         AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%' AND query LIKE '%accounts%'",
+        bed.db.name()
+    ))
+    .get_result(&mut conn)
+    .await;
+}
+
 fn two_runtimes(bed: &Bed, tune: impl Fn(idemq::RuntimeBuilder) -> idemq::RuntimeBuilder) -> [Running; 2] {
     let start = || {
         Running::start(tune(
@@ -147,17 +160,21 @@ async fn chaos_postgres_kills_the_consumers_sessions() {
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
         bed.db.name()
     );
-    // Early in the stream: group commit applies it fast, and a kill must find work —
-    // the first waits until a handler's transaction is open (once, in a fresh-clone CI
-    // run, every kill landed between batches or after the stream, and hit nothing).
-    for fraction in 1..=3 {
+    // Early in the stream a kill must hit a transaction: group commit applies the
+    // stream fast, and a kill landing between batches only closes idle pooled
+    // connections (seen twice in fresh-clone CI runs, once after waiting for an open
+    // transaction: the 3 ms window had closed before `psql` started). So the first
+    // kill aims at the sessions inside a handler's transaction, in one statement,
+    // until the runtimes report a transaction retried.
+    wait_applied(&bed, PAYMENTS / 8).await;
+    eventually("a kill hits a handler's transaction", Duration::from_secs(60), || async {
+        kill_open_transactions(&bed).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        runtimes.iter().map(|running| running.stats.snapshot().infrastructure_retries).sum::<u64>() > 0
+    })
+    .await;
+    for fraction in 2..=3 {
         wait_applied(&bed, PAYMENTS * fraction / 8).await;
-        if fraction == 1 {
-            eventually("a handler's transaction is open", Duration::from_secs(20), || async {
-                open_transactions(&bed).await >= 1
-            })
-            .await;
-        }
         let status = Command::new("psql")
             .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-qAtc", &kill])
             .stdout(std::process::Stdio::null())
