@@ -177,6 +177,13 @@ fn help_lists_every_subcommand_and_exits_zero() {
     );
 }
 
+/// `payments --version` prints the name and the example's version and exits 0.
+#[test]
+fn version_prints_the_name_and_version_and_exits_zero() {
+    let output = run_ok(Command::new(env!("CARGO_BIN_EXE_payments")).arg("--version"));
+    assert_eq!(stdout(&output), format!("payments {}\n", env!("CARGO_PKG_VERSION")));
+}
+
 /// `declare` is a dry run that says what is missing; `declare --apply` declares it,
 /// and `status` then shows the queues and the outbox backlog.
 #[test]

@@ -289,3 +289,20 @@ async fn prefetch_sets_each_consumers_prefetch() {
     running.stop().await.expect("clean shutdown");
     assert!(idemq::Runtime::builder().prefetch(0).consume("q", ledger_payment).build().is_err());
 }
+
+/// `<app> --version` prints the application's name and the version it gave, and
+/// exits 0; without `Cli::version` it is idemq's.
+#[tokio::test]
+async fn version_prints_the_apps_name_and_version_and_exits_zero() {
+    use idemq::cli::{clap::error::ErrorKind, Cli};
+    use std::process::ExitCode;
+
+    let cli = Cli::new("payments", idemq::Runtime::builder()).version("3.1.4");
+    let shown = cli.command().try_get_matches_from(["payments", "--version"]).expect_err("--version");
+    assert_eq!(shown.kind(), ErrorKind::DisplayVersion);
+    assert_eq!(shown.to_string(), "payments 3.1.4\n");
+    assert_eq!(cli.run_from(["payments", "--version"]).await, ExitCode::SUCCESS);
+
+    let default = Cli::new("app", idemq::Runtime::builder()).command().render_version();
+    assert_eq!(default, format!("app {}\n", env!("CARGO_PKG_VERSION")), "idemq's own version");
+}

@@ -10,6 +10,7 @@
 //! <app> status                                                        queue depths, consumers, DLQs, dedup rows, outbox backlog
 //! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
 //! <app> dlq      list | show N | replay | purge  [--queue Q]          inspect and replay dead letters
+//! <app> --version                                                     the name and version (see [`Cli::version`]), exit 0
 //! ```
 //!
 //! Every subcommand but `run` works without consumers (`dlq` is described in
@@ -70,6 +71,7 @@ use crate::error::{redact, Error};
 pub struct Cli {
     name: &'static str,
     about: Option<&'static str>,
+    version: &'static str,
     builder: RuntimeBuilder,
     setup: Option<Setup>,
 }
@@ -78,6 +80,7 @@ impl std::fmt::Debug for Cli {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cli")
             .field("name", &self.name)
+            .field("version", &self.version)
             .field("builder", &self.builder)
             .finish_non_exhaustive()
     }
@@ -85,8 +88,17 @@ impl std::fmt::Debug for Cli {
 
 impl Cli {
     /// The CLI of the binary `name`, running `builder`'s handlers and topology.
+    /// `<name> --version` prints idemq's version until [`Cli::version`] gives the
+    /// application's.
     pub fn new(name: &'static str, builder: RuntimeBuilder) -> Self {
-        Self { name, about: None, builder, setup: None }
+        Self { name, about: None, version: env!("CARGO_PKG_VERSION"), builder, setup: None }
+    }
+
+    /// The version `--version` prints after the name (exit 0): the application's,
+    /// usually `.version(env!("CARGO_PKG_VERSION"))` in its `main`. Default: idemq's.
+    pub fn version(mut self, version: &'static str) -> Self {
+        self.version = version;
+        self
     }
 
     /// The line `--help` starts with.
@@ -110,7 +122,11 @@ impl Cli {
     /// (`cli.command().subcommand(..)`, then [`Cli::run_matches`]).
     pub fn command(&self) -> Command {
         let command = global_args(
-            Command::new(self.name).subcommand_required(true).arg_required_else_help(true),
+            Command::new(self.name)
+                .version(self.version)
+                .propagate_version(true)
+                .subcommand_required(true)
+                .arg_required_else_help(true),
         )
         .subcommand(run_command())
         .subcommand(
