@@ -245,7 +245,7 @@ fn gc_refuses_a_short_retention_and_reads_its_settings_from_a_config_file() {
     let good = dir.join("good.toml");
     std::fs::write(&good, "retention = \"40d\"\n").expect("write");
     let swept = stdout(&run_ok(&mut env.payments(&["--config", good.to_str().expect("utf-8"), "gc"])));
-    assert!(swept.contains("older than 40.0 days"), "{swept}");
+    assert!(swept.contains("older than 40d"), "{swept}");
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "retension = \"40d\"\n").expect("write");
     let refused = run_fails(&mut env.payments(&["--config", bad.to_str().expect("utf-8"), "gc"]));

@@ -70,6 +70,9 @@ fn a_retention_shorter_than_the_retry_horizon_and_replay_window_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("too short") && err.contains("replay window"), "{err}");
+    // Durations as they are written in the settings: `1d 30m`, never `1day 30m`.
+    assert!(err.contains("a retention of 1d 30m is too short"), "{err}");
+    assert!(err.contains("replayed for 1d (the replay window)"), "{err}");
     let long = Retention::keep(Duration::from_secs(3 * 86_400)).replay_window(Duration::from_secs(86_400));
     assert!(idemq::Runtime::builder()
         .retry(retry)

@@ -10,6 +10,7 @@ use lapin::types::FieldTable;
 use lapin::Connection;
 
 use crate::app::cli::common::{connect_broker, connect_db, CliResult};
+use crate::base::duration::human;
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::Error;
 use crate::store::retention::Retention;
@@ -69,11 +70,11 @@ pub(super) async fn gc(
         println!("another sweep is running (it holds idemq::store::GC_LOCK); deleted so far:");
     }
     println!(
-        "deleted {} dedup rows, {} copy records, {} start marks older than {:.1} days",
+        "deleted {} dedup rows, {} copy records, {} start marks older than {}",
         sweep.dedup_rows,
         sweep.copy_records,
         sweep.start_marks,
-        keep.as_secs_f64() / 86_400.0
+        human(keep)
     );
     Ok(())
 }

@@ -6,6 +6,8 @@
 use super::builder::Registration;
 use super::RuntimeBuilder;
 #[cfg(feature = "cli")]
+use crate::base::duration::human;
+#[cfg(feature = "cli")]
 use crate::base::observe::Observers;
 use crate::base::retry::RetryPolicy;
 #[cfg(feature = "cli")]
@@ -69,7 +71,7 @@ impl RuntimeBuilder {
         }
         for (Registration { queue, .. }, retry) in self.consumers.iter().zip(self.retry_policies()) {
             for (name, delay) in retry.wait_queues(queue) {
-                plan.push((name, format!("retries of {queue} after {delay:?}")));
+                plan.push((name, format!("retries of {queue} after {}", human(delay))));
             }
         }
         plan
