@@ -6,7 +6,8 @@
 //! payments run       declare the topology and consume until SIGINT/SIGTERM
 //! payments migrate   apply idemq's migrations and the demo's tables (--status: list them)
 //! payments declare   show the topology and what exists (--apply: declare it)
-//! payments status    queue depths, consumers, dead letters, dedup rows, outbox backlog
+//! payments status    queue depths, consumers, dead letters, retry wait queues, dedup rows,
+//!                    outbox backlog
 //! payments gc        delete dedup rows older than --keep
 //! payments demo      migrate, publish a burst with duplicates and bad messages,
 //!                    consume it, print a summary and check the ledger and the events

@@ -198,10 +198,72 @@ fn declare_shows_what_is_missing_and_apply_declares_it() {
     run_ok(&mut env.payments(&["declare", "--apply"]));
     let again = stdout(&run_ok(&mut env.payments(&["declare"])));
     assert!(!again.contains("missing"), "{again}");
+    assert!(
+        again.lines().any(|l| l.starts_with("binding payments.applied")
+            && l.contains("to exchange payments.events with routing key ''")),
+        "the bindings are listed: {again}"
+    );
     run_ok(&mut env.payments(&["migrate"]));
     let status = stdout(&run_ok(&mut env.payments(&["status"])));
     assert!(status.lines().any(|l| l.starts_with("payments.dlq")), "{status}");
     assert!(status.contains("outbox backlog:        0"), "{status}");
+}
+
+/// `status` counts the dedup rows exactly (rows the planner has never counted are
+/// not an estimate of 0), lists each retry wait queue with the messages waiting in
+/// it, and prints what it cannot read as `unknown (why)` — never a number — then
+/// exits 1, the rest printed.
+#[test]
+fn status_counts_exactly_lists_the_wait_queues_and_says_what_it_cannot_read() {
+    let env = Isolated::new();
+    run_ok(&mut env.payments(&["declare", "--apply"]));
+    // No database yet (the demo's set-up makes it).
+    let output = env.payments(&["status"]).output().expect("spawn");
+    let shown = stdout(&output);
+    assert_eq!(output.status.code(), Some(1), "{shown}");
+    assert!(shown.contains("dedup rows: unknown (") && !shown.contains("dedup rows: 0"), "{shown}");
+    assert!(shown.lines().any(|l| l.starts_with("payments.dlq")), "the queues are still shown: {shown}");
+
+    run_ok(&mut env.payments(&["migrate"]));
+    psql(
+        &env.database,
+        "INSERT INTO idemq_dedup (handler, key, processed_at) \
+         SELECT 'h', 'k' || i, now() FROM generate_series(1, 32689) AS i",
+    );
+    publish(&env.vhost, "payments.retry.600000ms", 2);
+    let status = stdout(&run_ok(&mut env.payments(&["status"])));
+    assert!(status.lines().any(|l| l == "dedup rows: 32689"), "{status}");
+    let waiting = status.lines().find(|l| l.starts_with("payments.retry.600000ms")).expect("listed");
+    assert_eq!(waiting.split_whitespace().nth(1), Some("2"), "{status}");
+    assert!(waiting.ends_with("retries of payments after 10m"), "{status}");
+    assert!(status.lines().any(|l| l.starts_with("payments.retry.1000ms")), "{status}");
+}
+
+/// Runs `sql` in `database`.
+fn psql(database: &str, sql: &str) {
+    run_ok(Command::new("psql").args(["-h", "127.0.0.1", "-U", "postgres", "-d", database, "-c", sql]));
+}
+
+/// Publishes `n` persistent messages to `queue` of `vhost`, confirmed.
+fn publish(vhost: &str, queue: &str, n: usize) {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let url = format!("amqp://guest:guest@127.0.0.1:5672/{vhost}");
+        let connection = Connection::connect(&url, ConnectionProperties::default()).await.expect("connect");
+        let channel = connection.create_channel().await.expect("channel");
+        channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirms");
+        for _ in 0..n {
+            let properties = BasicProperties::default().with_delivery_mode(2);
+            let confirm = channel
+                .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), b"{}", properties)
+                .await
+                .expect("publish");
+            confirm.await.expect("confirmed");
+        }
+        let _ = connection.close(200, "published".into()).await;
+    });
 }
 
 /// `migrate --status` lists idemq's migrations, pending then applied.

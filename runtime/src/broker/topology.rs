@@ -297,6 +297,12 @@ impl Queue {
         &self.dead_letter
     }
 
+    /// Its bindings: exchange, routing key.
+    #[cfg(feature = "cli")]
+    pub(crate) fn bindings(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.bindings.iter().map(|(exchange, key)| (exchange.as_str(), key.as_str()))
+    }
+
     /// What the queue is declared as, in words.
     #[cfg(feature = "cli")]
     pub(crate) fn describe(&self) -> String {

@@ -6,8 +6,8 @@
 //!                [--retention 30d [--replay-window 7d]] [--startup-timeout 2m] [--consumer-timeout 30m]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
-//! <app> declare  [--apply]                                            the topology: what exists, what would be declared
-//! <app> status                                                        queue depths, consumers, DLQs, dedup rows, outbox backlog
+//! <app> declare  [--apply]                                            the topology (queues, exchanges, bindings): what exists, what would be declared
+//! <app> status                                                        queue depths, consumers, DLQs, retry wait queues, dedup rows (exact), outbox backlog
 //! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
 //! <app> dlq      list | show N | replay | purge  [--queue Q]          inspect and replay dead letters
 //! <app> --version                                                     the name and version (see [`Cli::version`]), exit 0
@@ -139,7 +139,10 @@ impl Cli {
         )
         .subcommand(
             Command::new("declare")
-                .about("show the topology the code declares and what exists (a dry run); --apply declares it")
+                .about(
+                    "show the topology the code declares (queues, exchanges, bindings) and what exists (a dry \
+                     run); --apply declares it",
+                )
                 .arg(
                     Arg::new("apply")
                         .long("apply")
@@ -149,7 +152,10 @@ impl Cli {
         )
         .subcommand(
             Command::new("status")
-                .about("queue depths, consumers, dead letters, dedup rows and the outbox backlog"),
+                .about(
+                    "queue depths and consumers (with the dead-letter and retry wait queues), dedup rows and \
+                     the outbox backlog, counted exactly; what cannot be read is `unknown (why)` and exits 1",
+                ),
         )
         .subcommand(dlq_command())
         .subcommand(gc_command());

@@ -77,6 +77,35 @@ impl RuntimeBuilder {
         plan
     }
 
+    /// What `status` shows, in order: each consumed or declared queue, then its
+    /// dead-letter queue and its retry wait queues (`<queue>.retry.<ms>ms`), each with
+    /// what it is.
+    #[cfg(feature = "cli")]
+    pub(crate) fn status_queues(&self) -> Vec<(String, String)> {
+        let mut shown = Vec::new();
+        for (queue, dead_letters) in self.consumed_queues() {
+            let consumer = self.consumers.iter().find(|r| r.queue == queue);
+            shown.push((queue.clone(), if consumer.is_some() { "consumed" } else { "declared" }.to_owned()));
+            shown.push((dead_letters, format!("dead letters of {queue}")));
+            if let Some(registration) = consumer {
+                for (name, delay) in registration.retry_policy(&self.retry).wait_queues(&queue) {
+                    shown.push((name, format!("retries of {queue} after {}", human(delay))));
+                }
+            }
+        }
+        shown
+    }
+
+    /// The topology's bindings: queue, exchange, routing key.
+    #[cfg(feature = "cli")]
+    pub(crate) fn bindings(&self) -> Vec<(&str, &str, &str)> {
+        self.topology
+            .queues()
+            .iter()
+            .flat_map(|queue| queue.bindings().map(move |(exchange, key)| (queue.name(), exchange, key)))
+            .collect()
+    }
+
     /// The exchanges the topology declares.
     #[cfg(feature = "cli")]
     pub(crate) fn exchange_names(&self) -> Vec<String> {
