@@ -42,6 +42,7 @@ impl RuntimeBuilder {
             )));
         }
         self.check_handler_queues()?;
+        self.check_declared_queues()?;
         if let Some(retention) = &self.retention {
             retention.check(&self.retry_policies())?;
         }
@@ -96,6 +97,24 @@ impl RuntimeBuilder {
                     )));
                 }
                 _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// A topology that names any queue names every consumed queue (see
+    /// [`RuntimeBuilder::consume`]).
+    pub(super) fn check_declared_queues(&self) -> Result<(), Error> {
+        if !self.topology.names_queues() {
+            return Ok(());
+        }
+        for Registration { queue, .. } in &self.consumers {
+            if self.topology.find_queue(queue).is_none() {
+                return Err(Error::Config(format!(
+                    "queue '{queue}' is consumed but the topology does not declare it, so `run` would fail with \
+                     the broker's NOT_FOUND; declare it: `.topology(Topology::new().queue(Queue::new(\"{queue}\")))`, \
+                     or, if it is declared elsewhere on purpose: `Queue::new(\"{queue}\").declared_elsewhere()`"
+                )));
             }
         }
         Ok(())
@@ -200,6 +219,25 @@ mod tests {
     #[test]
     fn the_test_builder_builds() {
         builder().build().expect("a valid configuration");
+    }
+
+    #[test]
+    fn a_consumed_queue_the_topology_does_not_declare_is_refused_with_the_fix() {
+        let declared = crate::Topology::new().queue(crate::Queue::new("orders"));
+        let message = config_error(builder().topology(declared.clone()));
+        assert!(
+            message.contains("queue 'payments' is consumed but the topology does not declare it"),
+            "{message}"
+        );
+        assert!(
+            message.contains(r#"Queue::new("payments")"#) && message.contains(".declared_elsewhere()"),
+            "{message}"
+        );
+        let elsewhere = declared.queue(crate::Queue::new("payments").declared_elsewhere());
+        builder().topology(elsewhere).build().expect("declared elsewhere on purpose");
+        let exchanges_only = crate::Topology::new().exchange(crate::Exchange::topic("events"));
+        builder().topology(exchanges_only).build().expect("a topology that names no queue");
+        builder().build().expect("no topology: the queue exists already");
     }
 
     #[test]

@@ -57,12 +57,12 @@ impl RuntimeBuilder {
         self.consumers.iter().map(|r| r.retry_policy(&self.retry)).collect()
     }
 
-    /// Every queue the runtime would declare (the topology's, their dead-letter
-    /// queues, the consumers' wait queues), with what it is.
+    /// Every queue the runtime would declare (the topology's but those declared
+    /// elsewhere, their dead-letter queues, the consumers' wait queues), with what it is.
     #[cfg(feature = "cli")]
     pub(crate) fn declarations(&self) -> Vec<(String, String)> {
         let mut plan = Vec::new();
-        for queue in self.topology.queues() {
+        for queue in self.topology.queues().iter().filter(|queue| !queue.elsewhere) {
             plan.push((queue.name().to_owned(), queue.describe()));
             plan.push((
                 queue.dead_letter_name().to_owned(),
@@ -96,12 +96,13 @@ impl RuntimeBuilder {
         shown
     }
 
-    /// The topology's bindings: queue, exchange, routing key.
+    /// The bindings the topology declares: queue, exchange, routing key.
     #[cfg(feature = "cli")]
     pub(crate) fn bindings(&self) -> Vec<(&str, &str, &str)> {
         self.topology
             .queues()
             .iter()
+            .filter(|queue| !queue.elsewhere)
             .flat_map(|queue| queue.bindings().map(move |(exchange, key)| (queue.name(), exchange, key)))
             .collect()
     }
