@@ -440,3 +440,40 @@ fn run_refuses_settings_that_outlast_idemq_consumer_timeout() {
         assert!(stderr.contains(words), "{words}: {stderr}");
     }
 }
+
+/// The builder's other settings reach `run` from the environment (by their contract
+/// names) and from the config file: pairs `build` refuses are refused before anything
+/// connects, naming the settings.
+#[test]
+fn run_reads_every_setting_from_the_environment_and_the_config_file() {
+    let payments = || {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_payments"));
+        command.arg("run").env_remove("IDEMQ_CONFIG");
+        command
+    };
+    let refused = run_fails(payments().env("IDEMQ_RELAY", "off").env("IDEMQ_RELAY_POLL_INTERVAL", "250ms"));
+    assert!(refused.contains("relay_poll_interval is set but the relay is off"), "{refused}");
+    let refused = run_fails(payments().env("IDEMQ_NAMESPACE", "a/b"));
+    assert!(refused.contains("namespace \"a/b\""), "{refused}");
+    let refused = run_fails(
+        payments()
+            .env("IDEMQ_DATABASE_RETRY_LIMIT", "20m")
+            .env("IDEMQ_HANDLER_TIMEOUT", "5m")
+            .env("IDEMQ_CONSUMER_TIMEOUT", "30m"),
+    );
+    assert!(
+        refused.contains("database_retry_limit (20m)") && refused.contains("handler_timeout (5m)"),
+        "{refused}"
+    );
+    let output = payments().env("IDEMQ_ON_CONFLICT", "drop").output().expect("spawn");
+    let refused = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "a usage error: {refused}");
+    assert!(refused.contains("dead-letter or ignore"), "{refused}");
+
+    let file = std::env::temp_dir().join(format!("idemq-cli-settings-{}.toml", std::process::id()));
+    std::fs::write(&file, "shutdown_deadline = \"40m\"\nheartbeat = \"5s\"\nlinger = \"2ms\"\n")
+        .expect("write");
+    let refused = run_fails(payments().env("IDEMQ_CONFIG", &file));
+    assert!(refused.contains("shutdown_deadline (40m)"), "{refused}");
+    let _ = std::fs::remove_file(file);
+}

@@ -4,6 +4,9 @@
 //! ```text
 //! <app> run      [--concurrency N] [--batch-size N] [--prefetch N] [--queue Q]... [--http-addr ADDR]
 //!                [--retention 30d [--replay-window 7d]] [--startup-timeout 2m] [--consumer-timeout 30m]
+//!                [--linger D] [--handler-timeout D] [--max-body-bytes N] [--on-conflict dead-letter|ignore]
+//!                [--namespace NS] [--shutdown-deadline D] [--heartbeat D] [--reconnect-max-backoff D]
+//!                [--database-retry-limit D] [--relay on|off] [--relay-poll-interval D]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply]                                            the topology (queues, exchanges, bindings): what exists, what would be declared
@@ -17,11 +20,17 @@
 //! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
-//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`), then a
-//! TOML file (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case
-//! (`amqp_url`, `database_url`, `concurrency`, `batch_size`, `prefetch`, `http_addr`,
-//! `retention`, `replay_window`, `startup_timeout`, `consumer_timeout`), then the
-//! code's builder. They are checked before anything connects; errors name the setting
+//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`,
+//! `IDEMQ_LINGER`, `IDEMQ_HANDLER_TIMEOUT`, `IDEMQ_MAX_BODY_BYTES`, `IDEMQ_ON_CONFLICT`,
+//! `IDEMQ_NAMESPACE`, `IDEMQ_SHUTDOWN_DEADLINE`, `IDEMQ_HEARTBEAT`,
+//! `IDEMQ_RECONNECT_MAX_BACKOFF`, `IDEMQ_DATABASE_RETRY_LIMIT`, `IDEMQ_RELAY` (`on` or
+//! `off`), `IDEMQ_RELAY_POLL_INTERVAL`), then a TOML file (`--config`, or
+//! `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`, `database_url`,
+//! `concurrency`, `batch_size`, `prefetch`, `http_addr`, `retention`, `replay_window`,
+//! `startup_timeout`, `consumer_timeout`, `linger`, `handler_timeout`,
+//! `max_body_bytes`, `on_conflict`, `namespace`, `shutdown_deadline`, `heartbeat`,
+//! `reconnect_max_backoff`, `database_retry_limit`, `relay`, `relay_poll_interval`),
+//! then the code's builder (the README's Configuration table lists them all). They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
 //!
 //! Each URL may instead come from a file holding it (a container secret, its
@@ -62,7 +71,9 @@ pub use commands::Setup;
 
 use crate::app::cli::commands::Interrupted;
 use crate::app::cli::common::CliResult;
-use crate::app::cli::config::{parse_consumer_timeout, parse_duration, setting, Settings};
+use crate::app::cli::config::{
+    parse_consumer_timeout, parse_duration, parse_on_conflict, parse_switch, setting, Settings,
+};
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::{redact, Error};
 
@@ -380,6 +391,76 @@ fn run_command() -> Command {
                 .value_parser(value_parser!(std::net::SocketAddr))
                 .help("serve /metrics, /healthz and /readyz here, e.g. 127.0.0.1:9464 (default: off)"),
         )
+        .arg(duration(
+            "linger",
+            "IDEMQ_LINGER",
+            "how long a batch that is not full waits for more (default 0s)",
+        ))
+        .arg(duration(
+            "handler-timeout",
+            "IDEMQ_HANDLER_TIMEOUT",
+            "how long a handler may run before its attempt fails, transiently (default 60s)",
+        ))
+        .arg(
+            Arg::new("max-body-bytes")
+                .long("max-body-bytes")
+                .env("IDEMQ_MAX_BODY_BYTES")
+                .hide_env_values(true)
+                .value_name("N")
+                .value_parser(value_parser!(usize))
+                .help("larger bodies are dead-lettered (kind too-large) before decoding (default 1048576)"),
+        )
+        .arg(
+            Arg::new("on-conflict")
+                .long("on-conflict")
+                .env("IDEMQ_ON_CONFLICT")
+                .hide_env_values(true)
+                .value_name("WHAT")
+                .value_parser(parse_on_conflict)
+                .help("a known key with another payload: dead-letter (the default) or ignore (ack, log)"),
+        )
+        .arg(
+            Arg::new("namespace")
+                .long("namespace")
+                .env("IDEMQ_NAMESPACE")
+                .hide_env_values(true)
+                .value_name("NS")
+                .help("scope dedup rows as NS/<handler>, for services sharing a database (default: none)"),
+        )
+        .arg(duration(
+            "shutdown-deadline",
+            "IDEMQ_SHUTDOWN_DEADLINE",
+            "how long in-flight deliveries get at shutdown (default 10s)",
+        ))
+        .arg(duration(
+            "heartbeat",
+            "IDEMQ_HEARTBEAT",
+            "the AMQP heartbeat: a silent broker is found within about two (default 20s)",
+        ))
+        .arg(duration(
+            "reconnect-max-backoff",
+            "IDEMQ_RECONNECT_MAX_BACKOFF",
+            "the longest wait between reconnect attempts (default 30s)",
+        ))
+        .arg(duration(
+            "database-retry-limit",
+            "IDEMQ_DATABASE_RETRY_LIMIT",
+            "how long a delivery is held while the database is down (default 25m)",
+        ))
+        .arg(
+            Arg::new("relay")
+                .long("relay")
+                .env("IDEMQ_RELAY")
+                .hide_env_values(true)
+                .value_name("on|off")
+                .value_parser(parse_switch)
+                .help("run the outbox relay in this process (default on; off: relays run elsewhere)"),
+        )
+        .arg(duration(
+            "relay-poll-interval",
+            "IDEMQ_RELAY_POLL_INTERVAL",
+            "how often the relay looks for rows nobody woke it for (default 1s)",
+        ))
         .arg(
             Arg::new("queue")
                 .long("queue")

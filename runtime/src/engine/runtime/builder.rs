@@ -37,6 +37,10 @@ impl Registration {
     }
 }
 
+// Each setter is listed in `settings.rs` beside this file, with its `run` flag,
+// environment variable and TOML key, and has a row in the README's Configuration
+// table: tests there fail until both are done.
+
 /// Configures a [`Runtime`](super::Runtime). Start with [`Runtime::builder`](super::Runtime::builder).
 ///
 /// Each setter takes the builder and returns it; nothing is checked until

@@ -164,7 +164,7 @@ impl RuntimeBuilder {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::handler::context::{Context, HandlerOutput};
     use crate::handler::key::{Key, KeyError, Metadata};
@@ -173,8 +173,9 @@ mod tests {
     use diesel_async::AsyncPgConnection;
     use std::time::Duration;
 
-    /// A handler that does nothing (the checks read only its options).
-    struct Noop;
+    /// A handler that does nothing (the checks read only its options); the CLI's
+    /// tests use it too.
+    pub(crate) struct Noop;
 
     impl Handler for Noop {
         type Message = serde_json::Value;
