@@ -6,12 +6,14 @@
 //! payments run       declare the topology and consume until SIGINT/SIGTERM
 //! payments migrate   apply idemq's migrations and the demo's tables (--status: list them)
 //! payments declare   show the topology and what exists (--apply: declare it)
-//! payments status    queue depths, consumers, dead letters, dedup rows, outbox backlog
+//! payments status    queue depths, consumers, dead letters, retry wait queues, dedup rows,
+//!                    outbox backlog
 //! payments gc        delete dedup rows older than --keep
 //! payments demo      migrate, publish a burst with duplicates and bad messages,
 //!                    consume it, print a summary and check the ledger and the events
 //! ```
-//! `payments --help` and `payments <command> --help` say more. Environment: `AMQP_URL`
+//! `payments --help` and `payments <command> --help` say more; `payments --version`
+//! prints the version. Environment: `AMQP_URL`
 //! (default `amqp://guest:guest@127.0.0.1:5672/%2f`), `DATABASE_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/idemq_demo`), or `AMQP_URL_FILE` /
 //! `DATABASE_URL_FILE` naming a file that holds the URL (a container secret),
@@ -37,6 +39,7 @@ async fn main() -> ExitCode {
     };
     let builder = builder.topology(topology()).consume(QUEUE, apply_payment);
     let cli = Cli::new("payments", builder)
+        .version(env!("CARGO_PKG_VERSION"))
         .about("exactly-once payments from RabbitMQ into PostgreSQL, with idemq")
         .setup(|url| async move { migrate(&url).await.map_err(Into::into) });
     let command = cli.command().subcommand(

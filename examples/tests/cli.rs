@@ -177,6 +177,13 @@ fn help_lists_every_subcommand_and_exits_zero() {
     );
 }
 
+/// `payments --version` prints the name and the example's version and exits 0.
+#[test]
+fn version_prints_the_name_and_version_and_exits_zero() {
+    let output = run_ok(Command::new(env!("CARGO_BIN_EXE_payments")).arg("--version"));
+    assert_eq!(stdout(&output), format!("payments {}\n", env!("CARGO_PKG_VERSION")));
+}
+
 /// `declare` is a dry run that says what is missing; `declare --apply` declares it,
 /// and `status` then shows the queues and the outbox backlog.
 #[test]
@@ -191,10 +198,72 @@ fn declare_shows_what_is_missing_and_apply_declares_it() {
     run_ok(&mut env.payments(&["declare", "--apply"]));
     let again = stdout(&run_ok(&mut env.payments(&["declare"])));
     assert!(!again.contains("missing"), "{again}");
+    assert!(
+        again.lines().any(|l| l.starts_with("binding payments.applied")
+            && l.contains("to exchange payments.events with routing key ''")),
+        "the bindings are listed: {again}"
+    );
     run_ok(&mut env.payments(&["migrate"]));
     let status = stdout(&run_ok(&mut env.payments(&["status"])));
     assert!(status.lines().any(|l| l.starts_with("payments.dlq")), "{status}");
     assert!(status.contains("outbox backlog:        0"), "{status}");
+}
+
+/// `status` counts the dedup rows exactly (rows the planner has never counted are
+/// not an estimate of 0), lists each retry wait queue with the messages waiting in
+/// it, and prints what it cannot read as `unknown (why)` — never a number — then
+/// exits 1, the rest printed.
+#[test]
+fn status_counts_exactly_lists_the_wait_queues_and_says_what_it_cannot_read() {
+    let env = Isolated::new();
+    run_ok(&mut env.payments(&["declare", "--apply"]));
+    // No database yet (the demo's set-up makes it).
+    let output = env.payments(&["status"]).output().expect("spawn");
+    let shown = stdout(&output);
+    assert_eq!(output.status.code(), Some(1), "{shown}");
+    assert!(shown.contains("dedup rows: unknown (") && !shown.contains("dedup rows: 0"), "{shown}");
+    assert!(shown.lines().any(|l| l.starts_with("payments.dlq")), "the queues are still shown: {shown}");
+
+    run_ok(&mut env.payments(&["migrate"]));
+    psql(
+        &env.database,
+        "INSERT INTO idemq_dedup (handler, key, processed_at) \
+         SELECT 'h', 'k' || i, now() FROM generate_series(1, 32689) AS i",
+    );
+    publish(&env.vhost, "payments.retry.600000ms", 2);
+    let status = stdout(&run_ok(&mut env.payments(&["status"])));
+    assert!(status.lines().any(|l| l == "dedup rows: 32689"), "{status}");
+    let waiting = status.lines().find(|l| l.starts_with("payments.retry.600000ms")).expect("listed");
+    assert_eq!(waiting.split_whitespace().nth(1), Some("2"), "{status}");
+    assert!(waiting.ends_with("retries of payments after 10m"), "{status}");
+    assert!(status.lines().any(|l| l.starts_with("payments.retry.1000ms")), "{status}");
+}
+
+/// Runs `sql` in `database`.
+fn psql(database: &str, sql: &str) {
+    run_ok(Command::new("psql").args(["-h", "127.0.0.1", "-U", "postgres", "-d", database, "-c", sql]));
+}
+
+/// Publishes `n` persistent messages to `queue` of `vhost`, confirmed.
+fn publish(vhost: &str, queue: &str, n: usize) {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let url = format!("amqp://guest:guest@127.0.0.1:5672/{vhost}");
+        let connection = Connection::connect(&url, ConnectionProperties::default()).await.expect("connect");
+        let channel = connection.create_channel().await.expect("channel");
+        channel.confirm_select(ConfirmSelectOptions::default()).await.expect("confirms");
+        for _ in 0..n {
+            let properties = BasicProperties::default().with_delivery_mode(2);
+            let confirm = channel
+                .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), b"{}", properties)
+                .await
+                .expect("publish");
+            confirm.await.expect("confirmed");
+        }
+        let _ = connection.close(200, "published".into()).await;
+    });
 }
 
 /// `migrate --status` lists idemq's migrations, pending then applied.
@@ -238,7 +307,7 @@ fn gc_refuses_a_short_retention_and_reads_its_settings_from_a_config_file() {
     let good = dir.join("good.toml");
     std::fs::write(&good, "retention = \"40d\"\n").expect("write");
     let swept = stdout(&run_ok(&mut env.payments(&["--config", good.to_str().expect("utf-8"), "gc"])));
-    assert!(swept.contains("older than 40.0 days"), "{swept}");
+    assert!(swept.contains("older than 40d"), "{swept}");
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "retension = \"40d\"\n").expect("write");
     let refused = run_fails(&mut env.payments(&["--config", bad.to_str().expect("utf-8"), "gc"]));
@@ -370,4 +439,41 @@ fn run_refuses_settings_that_outlast_idemq_consumer_timeout() {
     for words in ["database_retry_limit (25m)", "consumer_timeout (10m)", "Fix: "] {
         assert!(stderr.contains(words), "{words}: {stderr}");
     }
+}
+
+/// The builder's other settings reach `run` from the environment (by their contract
+/// names) and from the config file: pairs `build` refuses are refused before anything
+/// connects, naming the settings.
+#[test]
+fn run_reads_every_setting_from_the_environment_and_the_config_file() {
+    let payments = || {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_payments"));
+        command.arg("run").env_remove("IDEMQ_CONFIG");
+        command
+    };
+    let refused = run_fails(payments().env("IDEMQ_RELAY", "off").env("IDEMQ_RELAY_POLL_INTERVAL", "250ms"));
+    assert!(refused.contains("relay_poll_interval is set but the relay is off"), "{refused}");
+    let refused = run_fails(payments().env("IDEMQ_NAMESPACE", "a/b"));
+    assert!(refused.contains("namespace \"a/b\""), "{refused}");
+    let refused = run_fails(
+        payments()
+            .env("IDEMQ_DATABASE_RETRY_LIMIT", "20m")
+            .env("IDEMQ_HANDLER_TIMEOUT", "5m")
+            .env("IDEMQ_CONSUMER_TIMEOUT", "30m"),
+    );
+    assert!(
+        refused.contains("database_retry_limit (20m)") && refused.contains("handler_timeout (5m)"),
+        "{refused}"
+    );
+    let output = payments().env("IDEMQ_ON_CONFLICT", "drop").output().expect("spawn");
+    let refused = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "a usage error: {refused}");
+    assert!(refused.contains("dead-letter or ignore"), "{refused}");
+
+    let file = std::env::temp_dir().join(format!("idemq-cli-settings-{}.toml", std::process::id()));
+    std::fs::write(&file, "shutdown_deadline = \"40m\"\nheartbeat = \"5s\"\nlinger = \"2ms\"\n")
+        .expect("write");
+    let refused = run_fails(payments().env("IDEMQ_CONFIG", &file));
+    assert!(refused.contains("shutdown_deadline (40m)"), "{refused}");
+    let _ = std::fs::remove_file(file);
 }

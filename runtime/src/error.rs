@@ -140,7 +140,7 @@ pub enum Error {
     /// log and in [`ConnectionEvent`](crate::observe::ConnectionEvent)s) rather than what
     /// `run` returns; at start-up it counts as the broker being unreachable
     /// ([`Error::StartupTimeout`] once the startup timeout is spent).
-    #[error("connecting to RabbitMQ and declaring the topology took longer than {after:?}; is the broker at AMQP_URL healthy (not still starting, not under an alarm)?")]
+    #[error("connecting to RabbitMQ and declaring the topology took longer than {}; is the broker at AMQP_URL healthy (not still starting, not under an alarm)?", crate::base::duration::human(*after))]
     StartTimeout {
         /// How long the runtime waited.
         after: std::time::Duration,
@@ -150,9 +150,10 @@ pub enum Error {
     /// [`startup_timeout`](crate::RuntimeBuilder::startup_timeout). Without one the
     /// runtime waits for ever and this error never happens.
     #[error(
-        "cannot connect to {dependency} at {url}: still unreachable after {waited:?} (the startup timeout); \
+        "cannot connect to {dependency} at {url}: still unreachable after {} (the startup timeout); \
          the last attempt said: {}. Fix: make {dependency} reachable from here, or let the runtime wait \
          longer (`startup_timeout`, `--startup-timeout`, IDEMQ_STARTUP_TIMEOUT; unset, it waits for ever)",
+        crate::base::duration::human(*waited),
         redact(last_error)
     )]
     StartupTimeout {

@@ -70,6 +70,9 @@ fn a_retention_shorter_than_the_retry_horizon_and_replay_window_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("too short") && err.contains("replay window"), "{err}");
+    // Durations as they are written in the settings: `1d 30m`, never `1day 30m`.
+    assert!(err.contains("a retention of 1d 30m is too short"), "{err}");
+    assert!(err.contains("replayed for 1d (the replay window)"), "{err}");
     let long = Retention::keep(Duration::from_secs(3 * 86_400)).replay_window(Duration::from_secs(86_400));
     assert!(idemq::Runtime::builder()
         .retry(retry)
@@ -288,4 +291,21 @@ async fn prefetch_sets_each_consumers_prefetch() {
     .await;
     running.stop().await.expect("clean shutdown");
     assert!(idemq::Runtime::builder().prefetch(0).consume("q", ledger_payment).build().is_err());
+}
+
+/// `<app> --version` prints the application's name and the version it gave, and
+/// exits 0; without `Cli::version` it is idemq's.
+#[tokio::test]
+async fn version_prints_the_apps_name_and_version_and_exits_zero() {
+    use idemq::cli::{clap::error::ErrorKind, Cli};
+    use std::process::ExitCode;
+
+    let cli = Cli::new("payments", idemq::Runtime::builder()).version("3.1.4");
+    let shown = cli.command().try_get_matches_from(["payments", "--version"]).expect_err("--version");
+    assert_eq!(shown.kind(), ErrorKind::DisplayVersion);
+    assert_eq!(shown.to_string(), "payments 3.1.4\n");
+    assert_eq!(cli.run_from(["payments", "--version"]).await, ExitCode::SUCCESS);
+
+    let default = Cli::new("app", idemq::Runtime::builder()).command().render_version();
+    assert_eq!(default, format!("app {}\n", env!("CARGO_PKG_VERSION")), "idemq's own version");
 }

@@ -3,6 +3,7 @@
 
 pub(crate) mod amqp_value;
 pub(crate) mod backoff;
+pub(crate) mod duration;
 pub mod headers;
 pub(crate) mod observe;
 pub(crate) mod outcome;

@@ -125,7 +125,7 @@ impl Brokers {
                 url,
                 cause: lapin::Error::from(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
-                    format!("no answer within {CONNECT_TIMEOUT:?}"),
+                    format!("no answer within {}", crate::base::duration::human(CONNECT_TIMEOUT)),
                 )),
             }),
         }

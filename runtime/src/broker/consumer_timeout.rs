@@ -113,7 +113,7 @@ fn show(duration: Duration) -> String {
     if duration >= Duration::from_secs(u64::from(u32::MAX)) {
         return "unlimited".to_owned();
     }
-    humantime::format_duration(Duration::from_secs(duration.as_secs())).to_string()
+    crate::base::duration::human(Duration::from_secs(duration.as_secs())).to_string()
 }
 
 /// Whether the broker closed a channel because a delivery on it was not

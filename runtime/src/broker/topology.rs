@@ -61,6 +61,13 @@ impl Topology {
         self
     }
 
+    /// Whether it names any queue (declared, or [declared
+    /// elsewhere](Queue::declared_elsewhere)): then it must name every consumed queue
+    /// (see [`RuntimeBuilder::consume`](crate::RuntimeBuilder::consume)).
+    pub(crate) fn names_queues(&self) -> bool {
+        !self.queues.is_empty()
+    }
+
     /// The queue named `name`, if declared here.
     pub fn find_queue(&self, name: &str) -> Option<&Queue> {
         self.queues.iter().find(|q| q.name == name)
@@ -101,7 +108,7 @@ impl Topology {
         for exchange in &self.exchanges {
             exchange.declare(channel).await?;
         }
-        for queue in &self.queues {
+        for queue in self.queues.iter().filter(|queue| !queue.elsewhere) {
             queue.declare(channel).await?;
         }
         Ok(())
@@ -132,7 +139,7 @@ impl Topology {
         for exchange in &self.exchanges {
             exchange.declare(&channel).await?;
         }
-        let queues = self.queues.iter().map(|queue| (queue, None));
+        let queues = self.queues.iter().filter(|queue| !queue.elsewhere).map(|queue| (queue, None));
         let waits = waits.iter().map(|(queue, name, delay)| (*queue, Some((name.as_str(), *delay))));
         for (queue, wait) in queues.chain(waits) {
             let declared = match wait {
@@ -218,6 +225,8 @@ pub struct Queue {
     pub(crate) delivery_limit: u32,
     replicas: Option<u32>,
     bindings: Vec<(String, String)>,
+    /// [`Queue::declared_elsewhere`]: described, never declared.
+    pub(crate) elsewhere: bool,
 }
 
 impl Queue {
@@ -240,6 +249,7 @@ impl Queue {
             delivery_limit: DEFAULT_DELIVERY_LIMIT,
             replicas: None,
             bindings: Vec::new(),
+            elsewhere: false,
         }
     }
 
@@ -281,6 +291,29 @@ impl Queue {
         self
     }
 
+    /// A queue that is declared elsewhere on purpose (by another service, by hand, by
+    /// a definitions file) and consumed here: idemq declares nothing of it — neither
+    /// the queue, its dead-letter queue nor its bindings — but reads what it is
+    /// from this description (its dead-letter queue's name, its type, its
+    /// [`delivery_limit`](Self::delivery_limit)), and still declares the retry wait
+    /// queues that lead back to it. `run` fails if it does not exist.
+    ///
+    /// A topology that names any queue must name every consumed queue (see
+    /// [`RuntimeBuilder::consume`](crate::RuntimeBuilder::consume)): this is how it
+    /// names one it does not declare.
+    ///
+    /// ```
+    /// # use idemq::{Queue, Topology};
+    /// let topology = Topology::new()
+    ///     .queue(Queue::new("payments"))
+    ///     .queue(Queue::new("orders").declared_elsewhere());
+    /// # let _ = topology;
+    /// ```
+    pub fn declared_elsewhere(mut self) -> Self {
+        self.elsewhere = true;
+        self
+    }
+
     /// Binds the queue to `exchange` with `routing_key`.
     pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
         self.bindings.push((exchange.into(), routing_key.into()));
@@ -295,6 +328,12 @@ impl Queue {
     /// The dead-letter queue's name.
     pub fn dead_letter_name(&self) -> &str {
         &self.dead_letter
+    }
+
+    /// Its bindings: exchange, routing key.
+    #[cfg(feature = "cli")]
+    pub(crate) fn bindings(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.bindings.iter().map(|(exchange, key)| (exchange.as_str(), key.as_str()))
     }
 
     /// What the queue is declared as, in words.

@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::backoff::Backoff;
+use crate::base::duration::human;
 use crate::base::observe::ConnectionEvent;
 use crate::base::observe::Observers;
 use crate::error::{redact, Dependency, Error};
@@ -150,11 +151,11 @@ impl Startup {
         let error = self.last_error.clone();
         match left {
             None => tracing::warn!(
-                %dependency, %url, attempt, retry_in = ?delay, %error,
+                %dependency, %url, attempt, retry_in = %human(delay), %error,
                 "{dependency} is unreachable at start-up; waiting for it (no startup timeout: as long as it takes)"
             ),
             Some(left) => tracing::warn!(
-                %dependency, %url, attempt, retry_in = ?delay, gives_up_in = ?left, %error,
+                %dependency, %url, attempt, retry_in = %human(delay), gives_up_in = %human(left), %error,
                 "{dependency} is unreachable at start-up; waiting for it"
             ),
         }
@@ -250,7 +251,7 @@ fn to_millis(duration: Duration) -> Duration {
 /// a refusal), then the pool's first connection and idemq's schema check.
 async fn database_ready(pool: &db::Pool, url: &str, limit: Duration) -> Result<(), Failure> {
     probe(url, limit).await?;
-    let no_answer = || Failure::Unreachable(format!("no answer within {limit:?}"));
+    let no_answer = || Failure::Unreachable(format!("no answer within {}", human(limit)));
     let refused = |message: String, cause: Box<dyn std::error::Error + Send + Sync>| {
         Failure::Refused(Error::DatabaseConnect { url: redact(url), message, cause: Some(cause) })
     };
@@ -287,7 +288,7 @@ async fn database_ready(pool: &db::Pool, url: &str, limit: Duration) -> Result<(
 async fn probe(url: &str, limit: Duration) -> Result<(), Failure> {
     use crate::tls::postgres::{ConnectFailure, Connected};
     match tokio::time::timeout(limit, crate::tls::postgres::connect(url, |_| {})).await {
-        Err(_) => Err(Failure::Unreachable(format!("no answer within {limit:?}"))),
+        Err(_) => Err(Failure::Unreachable(format!("no answer within {}", human(limit)))),
         // A URL that cannot be used, a certificate that does not verify: no wait mends it.
         Ok(Err(ConnectFailure::Refused(err))) => Err(Failure::Refused(err)),
         Ok(Err(ConnectFailure::Driver(err))) => Err(classify(url, err)),

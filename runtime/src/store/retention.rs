@@ -106,7 +106,8 @@ impl Retention {
         let horizon = policies.into_iter().map(RetryPolicy::horizon).max().unwrap_or_default();
         let floor = horizon + self.replay_window;
         if self.keep <= floor {
-            let show = |d: Duration| humantime::format_duration(Duration::from_secs(d.as_secs())).to_string();
+            let show =
+                |d: Duration| crate::base::duration::human(Duration::from_secs(d.as_secs())).to_string();
             return Err(Error::Config(format!(
                 "a retention of {} is too short: a copy of a message can still arrive {} after its first \
                  delivery (the longest retry horizon) and a dead letter may be replayed for {} (the replay \

@@ -10,6 +10,7 @@ use lapin::types::FieldTable;
 use lapin::Connection;
 
 use crate::app::cli::common::{connect_broker, connect_db, CliResult};
+use crate::base::duration::human;
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::Error;
 use crate::store::retention::Retention;
@@ -69,11 +70,11 @@ pub(super) async fn gc(
         println!("another sweep is running (it holds idemq::store::GC_LOCK); deleted so far:");
     }
     println!(
-        "deleted {} dedup rows, {} copy records, {} start marks older than {:.1} days",
+        "deleted {} dedup rows, {} copy records, {} start marks older than {}",
         sweep.dedup_rows,
         sweep.copy_records,
         sweep.start_marks,
-        keep.as_secs_f64() / 86_400.0
+        human(keep)
     );
     Ok(())
 }
@@ -122,6 +123,10 @@ pub(super) async fn declare(builder: &RuntimeBuilder, apply: bool) -> CliResult 
     for exchange in builder.exchange_names() {
         println!("exchange {exchange:<37} (declared with the topology)");
     }
+    for (queue, exchange, routing_key) in builder.bindings() {
+        let exchange = if exchange.is_empty() { "(default)" } else { exchange };
+        println!("binding {queue:<38} to exchange {exchange} with routing key '{routing_key}' (declared with the topology)");
+    }
     if apply {
         builder.declare_all(&connection).await?;
         println!("declared ({missing} were missing)");
@@ -154,22 +159,73 @@ async fn passive(connection: &Connection, queue: &str) -> Result<Option<lapin::Q
     }
 }
 
-/// `status`: queue depths and consumers, the dedup rows' estimate, the outbox backlog.
+/// A figure `status` prints: a number, or why it could not be read.
+type Figure = Result<String, String>;
+
+/// `status`: each queue's depth and consumers (the consumed and declared queues,
+/// their dead-letter and retry wait queues), the dedup rows and the outbox backlog,
+/// counted exactly. What cannot be read is printed as `unknown (why)`, never as a
+/// number, and makes the command fail (exit 1) after printing the rest.
 pub(super) async fn status(builder: &RuntimeBuilder) -> CliResult {
-    let connection = connect_broker(builder.configured_amqp_url()).await?;
-    println!("{:<40} {:>10} {:>10}", "queue", "ready", "consumers");
-    for (queue, dead_letters) in builder.consumed_queues() {
-        for name in [queue, dead_letters] {
-            match passive(&connection, &name).await? {
-                Some(q) => println!("{name:<40} {:>10} {:>10}", q.message_count(), q.consumer_count()),
-                None => println!("{name:<40} {:>10} {:>10}", "missing", "-"),
-            }
+    let mut unknown = 0;
+    let mut show = |figure: Figure| match figure {
+        Ok(shown) => shown,
+        Err(why) => {
+            unknown += 1;
+            format!("unknown ({why})")
         }
+    };
+    println!("{:<40} {:>10} {:>10}", "queue", "ready", "consumers");
+    match connect_broker(builder.configured_amqp_url()).await {
+        Ok(connection) => {
+            for (name, what) in builder.status_queues() {
+                let line = match passive(&connection, &name).await {
+                    Ok(Some(q)) => format!("{name:<40} {:>10} {:>10}", q.message_count(), q.consumer_count()),
+                    Ok(None) => format!("{name:<40} {:>10} {:>10}", "missing", "-"),
+                    Err(err) => format!("{name:<40} {}", show(Err(err.report()))),
+                };
+                println!("{}", format!("{line}  {what}").trim_end());
+            }
+            let _ = connection.close(200, "inspected".into()).await;
+        }
+        Err(err) => println!("queues: {}", show(Err(err.report()))),
     }
-    let _ = connection.close(200, "inspected".into()).await;
-    let mut conn = connect_db(builder.configured_database_url()).await?;
-    let (dedup_rows, outbox) = crate::store::db::table_sizes(&mut conn).await?;
-    println!("dedup rows (estimate): {dedup_rows}");
-    println!("outbox backlog:        {outbox}");
-    Ok(())
+    let (dedup, outbox) = counts(builder.configured_database_url()).await;
+    println!("dedup rows: {}", show(dedup));
+    println!("outbox backlog:        {}", show(outbox));
+    match unknown {
+        0 => Ok(()),
+        n => Err(format!("{n} of the figures above could not be read (unknown)").into()),
+    }
 }
+
+/// The dedup table's rows and the outbox's, counted (each cut after
+/// [`COUNT_TIMEOUT`]).
+async fn counts(url: &str) -> (Figure, Figure) {
+    let mut conn = match connect_db(url).await {
+        Ok(conn) => conn,
+        Err(err) => {
+            let why = err.report();
+            return (Err(why.clone()), Err(why));
+        }
+    };
+    if let Err(err) = crate::store::db::limit_statements(&mut conn, COUNT_TIMEOUT).await {
+        let why = format!("cannot set a statement_timeout: {err}");
+        return (Err(why.clone()), Err(why));
+    }
+    let mut count = async |table| match crate::store::db::count_rows(&mut conn, table).await {
+        Ok(Some(rows)) => Ok(rows.to_string()),
+        Ok(None) => Err(format!("{table} is not there: run `migrate`")),
+        Err(err) => {
+            Err(format!("counting {table} failed within a {} statement_timeout: {err}", human(COUNT_TIMEOUT)))
+        }
+    };
+    let dedup = count("idemq_dedup").await;
+    let outbox = count("idemq_outbox").await;
+    (dedup, outbox)
+}
+
+/// How long `status` lets each count run before it prints "unknown" instead: a
+/// count reads the whole table, which at a billion rows takes longer than an
+/// operator should wait.
+const COUNT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::ArgMatches;
 
+use crate::base::verdict::OnConflict;
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::{redact, Error};
 use crate::store::retention::Retention;
@@ -62,6 +63,24 @@ pub(super) fn parse_consumer_timeout(text: &str) -> Result<Duration, String> {
     parse_duration(text).map_err(|err| format!("{err}, or `off`"))
 }
 
+/// `dead-letter` or `ignore`: [`OnConflict`].
+pub(super) fn parse_on_conflict(text: &str) -> Result<OnConflict, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "dead-letter" | "dead_letter" | "deadletter" => Ok(OnConflict::DeadLetter),
+        "ignore" => Ok(OnConflict::Ignore),
+        _ => Err(format!("`{text}` is not a conflict policy: write dead-letter or ignore")),
+    }
+}
+
+/// `on` or `off` (also `true`/`false`, `yes`/`no`, `1`/`0`).
+pub(super) fn parse_switch(text: &str) -> Result<bool, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(format!("`{text}` is neither on nor off")),
+    }
+}
+
 /// The TOML file's settings.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -82,6 +101,52 @@ pub(super) struct Settings {
     startup_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "consumer_timeout")]
     consumer_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    linger: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    handler_timeout: Option<Duration>,
+    max_body_bytes: Option<usize>,
+    #[serde(default, deserialize_with = "on_conflict")]
+    on_conflict: Option<OnConflict>,
+    namespace: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    shutdown_deadline: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    heartbeat: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    reconnect_max_backoff: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    database_retry_limit: Option<Duration>,
+    #[serde(default, deserialize_with = "switch")]
+    relay: Option<bool>,
+    #[serde(default, deserialize_with = "duration")]
+    relay_poll_interval: Option<Duration>,
+}
+
+/// Every key of the TOML file, for the error that names them.
+const KEYS: &str = "amqp_url, amqp_url_file, database_url, database_url_file, concurrency, batch_size, prefetch, \
+                    http_addr, retention, replay_window, startup_timeout, consumer_timeout, linger, handler_timeout, \
+                    max_body_bytes, on_conflict, namespace, shutdown_deadline, heartbeat, reconnect_max_backoff, \
+                    database_retry_limit, relay, relay_poll_interval";
+
+fn on_conflict<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<OnConflict>, D::Error> {
+    let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
+    text.map(|text| parse_on_conflict(&text).map_err(serde::de::Error::custom)).transpose()
+}
+
+/// `relay = false`, or as the flag takes it: `relay = "off"`.
+fn switch<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<bool>, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Switch {
+        Bool(bool),
+        Text(String),
+    }
+    match <Option<Switch> as serde::Deserialize>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(Switch::Bool(on)) => Ok(Some(on)),
+        Some(Switch::Text(text)) => parse_switch(&text).map(Some).map_err(serde::de::Error::custom),
+    }
 }
 
 fn duration<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
@@ -105,9 +170,7 @@ impl Settings {
         // password: it is shown redacted, in the message, never as a source.
         toml::from_str(&text).map_err(|err| {
             Error::Config(format!(
-                "the config file {} is not valid: {}; its settings are amqp_url, amqp_url_file, \
-                 database_url, database_url_file, concurrency, batch_size, prefetch, http_addr, retention, \
-                 replay_window, startup_timeout and consumer_timeout (durations as \"30d\")",
+                "the config file {} is not valid: {}; its settings are {KEYS} (durations as \"30d\")",
                 path.display(),
                 redact(&err.to_string())
             ))
@@ -171,6 +234,131 @@ impl Settings {
         if let Some(timeout) = setting::<Duration>(sub, "consumer-timeout").or(self.consumer_timeout) {
             builder = builder.consumer_timeout(timeout);
         }
+        if let Some(linger) = setting::<Duration>(sub, "linger").or(self.linger) {
+            builder = builder.linger(linger);
+        }
+        if let Some(timeout) = setting::<Duration>(sub, "handler-timeout").or(self.handler_timeout) {
+            builder = builder.handler_timeout(timeout);
+        }
+        if let Some(bytes) = setting::<usize>(sub, "max-body-bytes").or(self.max_body_bytes) {
+            builder = builder.max_body_bytes(bytes);
+        }
+        if let Some(on_conflict) = setting::<OnConflict>(sub, "on-conflict").or(self.on_conflict) {
+            builder = builder.on_conflict(on_conflict);
+        }
+        if let Some(namespace) = setting::<String>(sub, "namespace").or_else(|| self.namespace.clone()) {
+            builder = builder.namespace(namespace);
+        }
+        if let Some(deadline) = setting::<Duration>(sub, "shutdown-deadline").or(self.shutdown_deadline) {
+            builder = builder.shutdown_deadline(deadline);
+        }
+        if let Some(interval) = setting::<Duration>(sub, "heartbeat").or(self.heartbeat) {
+            builder = builder.heartbeat(interval);
+        }
+        if let Some(max) = setting::<Duration>(sub, "reconnect-max-backoff").or(self.reconnect_max_backoff) {
+            builder = builder.reconnect_max_backoff(max);
+        }
+        if let Some(limit) = setting::<Duration>(sub, "database-retry-limit").or(self.database_retry_limit) {
+            builder = builder.database_retry_limit(limit);
+        }
+        // The relay's switch first: its poll interval is refused by `build` with it off.
+        if let Some(on) = setting::<bool>(sub, "relay").or(self.relay) {
+            builder = builder.relay(on);
+        }
+        if let Some(interval) = setting::<Duration>(sub, "relay-poll-interval").or(self.relay_poll_interval) {
+            builder = builder.relay_poll_interval(interval);
+        }
         Ok(builder)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::runtime::settings::SETTINGS;
+
+    /// The application's command as `Cli::command` makes it, with `run`.
+    fn command() -> clap::Command {
+        super::super::global_args(clap::Command::new("app")).subcommand(super::super::run_command())
+    }
+
+    #[test]
+    fn every_listed_flag_reads_its_variable_and_takes_its_example() {
+        let command = command();
+        let run = command.find_subcommand("run").expect("run").clone();
+        for setting in SETTINGS {
+            let Some(flag) = setting.flag else { continue };
+            let long = flag.trim_start_matches("--");
+            let arg = run
+                .get_arguments()
+                .chain(command.get_arguments())
+                .find(|arg| arg.get_long() == Some(long))
+                .unwrap_or_else(|| panic!("`run` has no flag {flag} for .{}(..)", setting.method));
+            let env = arg.get_env().and_then(|env| env.to_str());
+            assert_eq!(env, setting.env, "{flag} reads another variable");
+            let parsed = command.clone().try_get_matches_from(["app", "run", flag, setting.example]);
+            assert!(parsed.is_ok(), "{flag} {}: {parsed:?}", setting.example);
+        }
+    }
+
+    #[test]
+    fn every_listed_toml_key_is_read() {
+        for setting in SETTINGS {
+            let Some(key) = setting.toml else { continue };
+            let example = setting.example;
+            let read = toml::from_str::<Settings>(&format!("{key} = {example}"))
+                .or_else(|_| toml::from_str::<Settings>(&format!("{key} = \"{example}\"")));
+            assert!(read.is_ok(), "`{key}` in the config file: {read:?}");
+        }
+    }
+
+    #[test]
+    fn on_conflict_and_the_relay_switch_read_what_people_write() {
+        assert_eq!(parse_on_conflict("dead-letter"), Ok(OnConflict::DeadLetter));
+        assert_eq!(parse_on_conflict("Ignore"), Ok(OnConflict::Ignore));
+        assert!(parse_on_conflict("drop").unwrap_err().contains("dead-letter or ignore"));
+        assert_eq!(parse_switch("off"), Ok(false));
+        assert_eq!(parse_switch("ON"), Ok(true));
+        assert!(parse_switch("maybe").is_err());
+        let file: Settings = toml::from_str("relay = false").expect("a TOML boolean");
+        assert_eq!(file.relay, Some(false));
+        let file: Settings = toml::from_str("relay = \"off\"").expect("as the flag takes it");
+        assert_eq!(file.relay, Some(false));
+    }
+
+    /// The settings reach the builder: each pair below is refused by `build`, which
+    /// only a builder that got both can do.
+    #[test]
+    fn flags_and_the_file_reach_the_builder() {
+        let builder = || {
+            crate::Runtime::builder()
+                .amqp_url("amqp://guest:guest@127.0.0.1:5672/%2f")
+                .database_url("postgres://postgres@127.0.0.1:5432/idemq")
+                .consume("payments", crate::engine::runtime::Noop)
+        };
+        let run = |args: &[&str]| {
+            let matches = command().try_get_matches_from(args).expect("parses");
+            matches.subcommand_matches("run").cloned().expect("run")
+        };
+        let refused = |builder: RuntimeBuilder| match builder.build() {
+            Err(Error::Config(message)) => message,
+            other => panic!("expected a configuration error, got {other:?}"),
+        };
+        // The relay off in the file, a poll interval from the flag.
+        let file: Settings = toml::from_str("relay = \"off\"").expect("valid");
+        let sub = run(&["app", "run", "--relay-poll-interval", "50ms"]);
+        let message = refused(file.run_settings(builder(), &sub).expect("applied"));
+        assert!(message.contains("relay_poll_interval is set but the relay is off"), "{message}");
+        // A namespace that cannot scope rows, from the flag.
+        let sub = run(&["app", "run", "--namespace", "a/b"]);
+        let message = refused(Settings::default().run_settings(builder(), &sub).expect("applied"));
+        assert!(message.contains("namespace \"a/b\""), "{message}");
+        // Holding settings that outlast the broker's consumer_timeout, from the file.
+        let file: Settings = toml::from_str(
+            "database_retry_limit = \"29m\"\nhandler_timeout = \"90s\"\nshutdown_deadline = \"40m\"",
+        )
+        .expect("valid");
+        let message = refused(file.run_settings(builder(), &run(&["app", "run"])).expect("applied"));
+        assert!(message.contains("database_retry_limit (29m)"), "{message}");
     }
 }

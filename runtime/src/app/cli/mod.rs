@@ -4,23 +4,33 @@
 //! ```text
 //! <app> run      [--concurrency N] [--batch-size N] [--prefetch N] [--queue Q]... [--http-addr ADDR]
 //!                [--retention 30d [--replay-window 7d]] [--startup-timeout 2m] [--consumer-timeout 30m]
+//!                [--linger D] [--handler-timeout D] [--max-body-bytes N] [--on-conflict dead-letter|ignore]
+//!                [--namespace NS] [--shutdown-deadline D] [--heartbeat D] [--reconnect-max-backoff D]
+//!                [--database-retry-limit D] [--relay on|off] [--relay-poll-interval D]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
-//! <app> declare  [--apply]                                            the topology: what exists, what would be declared
-//! <app> status                                                        queue depths, consumers, DLQs, dedup rows, outbox backlog
+//! <app> declare  [--apply]                                            the topology (queues, exchanges, bindings): what exists, what would be declared
+//! <app> status                                                        queue depths, consumers, DLQs, retry wait queues, dedup rows (exact), outbox backlog
 //! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
 //! <app> dlq      list | show N | replay | purge  [--queue Q]          inspect and replay dead letters
+//! <app> --version                                                     the name and version (see [`Cli::version`]), exit 0
 //! ```
 //!
 //! Every subcommand but `run` works without consumers (`dlq` is described in
 //! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
-//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`), then a
-//! TOML file (`--config`, or `IDEMQ_CONFIG`) with the same names in snake case
-//! (`amqp_url`, `database_url`, `concurrency`, `batch_size`, `prefetch`, `http_addr`,
-//! `retention`, `replay_window`, `startup_timeout`, `consumer_timeout`), then the
-//! code's builder. They are checked before anything connects; errors name the setting
+//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`,
+//! `IDEMQ_LINGER`, `IDEMQ_HANDLER_TIMEOUT`, `IDEMQ_MAX_BODY_BYTES`, `IDEMQ_ON_CONFLICT`,
+//! `IDEMQ_NAMESPACE`, `IDEMQ_SHUTDOWN_DEADLINE`, `IDEMQ_HEARTBEAT`,
+//! `IDEMQ_RECONNECT_MAX_BACKOFF`, `IDEMQ_DATABASE_RETRY_LIMIT`, `IDEMQ_RELAY` (`on` or
+//! `off`), `IDEMQ_RELAY_POLL_INTERVAL`), then a TOML file (`--config`, or
+//! `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`, `database_url`,
+//! `concurrency`, `batch_size`, `prefetch`, `http_addr`, `retention`, `replay_window`,
+//! `startup_timeout`, `consumer_timeout`, `linger`, `handler_timeout`,
+//! `max_body_bytes`, `on_conflict`, `namespace`, `shutdown_deadline`, `heartbeat`,
+//! `reconnect_max_backoff`, `database_retry_limit`, `relay`, `relay_poll_interval`),
+//! then the code's builder (the README's Configuration table lists them all). They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
 //!
 //! Each URL may instead come from a file holding it (a container secret, its
@@ -61,7 +71,9 @@ pub use commands::Setup;
 
 use crate::app::cli::commands::Interrupted;
 use crate::app::cli::common::CliResult;
-use crate::app::cli::config::{parse_consumer_timeout, parse_duration, setting, Settings};
+use crate::app::cli::config::{
+    parse_consumer_timeout, parse_duration, parse_on_conflict, parse_switch, setting, Settings,
+};
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::{redact, Error};
 
@@ -70,6 +82,7 @@ use crate::error::{redact, Error};
 pub struct Cli {
     name: &'static str,
     about: Option<&'static str>,
+    version: &'static str,
     builder: RuntimeBuilder,
     setup: Option<Setup>,
 }
@@ -78,6 +91,7 @@ impl std::fmt::Debug for Cli {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cli")
             .field("name", &self.name)
+            .field("version", &self.version)
             .field("builder", &self.builder)
             .finish_non_exhaustive()
     }
@@ -85,8 +99,17 @@ impl std::fmt::Debug for Cli {
 
 impl Cli {
     /// The CLI of the binary `name`, running `builder`'s handlers and topology.
+    /// `<name> --version` prints idemq's version until [`Cli::version`] gives the
+    /// application's.
     pub fn new(name: &'static str, builder: RuntimeBuilder) -> Self {
-        Self { name, about: None, builder, setup: None }
+        Self { name, about: None, version: env!("CARGO_PKG_VERSION"), builder, setup: None }
+    }
+
+    /// The version `--version` prints after the name (exit 0): the application's,
+    /// usually `.version(env!("CARGO_PKG_VERSION"))` in its `main`. Default: idemq's.
+    pub fn version(mut self, version: &'static str) -> Self {
+        self.version = version;
+        self
     }
 
     /// The line `--help` starts with.
@@ -110,7 +133,11 @@ impl Cli {
     /// (`cli.command().subcommand(..)`, then [`Cli::run_matches`]).
     pub fn command(&self) -> Command {
         let command = global_args(
-            Command::new(self.name).subcommand_required(true).arg_required_else_help(true),
+            Command::new(self.name)
+                .version(self.version)
+                .propagate_version(true)
+                .subcommand_required(true)
+                .arg_required_else_help(true),
         )
         .subcommand(run_command())
         .subcommand(
@@ -123,7 +150,10 @@ impl Cli {
         )
         .subcommand(
             Command::new("declare")
-                .about("show the topology the code declares and what exists (a dry run); --apply declares it")
+                .about(
+                    "show the topology the code declares (queues, exchanges, bindings) and what exists (a dry \
+                     run); --apply declares it",
+                )
                 .arg(
                     Arg::new("apply")
                         .long("apply")
@@ -133,7 +163,10 @@ impl Cli {
         )
         .subcommand(
             Command::new("status")
-                .about("queue depths, consumers, dead letters, dedup rows and the outbox backlog"),
+                .about(
+                    "queue depths and consumers (with the dead-letter and retry wait queues), dedup rows and \
+                     the outbox backlog, counted exactly; what cannot be read is `unknown (why)` and exits 1",
+                ),
         )
         .subcommand(dlq_command())
         .subcommand(gc_command());
@@ -358,6 +391,76 @@ fn run_command() -> Command {
                 .value_parser(value_parser!(std::net::SocketAddr))
                 .help("serve /metrics, /healthz and /readyz here, e.g. 127.0.0.1:9464 (default: off)"),
         )
+        .arg(duration(
+            "linger",
+            "IDEMQ_LINGER",
+            "how long a batch that is not full waits for more (default 0s)",
+        ))
+        .arg(duration(
+            "handler-timeout",
+            "IDEMQ_HANDLER_TIMEOUT",
+            "how long a handler may run before its attempt fails, transiently (default 60s)",
+        ))
+        .arg(
+            Arg::new("max-body-bytes")
+                .long("max-body-bytes")
+                .env("IDEMQ_MAX_BODY_BYTES")
+                .hide_env_values(true)
+                .value_name("N")
+                .value_parser(value_parser!(usize))
+                .help("larger bodies are dead-lettered (kind too-large) before decoding (default 1048576)"),
+        )
+        .arg(
+            Arg::new("on-conflict")
+                .long("on-conflict")
+                .env("IDEMQ_ON_CONFLICT")
+                .hide_env_values(true)
+                .value_name("WHAT")
+                .value_parser(parse_on_conflict)
+                .help("a known key with another payload: dead-letter (the default) or ignore (ack, log)"),
+        )
+        .arg(
+            Arg::new("namespace")
+                .long("namespace")
+                .env("IDEMQ_NAMESPACE")
+                .hide_env_values(true)
+                .value_name("NS")
+                .help("scope dedup rows as NS/<handler>, for services sharing a database (default: none)"),
+        )
+        .arg(duration(
+            "shutdown-deadline",
+            "IDEMQ_SHUTDOWN_DEADLINE",
+            "how long in-flight deliveries get at shutdown (default 10s)",
+        ))
+        .arg(duration(
+            "heartbeat",
+            "IDEMQ_HEARTBEAT",
+            "the AMQP heartbeat: a silent broker is found within about two (default 20s)",
+        ))
+        .arg(duration(
+            "reconnect-max-backoff",
+            "IDEMQ_RECONNECT_MAX_BACKOFF",
+            "the longest wait between reconnect attempts (default 30s)",
+        ))
+        .arg(duration(
+            "database-retry-limit",
+            "IDEMQ_DATABASE_RETRY_LIMIT",
+            "how long a delivery is held while the database is down (default 25m)",
+        ))
+        .arg(
+            Arg::new("relay")
+                .long("relay")
+                .env("IDEMQ_RELAY")
+                .hide_env_values(true)
+                .value_name("on|off")
+                .value_parser(parse_switch)
+                .help("run the outbox relay in this process (default on; off: relays run elsewhere)"),
+        )
+        .arg(duration(
+            "relay-poll-interval",
+            "IDEMQ_RELAY_POLL_INTERVAL",
+            "how often the relay looks for rows nobody woke it for (default 1s)",
+        ))
         .arg(
             Arg::new("queue")
                 .long("queue")

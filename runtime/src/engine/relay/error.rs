@@ -26,13 +26,13 @@ pub(crate) enum RelayError {
         source: lapin::Error,
     },
     /// The broker did not confirm a publish in time.
-    #[error("no confirm within {0:?}")]
+    #[error("no confirm within {}", crate::base::duration::human(*.0))]
     ConfirmTimeout(Duration),
     /// Connecting to the broker failed (every address tried).
     #[error(transparent)]
     Connect(crate::error::Error),
     /// Connecting to the broker and opening the channel took too long.
-    #[error("connecting took over {} s", .0.as_secs())]
+    #[error("connecting took over {}", crate::base::duration::human(*.0))]
     ConnectTimeout(Duration),
     /// The relay is stopping and had no time left to connect.
     #[error("stopping")]
@@ -131,6 +131,6 @@ mod tests {
         assert!(report.starts_with("could not open a channel: "), "{report}");
         assert!(!report.contains("hunter2") && !format!("{err:?}").contains("hunter2"), "{report}");
         let stopping = RelayError::ConnectTimeout(std::time::Duration::from_secs(30));
-        assert_eq!(stopping.report(), "connecting took over 30 s");
+        assert_eq!(stopping.report(), "connecting took over 30s");
     }
 }

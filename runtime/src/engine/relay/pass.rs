@@ -70,7 +70,7 @@ pub(super) async fn pass(pool: &db::Pool, settings: Settings, link: &mut Link) -
             correlation_id = ?first.correlation_id,
             attempts = first.attempts,
             last_error = ?first.last_error,
-            reply_ttl = ?settings.reply_ttl,
+            reply_ttl = %crate::base::duration::human(settings.reply_ttl),
             "outbox relay: replies expired before they could be delivered (older than the reply TTL, or past their request's expiration: the requester stopped waiting); deleted unpublished (the first shown; RUST_LOG=idemq::engine::relay=debug lists each)"
         );
     }
@@ -137,7 +137,7 @@ async fn record(
             Some(Err(error)) => {
                 let delay = retry_delay(row.attempts, settings.max_backoff);
                 // One line per row at debug; the pass says it once at warn.
-                tracing::debug!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, ?delay, %error, "outbox relay: could not publish; it stays in the outbox and is retried");
+                tracing::debug!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, delay = %crate::base::duration::human(delay), %error, "outbox relay: could not publish; it stays in the outbox and is retried");
                 db::postpone_outbox(conn, row.id, delay, &error.to_string(), settings.reply_ttl).await?;
                 recorded.postponed += 1;
                 recorded.first_error.get_or_insert_with(|| (row.message_id.clone(), error));

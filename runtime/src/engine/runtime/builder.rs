@@ -37,6 +37,10 @@ impl Registration {
     }
 }
 
+// Each setter is listed in `settings.rs` beside this file, with its `run` flag,
+// environment variable and TOML key, and has a row in the README's Configuration
+// table: tests there fail until both are done.
+
 /// Configures a [`Runtime`](super::Runtime). Start with [`Runtime::builder`](super::Runtime::builder).
 ///
 /// Each setter takes the builder and returns it; nothing is checked until
@@ -161,9 +165,17 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Consumes `queue` with `handler`. A queue declared in the topology brings its
-    /// dead-letter queue and delivery limit; any other queue must already exist, with
-    /// a dead-letter queue named `<queue>.dlq`.
+    /// Consumes `queue` with `handler`. A queue declared in the
+    /// [topology](Self::topology) brings its dead-letter queue and delivery limit.
+    ///
+    /// Which queues the topology must name: **a topology that names any queue must
+    /// name every consumed queue** — [`build`](Self::build) refuses a consumed queue
+    /// it does not name (it would not exist, and `run` would fail with the broker's
+    /// NOT_FOUND after declaring its retry queues). Name a queue declared elsewhere on
+    /// purpose with [`Queue::declared_elsewhere`](crate::Queue::declared_elsewhere). A
+    /// builder whose topology names no queue at all (none given, or only exchanges)
+    /// consumes queues declared elsewhere: they must already exist, each with a
+    /// dead-letter queue named `<queue>.dlq`.
     pub fn consume<H: Handler>(mut self, queue: impl Into<String>, handler: H) -> Self {
         self.consumers.push(Registration::new(queue.into(), handler, None));
         self

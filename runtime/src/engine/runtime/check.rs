@@ -42,6 +42,7 @@ impl RuntimeBuilder {
             )));
         }
         self.check_handler_queues()?;
+        self.check_declared_queues()?;
         if let Some(retention) = &self.retention {
             retention.check(&self.retry_policies())?;
         }
@@ -101,6 +102,24 @@ impl RuntimeBuilder {
         Ok(())
     }
 
+    /// A topology that names any queue names every consumed queue (see
+    /// [`RuntimeBuilder::consume`]).
+    pub(super) fn check_declared_queues(&self) -> Result<(), Error> {
+        if !self.topology.names_queues() {
+            return Ok(());
+        }
+        for Registration { queue, .. } in &self.consumers {
+            if self.topology.find_queue(queue).is_none() {
+                return Err(Error::Config(format!(
+                    "queue '{queue}' is consumed but the topology does not declare it, so `run` would fail with \
+                     the broker's NOT_FOUND; declare it: `.topology(Topology::new().queue(Queue::new(\"{queue}\")))`, \
+                     or, if it is declared elsewhere on purpose: `Queue::new(\"{queue}\").declared_elsewhere()`"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// One handler per queue.
     pub(super) fn check_unique_queues(&self) -> Result<(), Error> {
         let mut seen = std::collections::HashSet::new();
@@ -145,7 +164,7 @@ impl RuntimeBuilder {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::handler::context::{Context, HandlerOutput};
     use crate::handler::key::{Key, KeyError, Metadata};
@@ -154,8 +173,9 @@ mod tests {
     use diesel_async::AsyncPgConnection;
     use std::time::Duration;
 
-    /// A handler that does nothing (the checks read only its options).
-    struct Noop;
+    /// A handler that does nothing (the checks read only its options); the CLI's
+    /// tests use it too.
+    pub(crate) struct Noop;
 
     impl Handler for Noop {
         type Message = serde_json::Value;
@@ -200,6 +220,25 @@ mod tests {
     #[test]
     fn the_test_builder_builds() {
         builder().build().expect("a valid configuration");
+    }
+
+    #[test]
+    fn a_consumed_queue_the_topology_does_not_declare_is_refused_with_the_fix() {
+        let declared = crate::Topology::new().queue(crate::Queue::new("orders"));
+        let message = config_error(builder().topology(declared.clone()));
+        assert!(
+            message.contains("queue 'payments' is consumed but the topology does not declare it"),
+            "{message}"
+        );
+        assert!(
+            message.contains(r#"Queue::new("payments")"#) && message.contains(".declared_elsewhere()"),
+            "{message}"
+        );
+        let elsewhere = declared.queue(crate::Queue::new("payments").declared_elsewhere());
+        builder().topology(elsewhere).build().expect("declared elsewhere on purpose");
+        let exchanges_only = crate::Topology::new().exchange(crate::Exchange::topic("events"));
+        builder().topology(exchanges_only).build().expect("a topology that names no queue");
+        builder().build().expect("no topology: the queue exists already");
     }
 
     #[test]

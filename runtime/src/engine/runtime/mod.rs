@@ -9,6 +9,7 @@
 //! - `check`: what `build` checks of the handlers;
 //! - `plan`: what a builder would declare and consume, read by the CLI;
 //! - `run`: [`Runtime::run`] in phases — assemble, spawn, supervise, drain;
+//! - `settings`: every builder setting with its flag, variable and TOML key;
 //! - `signals`: the process's shutdown signals as tokens.
 
 use std::sync::Arc;
@@ -20,9 +21,14 @@ mod builder;
 mod check;
 mod plan;
 mod run;
+// Read by tests only: the README's table and the CLI are checked against it.
+#[cfg(test)]
+pub(crate) mod settings;
 mod signals;
 
 pub use builder::RuntimeBuilder;
+#[cfg(all(test, feature = "cli"))]
+pub(crate) use check::tests::Noop;
 pub use signals::{shutdown_signal, shutdown_signals, ShutdownSignals};
 
 /// The default [`RuntimeBuilder::concurrency`].

@@ -6,6 +6,8 @@
 use super::builder::Registration;
 use super::RuntimeBuilder;
 #[cfg(feature = "cli")]
+use crate::base::duration::human;
+#[cfg(feature = "cli")]
 use crate::base::observe::Observers;
 use crate::base::retry::RetryPolicy;
 #[cfg(feature = "cli")]
@@ -55,12 +57,12 @@ impl RuntimeBuilder {
         self.consumers.iter().map(|r| r.retry_policy(&self.retry)).collect()
     }
 
-    /// Every queue the runtime would declare (the topology's, their dead-letter
-    /// queues, the consumers' wait queues), with what it is.
+    /// Every queue the runtime would declare (the topology's but those declared
+    /// elsewhere, their dead-letter queues, the consumers' wait queues), with what it is.
     #[cfg(feature = "cli")]
     pub(crate) fn declarations(&self) -> Vec<(String, String)> {
         let mut plan = Vec::new();
-        for queue in self.topology.queues() {
+        for queue in self.topology.queues().iter().filter(|queue| !queue.elsewhere) {
             plan.push((queue.name().to_owned(), queue.describe()));
             plan.push((
                 queue.dead_letter_name().to_owned(),
@@ -69,10 +71,40 @@ impl RuntimeBuilder {
         }
         for (Registration { queue, .. }, retry) in self.consumers.iter().zip(self.retry_policies()) {
             for (name, delay) in retry.wait_queues(queue) {
-                plan.push((name, format!("retries of {queue} after {delay:?}")));
+                plan.push((name, format!("retries of {queue} after {}", human(delay))));
             }
         }
         plan
+    }
+
+    /// What `status` shows, in order: each consumed or declared queue, then its
+    /// dead-letter queue and its retry wait queues (`<queue>.retry.<ms>ms`), each with
+    /// what it is.
+    #[cfg(feature = "cli")]
+    pub(crate) fn status_queues(&self) -> Vec<(String, String)> {
+        let mut shown = Vec::new();
+        for (queue, dead_letters) in self.consumed_queues() {
+            let consumer = self.consumers.iter().find(|r| r.queue == queue);
+            shown.push((queue.clone(), if consumer.is_some() { "consumed" } else { "declared" }.to_owned()));
+            shown.push((dead_letters, format!("dead letters of {queue}")));
+            if let Some(registration) = consumer {
+                for (name, delay) in registration.retry_policy(&self.retry).wait_queues(&queue) {
+                    shown.push((name, format!("retries of {queue} after {}", human(delay))));
+                }
+            }
+        }
+        shown
+    }
+
+    /// The bindings the topology declares: queue, exchange, routing key.
+    #[cfg(feature = "cli")]
+    pub(crate) fn bindings(&self) -> Vec<(&str, &str, &str)> {
+        self.topology
+            .queues()
+            .iter()
+            .filter(|queue| !queue.elsewhere)
+            .flat_map(|queue| queue.bindings().map(move |(exchange, key)| (queue.name(), exchange, key)))
+            .collect()
     }
 
     /// The exchanges the topology declares.

@@ -334,7 +334,7 @@ impl Running {
         let Self { ctx, stop, background, relay, relay_stop, shutdown_deadline, .. } = self;
         ctx.tracker.close();
         if tokio::time::timeout(shutdown_deadline, ctx.tracker.wait()).await.is_err() {
-            tracing::warn!(deadline = ?shutdown_deadline, "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
+            tracing::warn!(deadline = %crate::base::duration::human(shutdown_deadline), "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
             ctx.hard_stop.cancel();
             ctx.tracker.wait().await;
         }

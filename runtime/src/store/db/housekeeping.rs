@@ -1,12 +1,9 @@
 //! Statements for upkeep rather than deliveries: the retention sweep's lock and
-//! batched deletes, the applied migrations, the table sizes `idemq status` prints.
+//! batched deletes, the applied migrations, the exact row counts `idemq status` prints.
 
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-
-#[cfg(feature = "cli")]
-use super::outbox::outbox_backlog;
 
 /// Takes the sweep's transaction-scoped advisory lock if it is free.
 pub(crate) async fn try_gc_lock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
@@ -45,14 +42,31 @@ pub(crate) async fn applied_migrations(conn: &mut AsyncPgConnection) -> QueryRes
     diesel::dsl::sql::<Text>("SELECT version FROM __diesel_schema_migrations").load(conn).await
 }
 
-/// The dedup table's row estimate (the planner's: counting a large table takes
-/// long) and the outbox's backlog (counted).
+/// Cuts every later statement of this connection after `limit`
+/// (`statement_timeout`): for the CLI's own connection, closed after.
 #[cfg(feature = "cli")]
-pub(crate) async fn table_sizes(conn: &mut AsyncPgConnection) -> QueryResult<(i64, i64)> {
-    let dedup: i64 = diesel::select(diesel::dsl::sql::<BigInt>(
-        "COALESCE((SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass('idemq_dedup')), 0)",
-    ))
-    .get_result(conn)
-    .await?;
-    Ok((dedup, outbox_backlog(conn).await?))
+pub(crate) async fn limit_statements(
+    conn: &mut AsyncPgConnection,
+    limit: std::time::Duration,
+) -> QueryResult<()> {
+    use diesel_async::SimpleAsyncConnection;
+    conn.batch_execute(&format!("SET statement_timeout = {}", limit.as_millis().max(1))).await
+}
+
+/// The exact number of rows of idemq's table `table` (`idemq_dedup`, `idemq_outbox`),
+/// or `None` when the table is not there (no migrations yet). A count reads the whole
+/// table: bound it with [`limit_statements`].
+#[cfg(feature = "cli")]
+pub(crate) async fn count_rows(
+    conn: &mut AsyncPgConnection,
+    table: &'static str,
+) -> QueryResult<Option<i64>> {
+    let there: bool =
+        diesel::select(diesel::dsl::sql::<Bool>(&format!("to_regclass('{table}') IS NOT NULL")))
+            .get_result(conn)
+            .await?;
+    if !there {
+        return Ok(None);
+    }
+    diesel::dsl::sql::<BigInt>(&format!("SELECT count(*) FROM {table}")).get_result(conn).await.map(Some)
 }

@@ -11,7 +11,7 @@
 //!   prepared statement) by the SQLSTATE the server sent, never by its message;
 //! - `outbox`: the outbox table's statements and the relays' `NOTIFY` channel;
 //! - `marks`: start marks and copy records;
-//! - `housekeeping`: retention deletes and their lock, applied migrations, table sizes;
+//! - `housekeeping`: retention deletes and their lock, applied migrations, row counts;
 //! - `pool`: the pool and each connection's session settings;
 //! - `conn`: the pool's connection, [`Conn`]: diesel-async's, with the SQLSTATEs its
 //!   server sent and its cancel request;
@@ -38,9 +38,9 @@ pub(crate) use dedup::BATCH_LOCK_TIMEOUT;
 pub(crate) use dedup::{
     begin_and_claim, begin_without_claim, forget, store_failure, store_results, stored_rows, Stored,
 };
-#[cfg(feature = "cli")]
-pub(crate) use housekeeping::table_sizes;
 pub(crate) use housekeeping::{applied_migrations, delete_older, try_gc_lock};
+#[cfg(feature = "cli")]
+pub(crate) use housekeeping::{count_rows, limit_statements};
 pub(crate) use marks::{clear_starts, copy_recorded, mark_start, record_copy};
 pub(crate) use outbox::{
     claim_outbox, delete_outbox, insert_outbox, notify_relays, outbox_backlog, postpone_outbox, OutboxRow,
