@@ -13,6 +13,7 @@ use lapin::message::Delivery;
 use super::faults::{panic_message, Fault, InfraFault};
 use super::{Consumer, Decision, Delivered, Ran};
 use crate::base::backoff::Backoff;
+use crate::base::duration::human;
 use crate::base::observe::{Batch, InfrastructureRetry};
 use crate::base::outcome::{FailureKind, Outcome};
 use crate::base::verdict;
@@ -192,8 +193,8 @@ impl Consumer {
                 // Held longer, the broker's consumer_timeout (30 min by default) would
                 // close the channel and return every delivery on it.
                 let error = format!(
-                    "the database stayed unavailable for {:?} ({fault}); returned to the queue",
-                    self.shared.database_retry_limit
+                    "the database stayed unavailable for {} ({fault}); returned to the queue",
+                    human(self.shared.database_retry_limit)
                 );
                 return all(Outcome::Requeued { error });
             }

@@ -9,6 +9,7 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
 use super::{Consumer, BOOKKEEPING_TIMEOUT};
+use crate::base::duration::human;
 use crate::error::Error;
 use crate::handler::HandlerError;
 use crate::store::db;
@@ -107,8 +108,9 @@ pub(super) fn no_answer(deadline: Duration) -> diesel::result::Error {
     diesel::result::Error::DatabaseError(
         diesel::result::DatabaseErrorKind::ClosedConnection,
         Box::new(format!(
-            "no answer from PostgreSQL within {deadline:?} (its own statement_timeout would have answered by \
-             then): the network to the database is down"
+            "no answer from PostgreSQL within {} (its own statement_timeout would have answered by \
+             then): the network to the database is down",
+            human(deadline)
         )),
     )
 }

@@ -21,6 +21,7 @@ use futures_util::FutureExt;
 use super::faults::{answers, cancel_statement, panic_message, Failure, Fault, InfraFault};
 use super::transact::{infra, rerun_repeats, split, Done, Step, Tx};
 use super::{Consumer, Delivered};
+use crate::base::duration::human;
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{self, Outgoing, Request};
 use crate::base::verdict;
@@ -244,12 +245,15 @@ impl Consumer {
                     // outage, not the handler's failed attempt. The transaction
                     // runs again on a fresh connection (not counted).
                     return Err(Fault::Infra(InfraFault::Broken(format!(
-                        "the handler did not finish within {:?}, and its database connection did \
+                        "the handler did not finish within {}, and its database connection did \
                          not answer after its statement was cancelled",
-                        self.shared.handler_timeout
+                        human(self.shared.handler_timeout)
                     ))));
                 }
-                Failure::Cut(format!("the handler did not finish within {:?}", self.shared.handler_timeout))
+                Failure::Cut(format!(
+                    "the handler did not finish within {}",
+                    human(self.shared.handler_timeout)
+                ))
             }
         })
     }

@@ -12,6 +12,7 @@ use lapin::Acker;
 use tokio_util::sync::CancellationToken;
 
 use super::{Consumer, Decision, Delivered, BOOKKEEPING_TIMEOUT};
+use crate::base::duration::human;
 use crate::base::outcome::{Outcome, Settled};
 use crate::base::outgoing::Outgoing;
 use crate::base::retry::wait_queue_name;
@@ -107,7 +108,7 @@ impl Consumer {
         // (target queue, kind, error, retry_of) of the copy.
         let (target, kind, error, retry_of) = match &decision.outcome {
             Outcome::Retry { error, delay } => {
-                tracing::warn!(queue = %self.queue, key = ?decision.key, attempt = counts.attempt, ?delay, %error, "handler failed; retrying later");
+                tracing::warn!(queue = %self.queue, key = ?decision.key, attempt = counts.attempt, delay = %human(*delay), %error, "handler failed; retrying later");
                 let (error, delay) = (error.clone(), *delay);
                 let jitter = tokio::time::sleep(self.retry.jitter_for(delay));
                 if tokio::select! { () = jitter => false, () = cut_off.cancelled() => true } {
@@ -252,7 +253,7 @@ enum Bookkeeping {
     #[error("the statement failed")]
     Statement(#[source] diesel::result::Error),
     /// No answer in time.
-    #[error("no answer within {0:?}")]
+    #[error("no answer within {}", human(*.0))]
     TimedOut(Duration),
 }
 

@@ -372,13 +372,13 @@ mod tests {
     async fn a_batch_reads_only_its_own_dedup_rows_in_a_table_never_analysed() {
         let admin = crate::config::env_url("DATABASE_URL", crate::config::DEFAULT_DATABASE_URL).expect("url");
         let name = format!("idemq_probe_{}_{}", std::process::id(), fastrand::u32(..));
-        let mut conn = crate::connect::database(&admin).await.expect("the test database server");
+        let mut conn = crate::store::db::connect(&admin).await.expect("the test database server");
         conn.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create");
         let mut url = url::Url::parse(&admin).expect("url");
         url.set_path(&name);
         let checked = async {
             crate::store::migrate::migrate(url.as_str()).await.expect("migrate");
-            let mut db = crate::connect::database(url.as_str()).await.expect("connect");
+            let mut db = crate::store::db::connect(url.as_str()).await.expect("connect");
             db.batch_execute(
                 "INSERT INTO idemq_dedup (handler, key) SELECT 'payments', 'pay-' || i FROM generate_series(1, 10000) i",
             )
