@@ -85,3 +85,87 @@ async fn the_batch_fn_called_directly_applies_each_payment_and_publishes_its_eve
     drop(conn);
     kit.finish().await;
 }
+
+/// What a batch handler gets when several payments arrive together: with a linger,
+/// three payments of one account (one lane) published back to back run in one
+/// transaction, and each publishes its event — read back from the kit's outbox.
+#[tokio::test(flavor = "multi_thread")]
+async fn payments_delivered_together_run_in_one_batch_and_each_publishes_its_event() {
+    use idemq::testing::TestMessage;
+
+    let kit = TestKit::prepare(
+        apply_payment,
+        |builder| builder.linger(std::time::Duration::from_millis(200)),
+        |url| async move { migrate(&url).await.map_err(Into::into) },
+    )
+    .await
+    .expect("PostgreSQL and RabbitMQ are up");
+    let payments: Vec<PaymentRequested> = ["b-1", "b-2", "b-3"]
+        .into_iter()
+        .map(|id| PaymentRequested { account: "acct-shared".to_owned(), ..payment(id) })
+        .collect();
+    let outcomes = kit.deliver_batch(payments.iter().map(TestMessage::json)).await;
+    assert_eq!(outcomes, [Outcome::Applied, Outcome::Applied, Outcome::Applied]);
+    assert!(kit.settled().iter().all(|s| s.batch == 3), "one transaction: {:?}", kit.settled());
+
+    let published = kit.published().await;
+    assert_eq!(published.len(), 3, "an event per payment: {published:?}");
+    for (event, payment) in published.iter().zip(&payments) {
+        let applied: serde_json::Value = serde_json::from_slice(event.body()).expect("JSON");
+        assert_eq!(applied["payment_id"], payment.payment_id.as_str(), "{applied}");
+    }
+    kit.finish().await;
+}
+
+/// The reply to a quote: what the handler returned, with a field that differs on
+/// every run of it (a second run would give another reply).
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+struct Quote {
+    payment_id: String,
+    fee_cents: i64,
+    run: u64,
+}
+
+/// A request handler keyed by the publisher's `message_id`: it answers with a quote.
+#[idemq::idempotent_handler(key = "@message_id", name = "quote")]
+async fn quote(
+    _conn: &mut diesel_async::AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<Quote, idemq::HandlerError> {
+    Ok(Quote { payment_id: msg.payment_id, fee_cents: msg.amount_cents / 100, run: fastrand_run() })
+}
+
+fn fastrand_run() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::Instant::now())
+}
+
+/// A request delivered with the properties a real requester sets, answered from
+/// the outbox: the second delivery of the same `message_id` is a duplicate and gets
+/// the first reply, byte for byte; another `message_id` with the same body is a new
+/// request.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_keyed_by_its_message_id_is_answered_once_and_the_same_way_again() {
+    use idemq::testing::TestMessage;
+
+    let kit = TestKit::start(quote).await.expect("PostgreSQL and RabbitMQ are up");
+    let asked =
+        |message_id: &str| TestMessage::json(&payment("q-1")).message_id(message_id).header("tenant", "acme");
+
+    let first = kit.request_message(asked("m-1")).await;
+    assert_eq!(first.outcome, Outcome::Applied);
+    assert!(!first.is_error());
+    let answer: Quote = first.json();
+    assert_eq!((answer.payment_id.as_str(), answer.fee_cents), ("q-1", 2));
+
+    let again = kit.request_message(asked("m-1")).await;
+    assert_eq!(again.outcome, Outcome::Duplicate);
+    let (first, again) = (first.message.expect("a reply"), again.message.expect("a reply"));
+    assert_eq!(again.body(), first.body(), "the stored reply, byte for byte");
+    assert_eq!(again.id(), first.id());
+
+    let other = kit.request_message(asked("m-2")).await;
+    assert_eq!(other.outcome, Outcome::Applied, "another message_id: another request");
+    assert_ne!(other.json::<Quote>().run, answer.run);
+    kit.finish().await;
+}

@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use lapin::{Channel, Confirmation, Connection};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
+use super::message::{PublishedRow, Reply, TestMessage, PUBLISHED};
 use crate::base::outcome::{Outcome, Settled};
+use crate::base::outgoing::Outgoing;
 use crate::broker::topology::{Queue, Topology};
 use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 use crate::engine::fault::{FaultContext, FaultHook, FaultPoint};
@@ -190,13 +192,94 @@ impl TestKit {
         message: &M,
         copies: usize,
     ) -> Vec<Outcome> {
+        let message = TestMessage::json(message);
+        self.deliver_batch(std::iter::repeat_n(message, copies)).await
+    }
+
+    /// Publishes `message` — a body with the properties and headers a real
+    /// publisher sets (`message_id`, headers, `reply_to`, …) — and waits until it is
+    /// settled.
+    ///
+    /// # Panics
+    /// As [`TestKit::deliver`].
+    pub async fn deliver_message(&self, message: TestMessage) -> Outcome {
+        self.deliver_batch([message]).await.remove(0)
+    }
+
+    /// Publishes `messages` back to back (confirmed together) and waits until all
+    /// are settled; their outcomes in the order they settled. What arrives together
+    /// runs in one transaction, and a batch handler gets it in one call — with a
+    /// linger (`TestKit::start_with(h, |b| b.linger(Duration::from_millis(100)))`)
+    /// the runtime waits that long for the rest of a batch, so all of them are
+    /// there; without one, the first may start alone.
+    ///
+    /// # Panics
+    /// As [`TestKit::deliver`].
+    pub async fn deliver_batch(&self, messages: impl IntoIterator<Item = TestMessage>) -> Vec<Outcome> {
         let before = self.settled().len();
-        let body = serde_json::to_vec(message).expect("the message serializes");
-        for _ in 0..copies {
-            self.publish(&body).await;
+        let mut confirms = Vec::new();
+        for message in messages {
+            confirms.push(self.publish(&message).await);
         }
-        self.wait_for(before + copies).await;
-        self.settled()[before..before + copies].iter().map(|s| s.outcome.clone()).collect()
+        let count = confirms.len();
+        for confirm in confirms {
+            let confirm = confirm.await.expect("a confirm");
+            assert!(
+                matches!(confirm, Confirmation::Ack(None)),
+                "the test queue refused the message: {confirm:?}"
+            );
+        }
+        self.wait_for(before + count).await;
+        self.settled()[before..before + count].iter().map(|s| s.outcome.clone()).collect()
+    }
+
+    /// Delivers `request` as a request (JSON, with a `reply_to` and a fresh
+    /// `correlation_id`) and returns how it settled and its reply. The kit runs no
+    /// outbox relay: the reply is read from the outbox, where the handler's
+    /// transaction put it (see [`TestKit::published`]).
+    ///
+    /// # Panics
+    /// As [`TestKit::deliver`].
+    pub async fn request<M: Serialize + ?Sized>(&self, request: &M) -> Reply {
+        self.request_message(TestMessage::json(request)).await
+    }
+
+    /// [`TestKit::request`] with a message of the test's own; `reply_to` and
+    /// `correlation_id` are set where it has none.
+    ///
+    /// # Panics
+    /// As [`TestKit::deliver`].
+    pub async fn request_message(&self, mut request: TestMessage) -> Reply {
+        if request.properties().reply_to().is_none() {
+            request = request.reply_to(&format!("{}.replies", self.queue));
+        }
+        if request.correlation().is_none() {
+            request = request.correlation_id(&format!("kit-{:016x}", fastrand::u64(..)));
+        }
+        debug_assert!(request.is_request());
+        let correlation = request.correlation().unwrap_or_default().to_owned();
+        let outcome = self.deliver_message(request).await;
+        let message = self
+            .published()
+            .await
+            .into_iter()
+            .rev()
+            .find(|m| m.correlation_id.as_deref() == Some(&correlation));
+        Reply { outcome, message }
+    }
+
+    /// What the handlers published so far (events and replies), oldest first: the
+    /// rows of the outbox, which the kit's runtime does not relay (it runs with
+    /// `.relay(false)`), so every message a committed transaction published is there
+    /// — and nothing a rolled-back one did.
+    ///
+    /// # Panics
+    /// If the test database cannot be read.
+    pub async fn published(&self) -> Vec<Outgoing> {
+        let mut conn = self.connect().await;
+        let rows: Vec<PublishedRow> =
+            diesel::sql_query(PUBLISHED).load(&mut conn).await.expect("read the test database's outbox");
+        rows.into_iter().map(Outgoing::from).collect()
     }
 
     /// Publishes `message`; its transaction commits, then the ack is lost (the
@@ -209,27 +292,29 @@ impl TestKit {
     pub async fn crash_after_commit<M: Serialize + ?Sized>(&self, message: &M) -> [Outcome; 2] {
         let before = self.settled().len();
         self.lose_next_ack.store(true, Ordering::SeqCst);
-        self.publish(&serde_json::to_vec(message).expect("the message serializes")).await;
+        let confirm = self.publish(&TestMessage::json(message)).await.await.expect("a confirm");
+        assert!(
+            matches!(confirm, Confirmation::Ack(None)),
+            "the test queue refused the message: {confirm:?}"
+        );
         self.wait_for(before + 2).await;
         let settled = self.settled();
         [settled[before].outcome.clone(), settled[before + 1].outcome.clone()]
     }
 
-    async fn publish(&self, body: &[u8]) {
-        let properties =
-            BasicProperties::default().with_content_type("application/json".into()).with_delivery_mode(2);
+    /// Publishes `message` (mandatory) to the test queue; its confirm, to await.
+    async fn publish(&self, message: &TestMessage) -> lapin::PublisherConfirm {
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        let confirm = self
-            .publisher
-            .basic_publish("".into(), self.queue.as_str().into(), options, body, properties)
+        self.publisher
+            .basic_publish(
+                "".into(),
+                self.queue.as_str().into(),
+                options,
+                &message.body,
+                message.properties.clone(),
+            )
             .await
             .expect("publish to the test queue")
-            .await
-            .expect("a confirm");
-        assert!(
-            matches!(confirm, Confirmation::Ack(None)),
-            "the test queue refused the message: {confirm:?}"
-        );
     }
 
     async fn wait_for(&self, settled: usize) {

@@ -3,7 +3,11 @@
 //! [`TestKit`] (feature `testing`, for dev-dependencies only: it holds the
 //! [`fault`] hooks) runs a handler in the real runtime against a real PostgreSQL and
 //! RabbitMQ, each test in a throwaway database and queue of its own, and delivers a
-//! message once, twice, concurrently, or with the ack lost after COMMIT.
+//! message once, twice, concurrently, or with the ack lost after COMMIT; a
+//! [`TestMessage`] with the properties and headers a real publisher sets, several at
+//! once (a batch), or a request, whose [`Reply`] it reads back from the outbox with
+//! everything else the handler published ([`TestKit::published`]: the kit runs no
+//! relay).
 //!
 //! ```no_run
 //! # use idemq::testing::TestKit;
@@ -48,6 +52,8 @@ mod host;
 #[cfg(feature = "testing")]
 mod kit;
 #[cfg(feature = "testing")]
+mod message;
+#[cfg(feature = "testing")]
 mod postgres;
 #[cfg(feature = "testing")]
 mod proxy;
@@ -59,6 +65,8 @@ pub use certs::{CertifiedKey, TestCertificates};
 pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};
 #[cfg(feature = "testing")]
 pub use kit::TestKit;
+#[cfg(feature = "testing")]
+pub use message::{HeaderValue, Reply, TestMessage};
 #[cfg(feature = "testing")]
 pub use postgres::{PostgresServer, PostgresServerBuilder};
 #[cfg(feature = "testing")]

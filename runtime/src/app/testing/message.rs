@@ -1,0 +1,234 @@
+//! What the test kit delivers ([`TestMessage`]: a body with the AMQP properties and
+//! headers a real publisher sets) and what it reads back ([`Reply`], and the
+//! [`Outgoing`] rows a handler published).
+
+use std::collections::BTreeMap;
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::BasicProperties;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::base::outcome::Outcome;
+use crate::base::outgoing::{Outgoing, STATUS_HEADER};
+
+/// A message as a publisher sends it: a body, and the properties and headers that
+/// `@message_id`, `@header:` and `@correlation_id` keys, requests (`reply_to` and
+/// `correlation_id`) and content-type checks read. Delivered by
+/// [`TestKit::deliver_message`](super::TestKit::deliver_message) and
+/// [`TestKit::deliver_batch`](super::TestKit::deliver_batch).
+///
+/// ```
+/// # use idemq::testing::TestMessage;
+/// # #[derive(serde::Serialize)] struct Payment { payment_id: String }
+/// let message = TestMessage::json(&Payment { payment_id: "p-1".into() })
+///     .message_id("m-1")
+///     .header("tenant", "acme")
+///     .header("x-priority", 3);
+/// # let _ = message;
+/// ```
+#[derive(Debug, Clone)]
+pub struct TestMessage {
+    pub(super) body: Vec<u8>,
+    pub(super) properties: BasicProperties,
+}
+
+impl TestMessage {
+    /// `message` as JSON, `content-type: application/json`, persistent — what the
+    /// kit's [`deliver`](super::TestKit::deliver) sends.
+    ///
+    /// # Panics
+    /// If `message` does not serialize to JSON.
+    pub fn json<M: Serialize + ?Sized>(message: &M) -> Self {
+        let body = serde_json::to_vec(message).expect("the test message serializes to JSON");
+        Self::bytes(body).content_type("application/json")
+    }
+
+    /// A body as it is, persistent, with no content type (e.g. to test what is not
+    /// JSON, or a publisher that sets none).
+    pub fn bytes(body: impl Into<Vec<u8>>) -> Self {
+        Self { body: body.into(), properties: BasicProperties::default().with_delivery_mode(2) }
+    }
+
+    /// The AMQP `content_type`.
+    #[must_use]
+    pub fn content_type(mut self, content_type: &str) -> Self {
+        self.properties = self.properties.with_content_type(ShortString::from(content_type));
+        self
+    }
+
+    /// The AMQP `message_id`.
+    #[must_use]
+    pub fn message_id(mut self, id: &str) -> Self {
+        self.properties = self.properties.with_message_id(ShortString::from(id));
+        self
+    }
+
+    /// The AMQP `correlation_id`.
+    #[must_use]
+    pub fn correlation_id(mut self, id: &str) -> Self {
+        self.properties = self.properties.with_correlation_id(ShortString::from(id));
+        self
+    }
+
+    /// The AMQP `reply_to`: with a `correlation_id`, the message is a request.
+    #[must_use]
+    pub fn reply_to(mut self, queue: &str) -> Self {
+        self.properties = self.properties.with_reply_to(ShortString::from(queue));
+        self
+    }
+
+    /// The AMQP `expiration`, in milliseconds (as RabbitMQ takes it).
+    #[must_use]
+    pub fn expiration_ms(mut self, ms: u64) -> Self {
+        self.properties = self.properties.with_expiration(ShortString::from(ms.to_string()));
+        self
+    }
+
+    /// A header: text (a long string, as most publishers send), an integer or a
+    /// boolean.
+    #[must_use]
+    pub fn header(mut self, name: &str, value: impl Into<HeaderValue>) -> Self {
+        let mut headers = self.properties.headers().clone().unwrap_or_default();
+        headers.insert(ShortString::from(name), value.into().0);
+        self.properties = self.properties.with_headers(headers);
+        self
+    }
+
+    /// The properties it is published with.
+    pub fn properties(&self) -> &BasicProperties {
+        &self.properties
+    }
+
+    /// Whether it is a request (`reply_to` and `correlation_id` set).
+    pub(super) fn is_request(&self) -> bool {
+        self.properties.reply_to().is_some() && self.properties.correlation_id().is_some()
+    }
+
+    pub(super) fn correlation(&self) -> Option<&str> {
+        self.properties.correlation_id().as_ref().map(ShortString::as_str)
+    }
+}
+
+/// A header's value for [`TestMessage::header`].
+#[derive(Debug, Clone)]
+pub struct HeaderValue(AMQPValue);
+
+impl From<&str> for HeaderValue {
+    fn from(text: &str) -> Self {
+        Self(AMQPValue::LongString(LongString::from(text)))
+    }
+}
+
+impl From<String> for HeaderValue {
+    fn from(text: String) -> Self {
+        Self(AMQPValue::LongString(LongString::from(text)))
+    }
+}
+
+impl From<i64> for HeaderValue {
+    fn from(number: i64) -> Self {
+        Self(AMQPValue::LongLongInt(number))
+    }
+}
+
+impl From<i32> for HeaderValue {
+    fn from(number: i32) -> Self {
+        Self(AMQPValue::LongInt(number))
+    }
+}
+
+impl From<bool> for HeaderValue {
+    fn from(flag: bool) -> Self {
+        Self(AMQPValue::Boolean(flag))
+    }
+}
+
+impl From<FieldTable> for HeaderValue {
+    fn from(table: FieldTable) -> Self {
+        Self(AMQPValue::FieldTable(table))
+    }
+}
+
+/// The answer to a request delivered by [`TestKit::request`](super::TestKit::request):
+/// how the request settled, and the reply the handler's transaction put in the
+/// outbox (what the relay would publish to its `reply_to`).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// How the request settled (a duplicated request settles as a duplicate and is
+    /// answered again, with the stored reply).
+    pub outcome: Outcome,
+    /// The reply, if one was written (a request dead-lettered for bad input gets
+    /// none).
+    pub message: Option<Outgoing>,
+}
+
+impl Reply {
+    /// Whether the reply says the request failed (`x-idemq-status: error`: its
+    /// body is `{"error": …, "kind": …}`).
+    pub fn is_error(&self) -> bool {
+        self.message.as_ref().and_then(|m| m.headers().get(STATUS_HEADER)).is_some_and(|s| s == "error")
+    }
+
+    /// The reply's body, decoded.
+    ///
+    /// # Panics
+    /// If there is no reply or it does not decode as `T`, saying which.
+    pub fn json<T: DeserializeOwned>(&self) -> T {
+        let message = self
+            .message
+            .as_ref()
+            .unwrap_or_else(|| panic!("the request got no reply (it settled as {:?})", self.outcome));
+        serde_json::from_slice(message.body()).unwrap_or_else(|err| {
+            panic!(
+                "the reply does not decode as {}: {err}; it is {}",
+                std::any::type_name::<T>(),
+                String::from_utf8_lossy(message.body())
+            )
+        })
+    }
+}
+
+/// An outbox row, read back as what the handler published.
+#[derive(diesel::QueryableByName)]
+pub(super) struct PublishedRow {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    message_id: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    exchange: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    routing_key: String,
+    #[diesel(sql_type = diesel::sql_types::Bytea)]
+    body: Vec<u8>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    content_type: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    correlation_id: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    headers: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    mandatory: bool,
+}
+
+/// The columns of [`PublishedRow`], oldest row first.
+pub(super) const PUBLISHED: &str =
+    "SELECT message_id, exchange, routing_key, body, content_type, correlation_id, \
+     headers, mandatory FROM idemq_outbox ORDER BY id";
+
+impl From<PublishedRow> for Outgoing {
+    fn from(row: PublishedRow) -> Self {
+        let headers: BTreeMap<String, String> =
+            row.headers.and_then(|json| serde_json::from_str(&json).ok()).unwrap_or_default();
+        Outgoing {
+            exchange: row.exchange,
+            routing_key: row.routing_key,
+            body: row.body,
+            message_id: Some(row.message_id),
+            content_type: row.content_type,
+            correlation_id: row.correlation_id,
+            headers,
+            mandatory: row.mandatory,
+            reply: None,
+        }
+    }
+}
