@@ -183,6 +183,7 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
     running.wait_settled(30).await;
 
     let down = PostgresDown::stop().await;
+    let stopped = std::time::Instant::now();
     // A transaction that committed just before the stop may still be acked now.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let from = running.events().len();
@@ -193,8 +194,15 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
 
     assert!(!while_down.is_empty(), "deliveries were returned while the database was down");
     for settled in &while_down {
+        // A duplicate whose claim read its committed row before the stop is acked
+        // with its batch, once the batch's other deliveries are decided (seen in a
+        // fresh-clone CI run: claimed just before the stop, its neighbours held for
+        // the retry limit): acking it loses nothing, its effect is committed.
+        let read_before_the_stop = settled.outcome == Outcome::Duplicate
+            && settled.began_at.is_some_and(|began| began <= stopped);
         assert!(
-            matches!(&settled.outcome, Outcome::Requeued { error } if error.contains("stayed unavailable")),
+            read_before_the_stop
+                || matches!(&settled.outcome, Outcome::Requeued { error } if error.contains("stayed unavailable")),
             "only Requeued while the database is down: {settled:?}"
         );
         assert!(settled.settled_with_broker, "the nack reached the broker: {settled:?}");
