@@ -52,7 +52,7 @@ impl Consumer {
             handler_time: decision.handler_time,
         };
         // One event per delivery, with what an operator greps for (cheap when the
-        // level is off; `RUST_LOG=idemq::delivery=debug` shows them).
+        // level is off; `RUST_LOG=idemq::engine::delivery=debug` shows them).
         tracing::debug!(
             queue = %settled.queue,
             handler = settled.handler,
