@@ -478,6 +478,26 @@ fn run_reads_every_setting_from_the_environment_and_the_config_file() {
     let _ = std::fs::remove_file(file);
 }
 
+/// `run --log-format json` that fails (the broker refuses connections, a startup
+/// timeout): its stderr is still one JSON object a line, the failure the last, at
+/// ERROR, naming what was unreachable; exit 1.
+#[test]
+fn a_failed_run_with_log_format_json_reports_its_failure_as_a_json_line() {
+    let env = Isolated::new();
+    let stderr = run_fails(
+        env.payments(&["run", "--log-format", "json", "--startup-timeout", "1s"])
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:{}/{}", refusing_port(), env.vhost)),
+    );
+    let objects: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("not JSON ({err}): {line}")))
+        .collect();
+    let last = objects.last().expect("lines");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    let message = last["fields"]["message"].as_str().expect("a message");
+    assert!(message.starts_with("payments: cannot connect to RabbitMQ"), "{message}");
+}
+
 /// Stages `payments run` with a wrong broker password: it must exit 1 with idemq's
 /// one message (what failed, the URL redacted, what to check), without lapin's own
 /// ERROR lines about the same refused login — unless `RUST_LOG` asks for them.

@@ -47,14 +47,25 @@ const QUIET: &str =
 /// the broker returns, which prints the whole message, body included. `RUST_LOG`
 /// decides alone when set.
 pub fn init_tracing(matches: &ArgMatches, default_filter: &str) {
+    install(matches, default_filter);
+}
+
+/// [`init_tracing`]; `true` when this call installed a JSON subscriber (the CLI then
+/// logs its final error as a JSON line too, so that stderr stays one object a line).
+pub(super) fn install(matches: &ArgMatches, default_filter: &str) -> bool {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default_filter},{QUIET}")));
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder =
         tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     // `try_init` leaves a subscriber set before this one in place (and says so with an
-    // error nobody needs).
-    let _ = if json(matches) { builder.json().try_init() } else { builder.try_init() };
+    // error, which only means that).
+    if json(matches) {
+        builder.json().try_init().is_ok()
+    } else {
+        let _ = builder.try_init();
+        false
+    }
 }
 
 /// Whether `--log-format json` (or `IDEMQ_LOG_FORMAT=json`) was given; `false` for a

@@ -211,17 +211,25 @@ impl Cli {
     ///
     /// Logs go to stderr through the subscriber [`init_tracing`] installs with the
     /// default level `info` (`RUST_LOG` and `--log-format` decide), unless one was
-    /// installed before: the application's own stays.
+    /// installed before: the application's own stays. With `--log-format json` (and
+    /// the CLI's subscriber), a failure's message is a JSON line (level `ERROR`) too.
     pub async fn run_matches(self, matches: &ArgMatches) -> ExitCode {
-        init_tracing(matches, logging::DEFAULT_LEVEL);
+        let json_logs = logging::install(matches, logging::DEFAULT_LEVEL);
         let name = self.name;
         match self.dispatch(matches).await {
             Ok(()) => ExitCode::SUCCESS,
             // The second signal: out now, as a shell's interrupted job.
             Err(err) if err.is::<Interrupted>() => ExitCode::from(130),
             Err(err) => {
-                // The error and each of its causes, once, redacted.
-                eprintln!("{name}: {}", crate::error::report(&*err));
+                // The error and each of its causes, once, redacted; a JSON line among
+                // JSON logs, so that a collector parses every line — unless `RUST_LOG`
+                // would drop it (`lapin=debug` alone): never lose the reason.
+                let report = crate::error::report(&*err);
+                if json_logs && tracing::enabled!(tracing::Level::ERROR) {
+                    tracing::error!("{name}: {report}");
+                } else {
+                    eprintln!("{name}: {report}");
+                }
                 ExitCode::FAILURE
             }
         }
