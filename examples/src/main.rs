@@ -17,7 +17,8 @@
 //! (default `amqp://guest:guest@127.0.0.1:5672/%2f`), `DATABASE_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/idemq_demo`), or `AMQP_URL_FILE` /
 //! `DATABASE_URL_FILE` naming a file that holds the URL (a container secret),
-//! `RUST_LOG` (default `warn`; `error` for `demo`), and the settings of `idemq::cli`.
+//! `RUST_LOG` (default `info`; `error` for `demo`), `--log-format json`, and the
+//! settings of `idemq::cli`.
 
 use std::process::ExitCode;
 
@@ -55,12 +56,14 @@ async fn main() -> ExitCode {
             return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2));
         }
     };
-    // The demo reports its dead letters in its summary; `run` logs each one.
-    let demo = matches.subcommand_matches("demo");
-    let default_filter = if demo.is_some() { "error" } else { "warn" };
-    idemq::cli::init_tracing(&matches, default_filter);
-    match demo {
-        Some(demo) => run_demo(&matches, demo).await,
+    match matches.subcommand_matches("demo") {
+        Some(demo) => {
+            // The demo reports its dead letters in its summary: errors only. The CLI's
+            // own subcommands set up their logs themselves (`info`; `run` logs each
+            // dead letter).
+            idemq::cli::init_tracing(&matches, "error");
+            run_demo(&matches, demo).await
+        }
         None => cli.run_matches(&matches).await,
     }
 }

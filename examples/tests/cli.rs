@@ -477,3 +477,124 @@ fn run_reads_every_setting_from_the_environment_and_the_config_file() {
     assert!(refused.contains("shutdown_deadline (40m)"), "{refused}");
     let _ = std::fs::remove_file(file);
 }
+
+/// `run --log-format json` that fails (the broker refuses connections, a startup
+/// timeout): its stderr is still one JSON object a line, the failure the last, at
+/// ERROR, naming what was unreachable; exit 1.
+#[test]
+fn a_failed_run_with_log_format_json_reports_its_failure_as_a_json_line() {
+    let env = Isolated::new();
+    let stderr = run_fails(
+        env.payments(&["run", "--log-format", "json", "--startup-timeout", "1s"])
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:{}/{}", refusing_port(), env.vhost)),
+    );
+    let objects: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("not JSON ({err}): {line}")))
+        .collect();
+    let last = objects.last().expect("lines");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    let message = last["fields"]["message"].as_str().expect("a message");
+    assert!(message.starts_with("payments: cannot connect to RabbitMQ"), "{message}");
+}
+
+/// Stages `payments run` with a wrong broker password: it must exit 1 with idemq's
+/// one message (what failed, the URL redacted, what to check), without lapin's own
+/// ERROR lines about the same refused login — unless `RUST_LOG` asks for them.
+#[test]
+fn a_refused_login_prints_idemqs_message_without_lapins_error_lines() {
+    let env = Isolated::new();
+    run_ok(&mut env.payments(&["migrate"]));
+    let wrong = format!("amqp://guest:wrong-pw@127.0.0.1:5672/{}", env.vhost);
+    let stderr = run_fails(env.payments(&["run"]).env("AMQP_URL", &wrong));
+    assert!(
+        stderr.contains("payments: cannot connect to RabbitMQ") && stderr.contains("ACCESS_REFUSED"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("lapin"), "lapin's own lines: {stderr}");
+    assert!(!stderr.contains("wrong-pw"), "{stderr}");
+    let asked = run_fails(env.payments(&["run"]).env("AMQP_URL", &wrong).env("RUST_LOG", "lapin=error"));
+    assert!(asked.contains("ERROR lapin::"), "RUST_LOG decides alone: {asked}");
+}
+
+/// Starts `payments run` with `args` and `vars` and stderr piped (not a terminal), waits until it
+/// logs that it consumes, sends SIGTERM and returns every line it logged, once it
+/// exited 0.
+fn run_until_consuming_then_sigterm(env: &Isolated, args: &[&str], vars: &[(&str, &str)]) -> Vec<String> {
+    use std::io::BufRead;
+    run_ok(&mut env.payments(&["migrate"]));
+    let mut child = env
+        .payments(&[&["run"], args].concat())
+        .envs(vars.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn run");
+    let stderr = child.stderr.take().expect("piped");
+    let (lines, logged) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while !seen.iter().any(|line: &String| line.contains("consuming")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match logged.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("payments run never logged that it consumes: {seen:#?}");
+            }
+        }
+    }
+    run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
+    let status = wait_with_timeout(&mut child, Duration::from_secs(20));
+    assert!(status.success(), "exit status {status:?}: {seen:#?}");
+    reader.join().expect("reader");
+    seen.extend(logged.try_iter());
+    seen
+}
+
+/// `payments run` with stderr redirected, no `RUST_LOG`: the CLI sets up logging
+/// itself and logs, at info, what it consumes and from where (the broker's password
+/// redacted) at start and that it stopped after SIGTERM — with no colour escape
+/// codes, stderr being no terminal.
+#[test]
+fn run_logs_its_start_and_stop_without_colour_codes_when_stderr_is_no_terminal() {
+    let env = Isolated::new();
+    let lines = run_until_consuming_then_sigterm(&env, &[], &[]);
+    let text = lines.join("\n");
+    let start = lines.iter().find(|line| line.contains("INFO") && line.contains("starting")).expect(&text);
+    assert!(start.contains("consumers=payments (apply_payment)"), "{start}");
+    assert!(start.contains(&format!("broker=amqp://guest:***@127.0.0.1:5672/{}", env.vhost)), "{start}");
+    assert!(!text.contains("guest:guest"), "the broker's password is logged: {text}");
+    assert!(lines.iter().any(|line| line.contains("INFO") && line.contains("shutting down")), "{text}");
+    assert!(lines.iter().any(|line| line.contains("INFO") && line.contains("stopped")), "{text}");
+    assert!(!text.contains("\u{1b}["), "colour codes in a redirected log: {text:?}");
+}
+
+/// `--log-format json`, or `IDEMQ_LOG_FORMAT=json`: every line `run` logs is one JSON
+/// object, with the level, the message and its fields.
+#[test]
+fn run_with_log_format_json_logs_one_json_object_per_line() {
+    let env = Isolated::new();
+    let by_flag = run_until_consuming_then_sigterm(&env, &["--log-format", "json"], &[]);
+    let by_variable = run_until_consuming_then_sigterm(&env, &[], &[("IDEMQ_LOG_FORMAT", "json")]);
+    for lines in [by_flag, by_variable] {
+        let objects: Vec<serde_json::Value> = lines
+            .iter()
+            .map(|line| serde_json::from_str(line).unwrap_or_else(|err| panic!("not JSON ({err}): {line}")))
+            .collect();
+        let start = objects
+            .iter()
+            .find(|object| object["fields"]["message"] == "starting")
+            .unwrap_or_else(|| panic!("no start line: {lines:#?}"));
+        assert_eq!(start["level"], "INFO", "{start}");
+        assert_eq!(start["fields"]["consumers"], "payments (apply_payment)", "{start}");
+        assert!(objects.iter().any(|object| object["fields"]["message"]
+            .as_str()
+            .is_some_and(|message| message.starts_with("stopped"))));
+    }
+}

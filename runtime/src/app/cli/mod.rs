@@ -40,6 +40,12 @@
 //! or variables, or both in the TOML file — is an error: keep one. Flags and the
 //! environment still win over the TOML file.
 //!
+//! Logs go to stderr, set up by the CLI itself: `RUST_LOG` (default `info`),
+//! `--log-format human|json` (`IDEMQ_LOG_FORMAT`; `text` is `human`), colours only on a
+//! terminal. `run` logs what it consumes and from where at start, and when it has
+//! stopped. An application that installs its own `tracing` subscriber first keeps it
+//! (see [`init_tracing`]).
+//!
 //! `run` started while the database or the broker is unreachable waits for it (see
 //! [`RuntimeBuilder::startup_timeout`]): the database before the set-up and the
 //! migrations, then both as `Runtime::run` does; SIGTERM meanwhile exits 0, and
@@ -57,6 +63,7 @@ mod commands;
 mod common;
 mod config;
 mod dlq;
+mod logging;
 
 use std::ffi::OsString;
 use std::future::Future;
@@ -64,10 +71,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::builder::PossibleValue;
 use clap::{value_parser, Arg, ArgAction, ArgMatches, Command};
 
 pub use clap;
 pub use commands::Setup;
+pub use logging::init_tracing;
 
 use crate::app::cli::commands::Interrupted;
 use crate::app::cli::common::CliResult;
@@ -176,8 +185,9 @@ impl Cli {
         }
     }
 
-    /// Parses the process's arguments and runs the subcommand. `--help` and
-    /// `--version` exit 0, a usage error 2, a failure 1 (its message on stderr).
+    /// Parses the process's arguments and runs the subcommand, logging to stderr as
+    /// [`Cli::run_matches`] says. `--help` and `--version` exit 0, a usage error 2, a
+    /// failure 1 (its message on stderr).
     pub async fn run(self) -> ExitCode {
         self.run_from(std::env::args_os()).await
     }
@@ -198,15 +208,28 @@ impl Cli {
     }
 
     /// Runs the subcommand `matches` holds (from [`Cli::command`], maybe extended).
+    ///
+    /// Logs go to stderr through the subscriber [`init_tracing`] installs with the
+    /// default level `info` (`RUST_LOG` and `--log-format` decide), unless one was
+    /// installed before: the application's own stays. With `--log-format json` (and
+    /// the CLI's subscriber), a failure's message is a JSON line (level `ERROR`) too.
     pub async fn run_matches(self, matches: &ArgMatches) -> ExitCode {
+        let json_logs = logging::install(matches, logging::DEFAULT_LEVEL);
         let name = self.name;
         match self.dispatch(matches).await {
             Ok(()) => ExitCode::SUCCESS,
             // The second signal: out now, as a shell's interrupted job.
             Err(err) if err.is::<Interrupted>() => ExitCode::from(130),
             Err(err) => {
-                // The error and each of its causes, once, redacted.
-                eprintln!("{name}: {}", crate::error::report(&*err));
+                // The error and each of its causes, once, redacted; a JSON line among
+                // JSON logs, so that a collector parses every line — unless `RUST_LOG`
+                // would drop it (`lapin=debug` alone): never lose the reason.
+                let report = crate::error::report(&*err);
+                if json_logs && tracing::enabled!(tracing::Level::ERROR) {
+                    tracing::error!("{name}: {report}");
+                } else {
+                    eprintln!("{name}: {report}");
+                }
                 ExitCode::FAILURE
             }
         }
@@ -260,15 +283,7 @@ fn global_args(command: Command) -> Command {
                     .hide_env_values(true)
                     .help("a TOML file of settings (flags and the environment win over it)"),
             )
-            .arg(
-                Arg::new("log-format")
-                    .long("log-format")
-                    .env("IDEMQ_LOG_FORMAT")
-                    .global(true)
-                    .value_parser(["human", "json"])
-                    .hide_env_values(true)
-                    .help("log lines for people (the default) or JSON, one object per line"),
-            )
+            .arg(log_format())
             .arg(
                 Arg::new("amqp-url")
                     .long("amqp-url")
@@ -313,6 +328,18 @@ fn global_args(command: Command) -> Command {
                     .hide_env_values(true)
                     .help("a file holding PostgreSQL's URL (a container secret), instead of --database-url"),
             )
+}
+
+/// `--log-format human|json` (`text` is `human`), for the subscriber `run_matches` installs.
+fn log_format() -> Arg {
+    Arg::new("log-format")
+        .long("log-format")
+        .env("IDEMQ_LOG_FORMAT")
+        .global(true)
+        .value_name("FORMAT")
+        .value_parser([PossibleValue::new("human").alias("text"), PossibleValue::new("json")])
+        .hide_env_values(true)
+        .help("log lines on stderr for people (the default; `text` too) or JSON, one object per line")
 }
 
 /// A duration flag, also read from the environment variable `env`.
@@ -554,26 +581,6 @@ fn dlq_command() -> Command {
                     .help("do not ask (needed without a terminal)"),
             ),
         )
-}
-
-/// Installs the `tracing` subscriber the parsed `--log-format` asks for (human by
-/// default, JSON lines with `json`), filtered by `RUST_LOG` or else `default_filter`.
-/// Call it once, after parsing ([`Cli::command`]) and before [`Cli::run_matches`].
-///
-/// The default filter silences lapin's warning for each message the broker returns
-/// (`lapin::returned_messages`): it prints the whole message, body included — payloads
-/// in the logs — and idemq reports every unroutable publish itself. `RUST_LOG` decides
-/// alone when set.
-pub fn init_tracing(matches: &ArgMatches, default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new(format!("{default_filter},lapin::returned_messages=error"))
-    });
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if matches.get_one::<String>("log-format").map(String::as_str) == Some("json") {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
 }
 
 /// The broker URL the parsed arguments give: `--amqp-url` (`AMQP_URL`) or

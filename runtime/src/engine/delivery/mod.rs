@@ -143,6 +143,7 @@ use crate::handler::prepare::{ErasedHandler, InputLimits, Prepared, Rejection};
 use crate::store::db;
 
 use counts::Counts;
+pub(crate) use settle::Unsent;
 use settle::Unsettled;
 
 /// The longest idemq waits for its own best-effort bookkeeping (cancelling a
@@ -177,6 +178,9 @@ pub(crate) struct Consumer {
     pub(crate) width: Width,
     /// Its batches that collided since it last said so (see `batch`).
     pub(crate) collisions: batch::Collisions,
+    /// Its deliveries whose ack or nack could not be sent: logged as a count, not
+    /// one line each (see [`Unsent`]).
+    pub(crate) unsent: Unsent,
     /// How its batches are formed (the handler's `batch = N` applied).
     pub(crate) batch: BatchLimits,
     /// The handler's `on_conflict`, else the runtime's.

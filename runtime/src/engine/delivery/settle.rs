@@ -3,6 +3,7 @@
 //! request's stored reply; then the bookkeeping (the copy's record, the start marks)
 //! and the `settled` event. [`Unsettled`] returns what a task left unsettled.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,7 +53,7 @@ impl Consumer {
             handler_time: decision.handler_time,
         };
         // One event per delivery, with what an operator greps for (cheap when the
-        // level is off; `RUST_LOG=idemq::delivery=debug` shows them).
+        // level is off; `RUST_LOG=idemq::engine::delivery=debug` shows them).
         tracing::debug!(
             queue = %settled.queue,
             handler = settled.handler,
@@ -299,17 +300,75 @@ impl Drop for Unsettled {
     }
 }
 
-/// Whether an ack/nack frame was sent; logs when it was not.
+/// Whether an ack/nack frame was sent. One that was not is a DEBUG line of its own
+/// and counted in [`Unsent`]: a lost connection with thousands of deliveries in
+/// flight is two WARN lines, not thousands.
 fn report(sent: lapin::Result<bool>, consumer: &Consumer, decision: &Decision) -> bool {
-    match sent {
-        Ok(true) => true,
-        Ok(false) => {
-            tracing::warn!(queue = %consumer.queue, key = ?decision.key, "the channel is gone: not settled, the broker will redeliver");
-            false
+    let error = match sent {
+        Ok(true) => return true,
+        Ok(false) => None,
+        Err(err) => Some(err),
+    };
+    let error = error.as_ref().map(tracing::field::display);
+    tracing::debug!(queue = %consumer.queue, key = ?decision.key, error, "not settled: the broker will redeliver");
+    if consumer.unsent.note() {
+        tracing::warn!(
+            queue = %consumer.queue,
+            session = consumer.session,
+            error,
+            "the channel is gone: its deliveries are not settled, the broker will redeliver them \
+             (how many is logged once the last is done; RUST_LOG=idemq::engine::delivery=debug lists each)"
+        );
+    }
+    false
+}
+
+/// The deliveries of one consumer's channel session whose ack or nack could not be
+/// sent (the channel or its connection is gone). The first is a WARN at once; the
+/// count is a WARN when the session's [`Consumer`] is dropped, after its last
+/// delivery is done. Counting changes nothing about what is settled.
+#[derive(Debug)]
+pub(crate) struct Unsent {
+    queue: String,
+    session: u64,
+    count: AtomicU64,
+}
+
+impl Unsent {
+    pub(crate) fn new(queue: &str, session: u64) -> Self {
+        Self { queue: queue.to_owned(), session, count: AtomicU64::new(0) }
+    }
+
+    /// Counts one; `true` for the first of the session.
+    fn note(&self) -> bool {
+        self.count.fetch_add(1, Ordering::Relaxed) == 0
+    }
+}
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        let count = *self.count.get_mut();
+        if count > 0 {
+            tracing::warn!(
+                queue = %self.queue,
+                session = self.session,
+                unsettled = count,
+                "{count} deliveries of the lost channel were not settled; the broker redelivers them \
+                 (their dedup rows or copy records make that harmless)"
+            );
         }
-        Err(err) => {
-            tracing::warn!(queue = %consumer.queue, key = ?decision.key, error = %err, "settling failed: the broker will redeliver");
-            false
-        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Unsent;
+
+    #[test]
+    fn only_the_first_unsent_frame_of_a_session_is_announced() {
+        let unsent = Unsent::new("payments", 1);
+        assert!(unsent.note(), "the first warns at once");
+        assert!((0..3807).all(|_| !unsent.note()), "the rest are counted");
+        assert_eq!(unsent.count.load(std::sync::atomic::Ordering::Relaxed), 3808);
     }
 }

@@ -68,14 +68,38 @@ impl Runtime {
     /// requeues every unacked delivery (safe, but not graceful). Cancel `shutdown`
     /// instead.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        announce(&self.builder);
         let Some(assembly) = Assembly::assemble(self, &shutdown).await? else {
             // Shut down while start-up waited for the database: nothing was started.
+            tracing::info!("stopped before consuming: shut down while waiting for the database");
             return Ok(());
         };
         let mut running = assembly.spawn()?;
         let (result, connections, started) = running.supervise().await;
-        running.drain(result, connections, started).await
+        let result = running.drain(result, connections, started).await;
+        if result.is_ok() {
+            // A failure is the caller's to report (the CLI prints it once).
+            tracing::info!(
+                "stopped: in-flight deliveries settled or returned to the queue, connections closed"
+            );
+        }
+        result
     }
+}
+
+/// The line an operator looks for first: what this process consumes, with which
+/// handler, from which broker into which database (passwords redacted).
+fn announce(b: &RuntimeBuilder) {
+    let consumers: Vec<String> =
+        b.consumers.iter().map(|r| format!("{} ({})", r.queue, r.handler.name())).collect();
+    tracing::info!(
+        consumers = %consumers.join(", "),
+        broker = %redact(&b.amqp_url),
+        database = %redact(&b.database_url),
+        concurrency = b.concurrency,
+        batch_size = b.batch_size,
+        "starting"
+    );
 }
 
 /// Phase 1: what the subsystems share, made before any of them is spawned.

@@ -34,7 +34,7 @@ use crate::base::retry::RetryPolicy;
 use crate::base::width::Width;
 use crate::broker::acks::Acks;
 use crate::broker::topology::{Queue, Topology};
-use crate::engine::delivery::{Consumer, Shared};
+use crate::engine::delivery::{Consumer, Shared, Unsent};
 use crate::error::Error;
 use crate::handler::prepare::ErasedHandler;
 use intake::Intake;
@@ -353,6 +353,7 @@ async fn start_consumer(
         session,
         width: Width::new(spec.batch.pipelines),
         collisions: Default::default(),
+        unsent: Unsent::new(&spec.queue, session),
         batch: spec.batch,
         on_conflict: spec.on_conflict,
         shared: Arc::clone(&ctx.shared),
