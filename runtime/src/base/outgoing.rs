@@ -31,6 +31,13 @@ pub(crate) const MIN_REPLY_WINDOW: Duration = Duration::from_secs(1);
 /// A message type that knows where it is published: the typed form of
 /// [`Context::publish`](crate::Context::publish), [`Context::send`](crate::Context::send). Written by `#[derive(Message)]`
 /// (`#[message(exchange = "payments", routing_key = "payment.applied")]`).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not say where it is published: it is not an `idemq::Message`",
+    label = "publishing it by type needs its exchange and routing key",
+    note = "add `#[message(exchange = \"...\", routing_key = \"...\")]` on `{Self}` beside its \
+            `#[derive(idemq::Message)]` (`#[message(key)]` alone gives handlers its key, not a route), \
+            or name the route where you publish it: `ctx.publish(exchange, routing_key, &message)`"
+)]
 pub trait Message: Serialize {
     /// The exchange it is published to (`""`: the default exchange).
     const EXCHANGE: &'static str;

@@ -15,8 +15,9 @@ use crate::engine::runtime::RuntimeBuilder;
 use crate::error::Error;
 use crate::store::retention::Retention;
 
-/// An application step `migrate` and `run` take after idemq's own migrations (the
-/// app's tables), given the database URL.
+/// The application's own step (creating its database, its tables), given the
+/// database URL: `migrate` and `run` take it first, **before** idemq's migrations,
+/// so it may create the database they run in (see [`Cli::setup`](super::Cli::setup)).
 pub type Setup = Box<
     dyn Fn(
             String,

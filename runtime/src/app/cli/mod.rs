@@ -128,7 +128,10 @@ impl Cli {
     }
 
     /// The application's own set-up (creating its database, its tables), run by
-    /// `migrate` and before `run`, before idemq's migrations.
+    /// `migrate` and at the start of `run` — in both, **before** idemq's migrations,
+    /// so it may create the database they run in. It must be idempotent: it runs on
+    /// every start. `migrate --status` lists idemq's migrations only; the
+    /// application's are its own to list.
     pub fn setup<F, Fut>(mut self, setup: F) -> Self
     where
         F: Fn(String) -> Fut + Send + Sync + 'static,
