@@ -71,24 +71,46 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
     let filter = Filter::of(sub, only.cloned());
     let options = Options::of(sub);
     let mut index = 0;
-    for (dlq, owners) in &dlqs {
+    if matches!(action, "list" | "show") {
+        // Reading only: every DLQ browsed at once, printed in order.
+        let taken = futures_util::future::join_all(
+            dlqs.iter().map(|(dlq, owners)| Browse::take(&connection, dlq, owners)),
+        )
+        .await;
+        let mut failed = None;
+        let mut browses = Vec::new();
+        for browse in taken {
+            match browse {
+                Ok(browse) if failed.is_none() => {
+                    if action == "list" {
+                        list(&browse, &filter, &mut index);
+                    } else {
+                        show(&browse, *sub.get_one::<usize>("index").expect("required"), &mut index);
+                    }
+                    browses.push(browse);
+                }
+                Ok(browse) => browses.push(browse),
+                Err(err) => {
+                    failed.get_or_insert(err);
+                }
+            }
+        }
+        futures_util::future::join_all(browses.into_iter().map(|browse| browse.end(&connection))).await;
+        if let Some(err) = failed {
+            return Err(err);
+        }
+    }
+    for (dlq, owners) in dlqs.iter().filter(|_| matches!(action, "replay" | "purge")) {
         let browse = Browse::take(&connection, dlq, owners).await?;
         let result = match action {
-            "list" => {
-                list(&browse, &filter, &mut index);
-                Ok(())
-            }
-            "show" => {
-                let wanted = *sub.get_one::<usize>("index").expect("required");
-                show(&browse, wanted, &mut index);
-                Ok(())
-            }
             "replay" => replay(&connection, &browse, &filter, &options).await,
-            "purge" => purge(&browse, &filter, &options).await,
-            other => Err(format!("unknown dlq command `{other}`").into()),
+            _ => purge(&browse, &filter, &options).await,
         };
-        browse.end().await;
+        browse.end(&connection).await;
         result?;
+    }
+    if !matches!(action, "list" | "show" | "replay" | "purge") {
+        return Err(format!("unknown dlq command `{action}`").into());
     }
     if action == "list" && index == 0 {
         println!("no dead letters{}", if filter.is_empty() { "" } else { " match" });
@@ -128,6 +150,10 @@ struct Browse {
     channel: Channel,
     dlq: String,
     letters: Vec<Letter>,
+    /// The DLQ's ready messages when the browse began.
+    ready: u32,
+    /// Dead letters acked since (replayed or purged).
+    removed: std::sync::atomic::AtomicU32,
 }
 
 /// One message's dead letters: the first, and the tags of its true copies.
@@ -159,12 +185,13 @@ impl Browse {
         // The count is of ready messages only. Dead letters a previous browse (or
         // replay) held come back a moment after its channel closed — on a quorum
         // queue after its close was answered — so `dlq list` twice in a row once
-        // said "no dead letters" (a fresh-clone CI run). Read until two readings
-        // 100 ms apart agree, and give an empty queue a second to fill.
+        // said "no dead letters" (a fresh-clone CI run). A browse therefore ends
+        // only once the broker counts what it held as ready again ([`Browse::end`]);
+        // here, readings 50 ms apart until two agree (an empty queue: for 200 ms).
         let mut count = ready().await?;
-        let settle_by = Instant::now() + Duration::from_secs(1);
+        let settle_by = Instant::now() + Duration::from_millis(200);
         loop {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
             let again = ready().await?;
             let stable = again == count;
             count = again;
@@ -202,18 +229,37 @@ impl Browse {
                 }
             }
         }
-        Ok(Self { channel, dlq: dlq.to_owned(), letters })
+        Ok(Self { channel, dlq: dlq.to_owned(), letters, ready: count, removed: Default::default() })
     }
 
-    /// Closes the channel: what was not acked goes back to the queue.
-    async fn end(self) {
+    /// Closes the channel: what was not acked goes back to the queue. Returns once
+    /// the broker counts it as ready again (at most 2 s), so that the next command
+    /// sees every dead letter at once.
+    async fn end(self, connection: &Connection) {
         let _ = tokio::time::timeout(Duration::from_secs(5), self.channel.close(200, "browsed".into())).await;
+        let back = self.ready.saturating_sub(self.removed.load(std::sync::atomic::Ordering::Relaxed));
+        if self.letters.is_empty() || back == 0 {
+            return;
+        }
+        let Ok(channel) = connection.create_channel().await else { return };
+        let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+        let until = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < until {
+            match channel.queue_declare(self.dlq.as_str().into(), passive, FieldTable::default()).await {
+                Ok(queue) if queue.message_count() < back => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                _ => break,
+            }
+        }
+        let _ = channel.close(200, "browsed".into()).await;
     }
 
     /// Acks a letter and its copies: they leave the DLQ.
     async fn remove(&self, letter: &Letter) -> Result<(), lapin::Error> {
         for tag in std::iter::once(letter.delivery.delivery_tag).chain(letter.copies.iter().copied()) {
             self.channel.basic_ack(tag, BasicAckOptions::default()).await?;
+            self.removed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }
