@@ -399,7 +399,6 @@ fn run_gives_up_after_idemq_startup_timeout_naming_the_unreachable_broker() {
 /// ends it with exit 0.
 #[test]
 fn run_waits_for_an_unreachable_database_and_sigterm_exits_zero() {
-    use std::io::BufRead;
     let env = Isolated::new();
     let mut child = env
         .payments(&["run"])
@@ -408,13 +407,7 @@ fn run_waits_for_an_unreachable_database_and_sigterm_exits_zero() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn run");
-    let stderr = child.stderr.take().expect("piped");
-    let (lines, logged) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = lines.send(line);
-        }
-    });
+    let (logged, _reader) = stderr_lines(&mut child);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut waits = 0;
     while waits < 2 {
@@ -521,7 +514,6 @@ fn a_refused_login_prints_idemqs_message_without_lapins_error_lines() {
 /// logs that it consumes, sends SIGTERM and returns every line it logged, once it
 /// exited 0.
 fn run_until_consuming_then_sigterm(env: &Isolated, args: &[&str], vars: &[(&str, &str)]) -> Vec<String> {
-    use std::io::BufRead;
     run_ok(&mut env.payments(&["migrate"]));
     let mut child = env
         .payments(&[&["run"], args].concat())
@@ -530,13 +522,7 @@ fn run_until_consuming_then_sigterm(env: &Isolated, args: &[&str], vars: &[(&str
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn run");
-    let stderr = child.stderr.take().expect("piped");
-    let (lines, logged) = std::sync::mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = lines.send(line);
-        }
-    });
+    let (logged, reader) = stderr_lines(&mut child);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut seen = Vec::new();
     while !seen.iter().any(|line: &String| line.contains("consuming")) {
@@ -597,4 +583,20 @@ fn run_with_log_format_json_logs_one_json_object_per_line() {
             .as_str()
             .is_some_and(|message| message.starts_with("stopped"))));
     }
+}
+
+/// The lines a child writes to its piped stderr, as they come (read on a thread of
+/// their own, which ends when the child closes it).
+fn stderr_lines(
+    child: &mut std::process::Child,
+) -> (std::sync::mpsc::Receiver<String>, std::thread::JoinHandle<()>) {
+    use std::io::BufRead;
+    let stderr = child.stderr.take().expect("piped");
+    let (lines, logged) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    (logged, reader)
 }

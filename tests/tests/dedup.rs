@@ -2,12 +2,10 @@
 //! racing duplicates apply once, and a lost ack after COMMIT is harmless.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
-use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{idempotent_handler, observe::ConnectionEvent, observe::Settled, Outcome};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
@@ -114,22 +112,7 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
     let p = payment(990);
     bed.publish(&p).await;
 
-    let fired = Arc::new(AtomicBool::new(false));
-    let fired_in_hook = Arc::clone(&fired);
-    let hook: FaultHook = Arc::new(move |ctx: FaultContext| {
-        let fired = Arc::clone(&fired_in_hook);
-        Box::pin(async move {
-            if ctx.point == FaultPoint::AfterCommit
-                && ctx.outcome == Outcome::Applied
-                && !fired.swap(true, Ordering::SeqCst)
-            {
-                ctx.channel
-                    .close(200, "fault: channel lost after commit".into())
-                    .await
-                    .expect("close the channel");
-            }
-        })
-    });
+    let (hook, fired) = idemq_tests::fixture::lose_the_first_ack();
     let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment).fault_hook(hook));
     running.wait_settled(2).await;
     let events = running.events();

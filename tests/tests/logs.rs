@@ -6,11 +6,9 @@
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
-use idemq::Outcome;
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
 
 /// What the test's subscriber wrote.
@@ -47,19 +45,7 @@ async fn a_lost_channel_logs_one_line_and_a_count_not_one_line_per_unsettled_del
     for i in 0..PAYMENTS {
         bed.publish(&payment(5000 + i as i64)).await;
     }
-    let fired = Arc::new(AtomicBool::new(false));
-    let fired_in_hook = Arc::clone(&fired);
-    let hook: FaultHook = Arc::new(move |ctx: FaultContext| {
-        let fired = Arc::clone(&fired_in_hook);
-        Box::pin(async move {
-            if ctx.point == FaultPoint::AfterCommit
-                && ctx.outcome == Outcome::Applied
-                && !fired.swap(true, Ordering::SeqCst)
-            {
-                ctx.channel.close(200, "fault: channel lost after commit".into()).await.expect("close");
-            }
-        })
-    });
+    let (hook, fired) = idemq_tests::fixture::lose_the_first_ack();
     let running =
         Running::start(bed.runtime().batch_size(32).consume(&bed.queue, ledger_payment).fault_hook(hook));
     let events = running

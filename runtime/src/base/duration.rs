@@ -26,22 +26,21 @@ pub(crate) struct Human(Duration);
 
 impl fmt::Display for Human {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [(&str, u64); 4] = [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)];
-        const SUB: [(&str, u32); 3] = [("ms", 1_000_000), ("us", 1_000), ("ns", 1)];
+        const UNITS: [(&str, u128); 7] = [
+            ("d", 86_400_000_000_000),
+            ("h", 3_600_000_000_000),
+            ("m", 60_000_000_000),
+            ("s", 1_000_000_000),
+            ("ms", 1_000_000),
+            ("us", 1_000),
+            ("ns", 1),
+        ];
         if self.0.is_zero() {
             return f.write_str("0s");
         }
         let mut parts = Vec::with_capacity(4);
-        let mut secs = self.0.as_secs();
+        let mut nanos = self.0.as_nanos();
         for (unit, size) in UNITS {
-            let n = secs / size;
-            secs %= size;
-            if n > 0 {
-                parts.push(format!("{n}{unit}"));
-            }
-        }
-        let mut nanos = self.0.subsec_nanos();
-        for (unit, size) in SUB {
             let n = nanos / size;
             nanos %= size;
             if n > 0 {

@@ -173,14 +173,10 @@ impl Browse {
         owners: &[String],
     ) -> Result<Self, Box<dyn std::error::Error + Send + Sync>> {
         let channel = connection.create_channel().await?;
-        let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
         let ready = || async {
-            match channel.queue_declare(dlq.into(), passive, FieldTable::default()).await {
-                Ok(queue) => Ok(queue.message_count()),
-                Err(_) => {
-                    Err(format!("dead-letter queue '{dlq}' does not exist (`declare --apply` creates it)"))
-                }
-            }
+            ready_count(&channel, dlq).await.map_err(|_| {
+                format!("dead-letter queue '{dlq}' does not exist (`declare --apply` creates it)")
+            })
         };
         // The count is of ready messages only. Dead letters a previous browse (or
         // replay) held come back a moment after its channel closed — on a quorum
@@ -242,13 +238,10 @@ impl Browse {
             return;
         }
         let Ok(channel) = connection.create_channel().await else { return };
-        let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
         let until = Instant::now() + Duration::from_secs(2);
         while Instant::now() < until {
-            match channel.queue_declare(self.dlq.as_str().into(), passive, FieldTable::default()).await {
-                Ok(queue) if queue.message_count() < back => {
-                    tokio::time::sleep(Duration::from_millis(20)).await
-                }
+            match ready_count(&channel, &self.dlq).await {
+                Ok(ready) if ready < back => tokio::time::sleep(Duration::from_millis(20)).await,
                 _ => break,
             }
         }
@@ -263,6 +256,12 @@ impl Browse {
         }
         Ok(())
     }
+}
+
+/// The messages ready in `dlq` (a passive declare: an error if it does not exist).
+async fn ready_count(channel: &Channel, dlq: &str) -> Result<u32, lapin::Error> {
+    let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    Ok(channel.queue_declare(dlq.into(), passive, FieldTable::default()).await?.message_count())
 }
 
 /// The queue `delivery` was consumed from, among the queues `owners` of its DLQ.
