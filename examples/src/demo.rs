@@ -7,8 +7,6 @@ use std::time::{Duration, Instant};
 use diesel::prelude::*;
 use diesel_async::RunQueryDsl;
 use idemq::{observe::StatsSnapshot, Runtime};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Confirmation};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -76,10 +74,9 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
 
     // As idemq connects (TLS for amqps:// with RabbitMQ's URI parameters, a list of
     // addresses): lapin's own `Connection::connect` would ignore `cacertfile`.
-    let connection = idemq::connect::broker(amqp_url, "demo publisher").await?;
+    let connection = idemq::connect::broker(amqp_url, "demo").await?;
     let channel = connection.create_channel().await?;
     topology().declare(&channel).await?;
-    channel.confirm_select(ConfirmSelectOptions::default()).await?;
 
     // The burst: distinct payments, some published twice, and a few bad messages.
     let mut expected: BTreeMap<String, i64> = BTreeMap::new();
@@ -112,18 +109,14 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
     };
     bodies.push(serde_json::to_vec(&first)?);
 
-    let props = BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
-    let mut confirms = Vec::with_capacity(bodies.len());
-    for body in &bodies {
-        let options = BasicPublishOptions { mandatory: true, ..Default::default() };
-        confirms.push(channel.basic_publish("".into(), QUEUE.into(), options, body, props.clone()).await?);
-    }
-    for confirm in confirms {
-        match confirm.await? {
-            Confirmation::Ack(None) => {}
-            other => return Err(format!("publish not confirmed: {other:?}").into()),
-        }
-    }
+    // Published as any client would, with idemq's publisher: confirmed, and
+    // `mandatory` (a payment no queue takes would be an error, not a silent loss).
+    let publisher = idemq::Publisher::builder().amqp_url(amqp_url).name("demo publisher").connect().await?;
+    let outgoing = bodies.iter().map(|body| {
+        idemq::outbox::Outgoing::bytes("", QUEUE, body.clone()).map(|o| o.content_type("application/json"))
+    });
+    publisher.publish_all(outgoing.collect::<Result<Vec<_>, _>>()?).await?;
+    publisher.close().await;
     // This run's events, watched on a queue of the demo's own bound to the events
     // exchange (`payments.applied` keeps every event, of every run, for you).
     let watcher = channel

@@ -56,9 +56,6 @@ pub type TemplatePart<'a> = crate::key::TemplatePart<'a>;
 #[deprecated(since = "0.2.0", note = "moved: use `idemq::outbox::Outgoing`")]
 pub type Outgoing = crate::outbox::Outgoing;
 
-#[deprecated(since = "0.2.0", note = "moved: use `idemq::outbox::PublishError`")]
-pub type PublishError = crate::outbox::PublishError;
-
 #[deprecated(since = "0.2.0", note = "moved: use `idemq::outbox::Relay`")]
 pub type Relay = crate::outbox::Relay;
 
@@ -118,7 +115,7 @@ pub fn env_url(name: &str, default: &str) -> Result<String, crate::Error> {
 pub async fn enqueue(
     conn: &mut AsyncPgConnection,
     outgoing: crate::outbox::Outgoing,
-) -> Result<String, crate::outbox::PublishError> {
+) -> Result<String, crate::PublishError> {
     crate::outbox::enqueue(conn, outgoing).await
 }
 

@@ -290,9 +290,10 @@ mod tls;
 
 // What a handler author needs, at the root; everything else in one module each.
 pub use base::outcome::{FailureKind, Outcome};
-pub use base::outgoing::Message;
+pub use base::outgoing::{Message, PublishError};
 pub use base::retry::RetryPolicy;
 pub use base::verdict::OnConflict;
+pub use broker::publisher::Publisher;
 pub use broker::topology::{Exchange, Queue, Topology};
 pub use engine::runtime::{shutdown_signal, shutdown_signals, Runtime, RuntimeBuilder, ShutdownSignals};
 pub use error::{Dependency, Error};
@@ -334,6 +335,12 @@ pub mod observe {
         on_connection, on_settled, Batch, Commit, ConnectionEvent, InfrastructureRetry, Observe, RelayPass,
     };
     pub use crate::base::outcome::{Settled, Stats, StatsSnapshot};
+}
+
+/// Publishing outside handlers: the [`Publisher`]'s settings and the errors of its
+/// requests ([`Publisher`] and [`PublishError`] are at the crate root).
+pub mod publisher {
+    pub use crate::broker::publisher::{PublisherBuilder, RequestError};
 }
 
 /// Message keys: how a handler's dedup key is taken from a message ([`Key`]

@@ -24,8 +24,14 @@
 //! consumed, whichever comes first.
 
 use diesel_async::AsyncPgConnection;
+use serde::Serialize;
 
-pub use crate::base::outgoing::{Outgoing, PublishError, MAX_HEADER_BYTES, STATUS_HEADER};
+use crate::base::outgoing::Message;
+
+pub use crate::base::outgoing::{Outgoing, MAX_HEADER_BYTES, STATUS_HEADER};
+// Its old path: `PublishError` is at the crate root, shared by the three sinks.
+#[doc(hidden)]
+pub use crate::base::outgoing::PublishError;
 pub use crate::engine::relay::{Relay, RelayBuilder};
 
 /// Writes `outgoing` into the outbox in the caller's open transaction (any
@@ -57,13 +63,8 @@ pub use crate::engine::relay::{Relay, RelayBuilder};
 /// # Errors
 /// [`PublishError::Database`].
 pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result<String, PublishError> {
-    outgoing.validate()?;
-    let id = outgoing.message_id.clone().unwrap_or_else(crate::base::random_id);
-    let row = Outgoing { message_id: Some(id.clone()), ..outgoing };
-    crate::store::db::insert_outbox(conn, std::slice::from_ref(&row))
-        .await
-        .map_err(PublishError::Database)?;
-    Ok(id)
+    let mut ids = Outbox::new(conn).publish_all([outgoing]).await?;
+    Ok(ids.pop().unwrap_or_default())
 }
 
 /// Rows waiting in the outbox (due or postponed): the relay's backlog.
@@ -72,4 +73,100 @@ pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result
 /// The database's.
 pub async fn backlog(conn: &mut AsyncPgConnection) -> diesel::QueryResult<i64> {
     crate::store::db::outbox_backlog(conn).await
+}
+
+/// The outbox as a sink, in the caller's open transaction: the calls of the
+/// [`Publisher`](crate::Publisher) and of a handler's [`Context`](crate::Context),
+/// whose messages go out once the transaction commits (by the relay, confirmed and
+/// routed), never if it rolls back.
+///
+/// For code outside handlers that writes to the database and must publish exactly
+/// when its writes commit (a web request placing an order, say): both or neither,
+/// where publishing with the [`Publisher`](crate::Publisher) after the COMMIT could
+/// lose the message to a crash in between, and before it could publish what then
+/// rolls back.
+///
+/// ```no_run
+/// # #[derive(serde::Serialize, idemq::Message)]
+/// # #[message(exchange = "orders", routing_key = "order.placed")]
+/// # struct OrderPlaced { order_id: i64 }
+/// # async fn example(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel_async::AsyncConnection;
+/// use idemq::outbox::Outbox;
+///
+/// conn.transaction::<_, Box<dyn std::error::Error + Send + Sync>, _>(async |conn| {
+///     // ... the application's own writes ...
+///     Outbox::new(conn).send(&OrderPlaced { order_id: 7 }).await?;
+///     Ok(())
+/// })
+/// .await?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Outbox<'c> {
+    conn: &'c mut AsyncPgConnection,
+}
+
+impl std::fmt::Debug for Outbox<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox").finish_non_exhaustive()
+    }
+}
+
+impl<'c> Outbox<'c> {
+    /// The outbox, written through `conn` (in its open transaction, if it has one).
+    pub fn new(conn: &'c mut AsyncPgConnection) -> Self {
+        Self { conn }
+    }
+
+    /// Writes `message` as JSON, to go where its type says ([`Message`]); returns
+    /// its message id (random, stored with the row).
+    ///
+    /// # Errors
+    /// As [`enqueue`].
+    pub async fn send<M: Message>(&mut self, message: &M) -> Result<String, PublishError> {
+        self.publish(M::EXCHANGE, message.routing_key(), message).await
+    }
+
+    /// Writes `message` as JSON, to go to `exchange` with `routing_key`.
+    ///
+    /// # Errors
+    /// As [`enqueue`].
+    pub async fn publish<T: Serialize + ?Sized>(
+        &mut self,
+        exchange: &str,
+        routing_key: &str,
+        message: &T,
+    ) -> Result<String, PublishError> {
+        self.publish_outgoing(Outgoing::json(exchange, routing_key, message)?).await
+    }
+
+    /// Writes a message built with [`Outgoing`] ([`enqueue`]).
+    ///
+    /// # Errors
+    /// As [`enqueue`].
+    pub async fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
+        enqueue(self.conn, outgoing).await
+    }
+
+    /// Writes every message in one statement; returns their ids, in order (each
+    /// given with [`Outgoing::message_id`], or random).
+    ///
+    /// # Errors
+    /// As [`enqueue`].
+    pub async fn publish_all(
+        &mut self,
+        messages: impl IntoIterator<Item = Outgoing>,
+    ) -> Result<Vec<String>, PublishError> {
+        let rows = messages
+            .into_iter()
+            .map(|outgoing| {
+                outgoing.validate()?;
+                let id = outgoing.message_id.clone().unwrap_or_else(crate::base::random_id);
+                Ok(Outgoing { message_id: Some(id), ..outgoing })
+            })
+            .collect::<Result<Vec<_>, PublishError>>()?;
+        crate::store::db::insert_outbox(self.conn, &rows).await.map_err(PublishError::Database)?;
+        Ok(rows.into_iter().filter_map(|row| row.message_id).collect())
+    }
 }

@@ -341,6 +341,32 @@ impl TestVhost {
     pub async fn close_all_connections(&self) {
         rabbitmqctl(&["close_all_connections", "-p", &self.name, "test"]).await;
     }
+
+    /// Forcibly closes this vhost's client connections whose name contains `name`
+    /// (idemq names its connections `idemq <role> (pid N)`); returns how many.
+    pub async fn close_connections_named(&self, name: &str) -> usize {
+        let out = tokio::process::Command::new("rabbitmqctl")
+            .args(["-q", "list_connections", "--no-table-headers", "pid", "vhost", "client_properties"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .expect("run rabbitmqctl list_connections");
+        let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+        let mut closed = 0;
+        for line in listed.lines() {
+            let mut fields = line.split('\t');
+            let (Some(pid), Some(vhost), Some(properties)) = (fields.next(), fields.next(), fields.next())
+            else {
+                continue;
+            };
+            // The name is the client property `connection_name`.
+            if vhost == self.name && properties.contains(name) {
+                rabbitmqctl(&["close_connection", pid, "test"]).await;
+                closed += 1;
+            }
+        }
+        closed
+    }
 }
 
 impl Drop for TestVhost {

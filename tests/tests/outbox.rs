@@ -465,7 +465,7 @@ async fn a_row_that_breaks_the_connection_does_not_block_the_others() {
     let huge = idemq::outbox::Outgoing::json("", &target, &1).unwrap().header("x-huge", "h".repeat(140_000));
     assert!(matches!(
         idemq::outbox::enqueue(&mut conn, huge).await,
-        Err(idemq::outbox::PublishError::TooLong { .. })
+        Err(idemq::PublishError::TooLong { .. })
     ));
     let written = diesel::sql_query(format!(
         "INSERT INTO idemq_outbox (message_id, exchange, routing_key, body, headers) \

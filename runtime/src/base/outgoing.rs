@@ -279,6 +279,49 @@ pub enum PublishError {
     /// The driver's error is the source.
     #[error("writing the outbox row failed")]
     Database(#[source] diesel::result::Error),
+    /// [`Publisher`](crate::Publisher): the broker took the message but no queue is
+    /// bound to take it (it was published `mandatory` and returned): nothing has it.
+    #[error(
+        "no queue takes messages published to exchange '{exchange}' with routing key '{routing_key}' \
+         (the broker returned it unroutable): declare and bind a queue for them, or publish where one is bound"
+    )]
+    Unroutable {
+        /// The exchange it was published to (`""`: the default exchange).
+        exchange: String,
+        /// Its routing key.
+        routing_key: String,
+    },
+    /// [`Publisher`](crate::Publisher): the exchange does not exist on the broker
+    /// (nothing was published).
+    #[error(
+        "exchange '{exchange}' does not exist: declare it first (Topology::declare, or `<app> declare`)"
+    )]
+    NoExchange {
+        /// The exchange's name.
+        exchange: String,
+    },
+    /// [`Publisher`](crate::Publisher): no confirm came within the publisher's
+    /// timeout, reconnecting and publishing again included (the broker out of reach,
+    /// or nacking). The broker may have it or not: publishing it again under the same
+    /// message id is safe for consumers keyed on it.
+    #[error(
+        "the broker did not confirm the message within {}: {reason}; it may or may not have it \
+         (publishing it again under the same message id is safe for consumers keyed on it)",
+        crate::base::duration::human(*after)
+    )]
+    Unconfirmed {
+        /// How long the publisher tried.
+        after: std::time::Duration,
+        /// The last fault met, passwords redacted.
+        reason: String,
+    },
+    /// [`Publisher`](crate::Publisher): the broker refused the publisher's connection
+    /// in a way no retry mends (the login, the vhost, a certificate).
+    #[error("the publisher cannot connect to RabbitMQ")]
+    Connect(#[source] Box<crate::error::Error>),
+    /// [`Publisher`](crate::Publisher): it was closed ([`Publisher::close`](crate::Publisher::close)).
+    #[error("the publisher is closed")]
+    Closed,
 }
 
 /// `<sha256(scope, key, part) in hex, 32 digits>`: the message id of a handler's

@@ -1,8 +1,10 @@
 //! RabbitMQ through lapin: the broker addresses, the topology, acks, dead letters
-//! and copies, the `consumer_timeout` check.
+//! and copies, the `consumer_timeout` check, and the [`Publisher`](crate::Publisher).
 
 pub(crate) mod acks;
 pub(crate) mod brokers;
 pub(crate) mod consumer_timeout;
 pub(crate) mod dead_letter;
+pub(crate) mod exchanges;
+pub(crate) mod publisher;
 pub(crate) mod topology;

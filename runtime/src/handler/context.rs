@@ -68,7 +68,7 @@ impl Context {
     /// let mut ctx = idemq::Context::standalone("apply_payment", "p-1");
     /// ctx.publish("", "payments.applied", &serde_json::json!({ "payment_id": "p-1" }))?;
     /// assert_eq!(ctx.published().len(), 1);
-    /// # Ok::<(), idemq::outbox::PublishError>(())
+    /// # Ok::<(), idemq::PublishError>(())
     /// ```
     pub fn standalone(handler: &str, key: &str) -> Self {
         Self::new(handler, key, 1, false, &BasicProperties::default())

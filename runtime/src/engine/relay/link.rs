@@ -1,14 +1,13 @@
 //! The relay's broker link: its connection, its publishing channel in confirm mode,
 //! and the exchanges it has seen exist.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
-use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ExchangeKind};
+use lapin::options::ConfirmSelectOptions;
+use lapin::{Channel, Connection};
 
 use crate::broker::brokers::Brokers;
+use crate::broker::exchanges::KnownExchanges;
 
 use super::error::RelayError;
 
@@ -24,10 +23,8 @@ pub(super) struct Link {
     /// The broker address it is connected to.
     pub(super) node: usize,
     pub(super) channel: Channel,
-    /// For passive exchange checks (a failed one closes its channel).
-    probe: Option<Channel>,
     /// Exchanges known to exist on this connection.
-    exchanges: HashSet<String>,
+    exchanges: KnownExchanges,
 }
 
 /// A channel on `connection` in confirm mode, for publishing.
@@ -47,7 +44,7 @@ impl Link {
         let connect = async {
             let (connection, node) = brokers.connect("relay").await.map_err(RelayError::Connect)?;
             let channel = confirm_channel(&connection).await?;
-            Ok(Self { connection, node, channel, probe: None, exchanges: HashSet::new() })
+            Ok(Self { connection, node, channel, exchanges: KnownExchanges::default() })
         };
         tokio::time::timeout(CONNECT_TIMEOUT, connect)
             .await
@@ -67,37 +64,10 @@ impl Link {
     /// Whether `exchange` exists (the default exchange always does), checked passively
     /// on a probe channel once per connection. `Err`: the connection failed.
     pub(super) async fn exchange_exists(&mut self, exchange: &str) -> Result<bool, RelayError> {
-        if exchange.is_empty() || self.exchanges.contains(exchange) {
-            return Ok(true);
-        }
-        let probe = match &self.probe {
-            Some(probe) if probe.status().connected() => probe.clone(),
-            _ => {
-                let probe = self
-                    .connection
-                    .create_channel()
-                    .await
-                    .map_err(RelayError::broker("open a probe channel"))?;
-                self.probe = Some(probe.clone());
-                probe
-            }
-        };
-        let passive = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
-        match probe
-            .exchange_declare(exchange.into(), ExchangeKind::Direct, passive, FieldTable::default())
+        self.exchanges
+            .exists(&self.connection, exchange)
             .await
-        {
-            Ok(()) => {
-                self.exchanges.insert(exchange.to_owned());
-                Ok(true)
-            }
-            Err(_) if self.connection.status().connected() => {
-                // 404: the probe channel is closed; the next check opens another.
-                self.probe = None;
-                Ok(false)
-            }
-            Err(source) => Err(RelayError::Broker { action: "check that an exchange exists", source }),
-        }
+            .map_err(RelayError::broker("check that an exchange exists"))
     }
 
     /// Closes the connection (bounded), after a fault: nothing is left to flush.
