@@ -205,14 +205,14 @@ async fn a_runtime_with_a_retention_sweeps_in_the_background() {
 }
 
 /// With an HTTP address, the runtime serves Prometheus metrics — every series at zero
-/// from the start — and health: `/healthz` always, `/readyz` once connected.
+/// from the start, labelled with the queue and its handler — and health: `/healthz` always, `/readyz` once connected.
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_and_health_are_served_on_the_http_address() {
     let bed = Bed::new().await;
     let addr = free_addr();
     let running = Running::start(bed.runtime().http_addr(addr).consume(&bed.queue, ledger_payment));
     let queue = bed.queue.clone();
-    let zero = format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"applied\",kind=\"\"}} 0");
+    let zero = format!("idemq_deliveries_total{{queue=\"{queue}\",handler=\"apply_payment\",outcome=\"applied\",kind=\"\"}} 0");
     idemq_tests::eventually("the idle metrics", Duration::from_secs(20), || {
         let zero = zero.clone();
         async move {
@@ -255,14 +255,14 @@ async fn metrics_and_health_are_served_on_the_http_address() {
     let busy = tokio::task::spawn_blocking(move || http_get(addr, "/metrics")).await.expect("get");
     running.stop().await.expect("clean shutdown");
     for series in [
-        format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"applied\",kind=\"\"}} 1"),
-        format!("idemq_deliveries_total{{queue=\"{queue}\",outcome=\"duplicate\",kind=\"\"}} 1"),
-        format!("idemq_delivery_duration_seconds_count{{queue=\"{queue}\"}} 2"),
-        format!("idemq_handler_duration_seconds_count{{queue=\"{queue}\"}} 1"),
-        format!("idemq_commit_duration_seconds_count{{queue=\"{queue}\"}} 1"),
-        format!("idemq_in_flight{{queue=\"{queue}\"}} 0"),
-        format!("idemq_contended_batches_total{{queue=\"{queue}\"}} 0"),
-        format!("idemq_batch_width{{queue=\"{queue}\"}} "),
+        format!("idemq_deliveries_total{{queue=\"{queue}\",handler=\"apply_payment\",outcome=\"applied\",kind=\"\"}} 1"),
+        format!("idemq_deliveries_total{{queue=\"{queue}\",handler=\"apply_payment\",outcome=\"duplicate\",kind=\"\"}} 1"),
+        format!("idemq_delivery_duration_seconds_count{{queue=\"{queue}\",handler=\"apply_payment\"}} 2"),
+        format!("idemq_handler_duration_seconds_count{{queue=\"{queue}\",handler=\"apply_payment\"}} 1"),
+        format!("idemq_commit_duration_seconds_count{{queue=\"{queue}\",handler=\"apply_payment\"}} 1"),
+        format!("idemq_in_flight{{queue=\"{queue}\",handler=\"apply_payment\"}} 0"),
+        format!("idemq_contended_batches_total{{queue=\"{queue}\",handler=\"apply_payment\"}} 0"),
+        format!("idemq_batch_width{{queue=\"{queue}\",handler=\"apply_payment\"}} "),
     ] {
         assert!(busy.contains(&series), "{series} missing:\n{busy}");
     }

@@ -11,16 +11,16 @@
 //!
 //! | series | |
 //! |---|---|
-//! | `idemq_deliveries_total{queue, outcome, kind}` | settled deliveries: `applied`, `duplicate`, `already_copied`, `retried`, `requeued`, `dead_lettered` (with the failure `kind`), `abandoned` |
-//! | `idemq_in_flight{queue}` | deliveries received and not yet settled |
-//! | `idemq_delivery_duration_seconds{queue}` | received → settled |
-//! | `idemq_handler_duration_seconds{queue}` | a handler's run (its last, for a re-run one) |
-//! | `idemq_commit_duration_seconds{queue}` | the checked COMMIT of a transaction that committed |
-//! | `idemq_transaction_duration_seconds{queue}` | a batch, from its first transaction's start to its last decision (handlers and COMMIT) |
-//! | `idemq_batch_splits_total{queue}` | batches run again smaller |
-//! | `idemq_contended_batches_total{queue}` | batches whose transactions collided with others (a lock wait past the batch limit, a deadlock, a serialization failure): a handler without a lane whose messages update shared rows — give it a lane |
-//! | `idemq_batch_width{queue}` | how many of the consumer's batches may run at once: its concurrency, narrowed while batches collide |
-//! | `idemq_infrastructure_retries_total{queue}` | transactions retried after a database fault |
+//! | `idemq_deliveries_total{queue, handler, outcome, kind}` | settled deliveries: `applied`, `duplicate`, `already_copied`, `retried`, `requeued`, `dead_lettered` (with the failure `kind`), `abandoned` |
+//! | `idemq_in_flight{queue, handler}` | deliveries received and not yet settled |
+//! | `idemq_delivery_duration_seconds{queue, handler}` | received → settled |
+//! | `idemq_handler_duration_seconds{queue, handler}` | a handler's run (its last, for a re-run one) |
+//! | `idemq_commit_duration_seconds{queue, handler}` | the checked COMMIT of a transaction that committed |
+//! | `idemq_transaction_duration_seconds{queue, handler}` | a batch, from its first transaction's start to its last decision (handlers and COMMIT) |
+//! | `idemq_batch_splits_total{queue, handler}` | batches run again smaller |
+//! | `idemq_contended_batches_total{queue, handler}` | batches whose transactions collided with others (a lock wait past the batch limit, a deadlock, a serialization failure): a handler without a lane whose messages update shared rows — give it a lane |
+//! | `idemq_batch_width{queue, handler}` | how many of the consumer's batches may run at once: its concurrency, narrowed while batches collide |
+//! | `idemq_infrastructure_retries_total{queue, handler}` | transactions retried after a database fault |
 //! | `idemq_reconnects_total` | broker connections lost (and re-made) |
 //! | `idemq_connected` | 1 while a session is consuming |
 //! | `idemq_outbox_published_total`, `idemq_outbox_postponed_total` | relay results |
@@ -28,8 +28,12 @@
 //! | `idemq_outbox_backlog` | rows waiting in the outbox (refreshed every 5 s) |
 //! | `idemq_dedup_rows_deleted_total` | rows the retention sweep deleted |
 //!
+//! `handler` is the name of the handler consuming the queue (as in the
+//! `x-idemq-handler` header of its dead letters), so a dashboard can group by either.
+//!
 //! The hot path knows nothing of this: it is one more [`Observe`] subscriber.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -82,13 +86,15 @@ pub(crate) struct Metrics {
     database_ok: AtomicBool,
     /// At start-up, what the runtime waits for and why (until it is connected).
     waiting: std::sync::Mutex<Option<String>>,
+    /// The handler consuming each queue: the `handler` label of its series.
+    handlers: HashMap<String, &'static str>,
 }
 
 const OUTCOMES: [&str; 6] = ["applied", "duplicate", "already_copied", "retried", "requeued", "abandoned"];
 
 impl Metrics {
-    /// Every series, at zero for each of `queues`.
-    pub(crate) fn new(queues: &[String]) -> Arc<Self> {
+    /// Every series, at zero for each of `consumers` (a queue and its handler's name).
+    pub(crate) fn new(consumers: &[(String, &'static str)]) -> Arc<Self> {
         let mut metrics = Self {
             registry: Registry::default(),
             deliveries: Family::default(),
@@ -110,9 +116,10 @@ impl Metrics {
             dedup_deleted: Counter::default(),
             database_ok: AtomicBool::new(false),
             waiting: std::sync::Mutex::new(None),
+            handlers: consumers.iter().cloned().collect(),
         };
         metrics.register();
-        for queue in queues {
+        for (queue, _) in consumers {
             metrics.zero(queue);
         }
         Arc::new(metrics)
@@ -191,12 +198,12 @@ impl Metrics {
     /// `queue`'s series at zero, so that they are exposed before anything happens.
     fn zero(&self, queue: &str) {
         for outcome in OUTCOMES {
-            let _ = self.deliveries.get_or_create(&labels(queue, outcome, ""));
+            let _ = self.deliveries.get_or_create(&self.labels(queue, outcome, ""));
         }
         for kind in FailureKind::ALL {
-            let _ = self.deliveries.get_or_create(&labels(queue, "dead_lettered", kind.as_str()));
+            let _ = self.deliveries.get_or_create(&self.labels(queue, "dead_lettered", kind.as_str()));
         }
-        let queue_only = vec![("queue", queue.to_owned())];
+        let queue_only = self.consumer(queue);
         let _ = self.in_flight.get_or_create(&queue_only);
         for histograms in
             [&self.delivery_seconds, &self.handler_seconds, &self.commit_seconds, &self.transaction_seconds]
@@ -242,8 +249,19 @@ impl Metrics {
     }
 }
 
-fn labels(queue: &str, outcome: &'static str, kind: &str) -> Labels {
-    vec![("queue", queue.to_owned()), ("outcome", outcome.to_owned()), ("kind", kind.to_owned())]
+impl Metrics {
+    /// The labels of `queue`'s series: the queue and its handler.
+    fn consumer(&self, queue: &str) -> Labels {
+        let handler = self.handlers.get(queue).copied().unwrap_or_default();
+        vec![("queue", queue.to_owned()), ("handler", handler.to_owned())]
+    }
+
+    /// The labels of a settled delivery: the consumer's, its outcome and failure kind.
+    fn labels(&self, queue: &str, outcome: &'static str, kind: &str) -> Labels {
+        let mut labels = self.consumer(queue);
+        labels.extend([("outcome", outcome.to_owned()), ("kind", kind.to_owned())]);
+        labels
+    }
 }
 
 impl Observe for Metrics {
@@ -253,8 +271,8 @@ impl Observe for Metrics {
             _ => "",
         };
         let outcome = settled.outcome.name();
-        self.deliveries.get_or_create(&labels(&settled.queue, outcome, kind)).inc();
-        let queue = vec![("queue", settled.queue.clone())];
+        self.deliveries.get_or_create(&self.labels(&settled.queue, outcome, kind)).inc();
+        let queue = self.consumer(&settled.queue);
         let took = settled.settled_at.saturating_duration_since(settled.received_at);
         self.delivery_seconds.get_or_create(&queue).observe(took.as_secs_f64());
         if let Some(handler) = settled.handler_time {
@@ -264,16 +282,16 @@ impl Observe for Metrics {
     }
 
     fn received(&self, queue: &str) {
-        self.in_flight.get_or_create(&vec![("queue", queue.to_owned())]).inc();
+        self.in_flight.get_or_create(&self.consumer(queue)).inc();
     }
 
     fn committed(&self, commit: &crate::base::observe::Commit<'_>) {
-        let queue = vec![("queue", commit.queue.to_owned())];
+        let queue = self.consumer(commit.queue);
         self.commit_seconds.get_or_create(&queue).observe(commit.took.as_secs_f64());
     }
 
     fn infrastructure_retry(&self, retry: &InfrastructureRetry<'_>) {
-        self.infrastructure_retries.get_or_create(&vec![("queue", retry.queue.to_owned())]).inc();
+        self.infrastructure_retries.get_or_create(&self.consumer(retry.queue)).inc();
     }
 
     fn connection(&self, event: &ConnectionEvent) {
@@ -296,7 +314,7 @@ impl Observe for Metrics {
     }
 
     fn batch(&self, batch: &Batch<'_>) {
-        let queue = vec![("queue", batch.queue.to_owned())];
+        let queue = self.consumer(batch.queue);
         self.transaction_seconds.get_or_create(&queue).observe(batch.took.as_secs_f64());
         if batch.splits > 0 {
             self.batch_splits.get_or_create(&queue).inc_by(batch.splits);

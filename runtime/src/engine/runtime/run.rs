@@ -128,8 +128,9 @@ impl Assembly {
             b.retention.take().map(|retention| retention.check(&b.retry_policies())).transpose()?;
         #[cfg(feature = "metrics")]
         let metrics = b.http_addr.map(|_| {
-            let queues: Vec<String> = b.consumers.iter().map(|r| r.queue.clone()).collect();
-            crate::engine::metrics::Metrics::new(&queues)
+            let consumers: Vec<(String, &'static str)> =
+                b.consumers.iter().map(|r| (r.queue.clone(), r.handler.name())).collect();
+            crate::engine::metrics::Metrics::new(&consumers)
         });
         // The built-in stats are a subscriber like any other, heard first.
         let mut observers = Observers::default();
