@@ -27,7 +27,9 @@ use idemq::cli::clap::{Arg, ArgMatches, Command};
 use idemq::cli::Cli;
 use idemq::Runtime;
 use idemq_example_payments::demo::{self, DemoConfig};
-use idemq_example_payments::{apply_payment, migrate, topology, DEFAULT_DATABASE_URL, QUEUE};
+use idemq_example_payments::{
+    apply_payment, create_database, topology, DEFAULT_DATABASE_URL, MIGRATIONS, QUEUE,
+};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -42,7 +44,8 @@ async fn main() -> ExitCode {
     let cli = Cli::new("payments", builder)
         .version(env!("CARGO_PKG_VERSION"))
         .about("exactly-once payments from RabbitMQ into PostgreSQL, with idemq")
-        .setup(|url| async move { migrate(&url).await.map_err(Into::into) });
+        .setup(|url| async move { create_database(&url).await.map_err(Into::into) })
+        .migrations(&MIGRATIONS);
     let command = cli.command().subcommand(
         Command::new("demo")
             .about("publish a burst with duplicates and bad messages, consume it, check the ledger and the events")

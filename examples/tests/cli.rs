@@ -266,7 +266,8 @@ fn publish(vhost: &str, queue: &str, n: usize) {
     });
 }
 
-/// `migrate --status` lists idemq's migrations, pending then applied.
+/// `migrate --status` lists idemq's migrations and the application's own (given
+/// with `Cli::migrations`), pending then applied.
 #[test]
 fn migrate_status_lists_pending_then_applied_migrations() {
     let env = Isolated::new();
@@ -282,10 +283,12 @@ fn migrate_status_lists_pending_then_applied_migrations() {
         &format!("CREATE DATABASE \"{}\"", env.database),
     ]));
     let before = stdout(&run_ok(&mut env.payments(&["migrate", "--status"])));
-    assert!(before.contains("pending  2026-12-02-000001_idemq_outbox_and_results"), "{before}");
+    assert!(before.contains("idemq        pending  2026-12-02-000001_idemq_outbox_and_results"), "{before}");
+    assert!(before.contains("application  pending  2026-12-05-000001_payments_ledger"), "{before}");
     run_ok(&mut env.payments(&["migrate"]));
     let after = stdout(&run_ok(&mut env.payments(&["migrate", "--status"])));
     assert!(after.contains("0 pending") && !after.contains("pending  "), "{after}");
+    assert!(after.contains("application  applied  2026-12-05-000001_payments_ledger"), "{after}");
 }
 
 /// `gc` refuses a retention shorter than the retry horizon plus the replay window,

@@ -4,6 +4,8 @@ use diesel::sql_types::{BigInt, Bool};
 use diesel_async::{AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl};
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
 
+use diesel::migration::MigrationSource;
+use diesel::pg::Pg;
 use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Text;
@@ -46,6 +48,45 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
     if nothing_to_do(&mut conn).await? {
         return Ok(());
     }
+    apply(conn, MIGRATIONS).await
+}
+
+/// Applies the pending migrations of `source` — an application's own, embedded with
+/// `diesel_migrations::embed_migrations!` (or any diesel `MigrationSource`) — to the
+/// database at `database_url`, as [`migrate`] applies idemq's: under
+/// [`MIGRATION_LOCK`], and with nothing pending, without DDL (so a role that may not
+/// create tables can run it at every start).
+///
+/// # Errors
+/// [`Error::DatabaseConnect`], [`Error::Migration`].
+///
+/// # Cancel safety
+/// Not cancel safe: the migration runs to completion on a blocking thread.
+pub async fn migrate_with<S>(database_url: &str, source: S) -> Result<(), Error>
+where
+    S: MigrationSource<Pg> + Send + 'static,
+{
+    let mut conn = crate::store::db::connect(database_url).await?;
+    let applied = crate::store::db::applied_migrations(&mut conn)
+        .await
+        .map_err(migration("read the applied migrations"))?;
+    // Not held across an await: diesel's migrations are not `Send`.
+    let pending = source
+        .migrations()
+        .map_err(|source| Error::Migration { action: "read the embedded migrations".into(), source })?
+        .iter()
+        .any(|m| !applied.contains(&m.name().version().to_string()));
+    if !pending {
+        return Ok(());
+    }
+    apply(conn, source).await
+}
+
+/// Applies `source`'s pending migrations on `conn`, holding [`MIGRATION_LOCK`].
+async fn apply<S>(mut conn: AsyncPgConnection, source: S) -> Result<(), Error>
+where
+    S: MigrationSource<Pg> + Send + 'static,
+{
     diesel::sql_query("SELECT pg_advisory_lock($1)")
         .bind::<BigInt, _>(MIGRATION_LOCK)
         .execute(&mut conn)
@@ -56,7 +97,7 @@ pub async fn migrate(database_url: &str) -> Result<(), Error> {
     let (mut conn, result) = tokio::task::spawn_blocking(move || {
         let mut harness = AsyncMigrationHarness::new(conn);
         let result = harness
-            .run_pending_migrations(MIGRATIONS)
+            .run_pending_migrations(source)
             .map(|_| ())
             .map_err(|source| Error::Migration { action: "apply the pending migrations".into(), source });
         (harness.into_inner(), result)

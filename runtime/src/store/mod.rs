@@ -13,7 +13,7 @@ pub mod schema;
 
 use diesel_async::AsyncPgConnection;
 
-pub use migrate::{MIGRATIONS, MIGRATION_LOCK};
+pub use migrate::{migrate_with, MIGRATIONS, MIGRATION_LOCK};
 pub use retention::{sweep, CheckedRetention, Retention, GC_LOCK};
 
 /// Deletes the dedup row of `key` under `handler` (its scope: the name, or

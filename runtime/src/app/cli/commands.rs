@@ -5,6 +5,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use diesel::migration::MigrationSource;
+use diesel::pg::Pg;
+use diesel_migrations::EmbeddedMigrations;
+
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::Connection;
@@ -34,7 +38,7 @@ pub(super) struct Interrupted;
 
 /// `run`: waits for the database server, runs the set-up and the migrations, then
 /// the runtime until the first signal (or out at once on the second).
-pub(super) async fn run(builder: RuntimeBuilder, setup: Option<&Setup>) -> CliResult {
+pub(super) async fn run(builder: RuntimeBuilder, app: &App) -> CliResult {
     // Checked before anything connects.
     let url = builder.configured_database_url().to_owned();
     let mut startup = builder.startup();
@@ -46,7 +50,7 @@ pub(super) async fn run(builder: RuntimeBuilder, setup: Option<&Setup>) -> CliRe
         return Ok(());
     }
     runtime.startup_spent(startup.elapsed());
-    migrate(&url, setup).await?;
+    migrate(&url, app).await?;
     tokio::select! {
         result = runtime.run(signals.graceful.clone()) => Ok(result?),
         () = signals.immediate.cancelled() => Err(Box::new(Interrupted)),
@@ -80,27 +84,58 @@ pub(super) async fn gc(
     Ok(())
 }
 
+/// What the application adds to `migrate` and `run`: its set-up, and its own
+/// migrations.
+#[derive(Default)]
+pub(super) struct App {
+    pub(super) setup: Option<Setup>,
+    pub(super) migrations: Option<Migrations>,
+}
+
+/// The application's embedded migrations, by reference (diesel's
+/// `EmbeddedMigrations` is neither `Copy` nor `Clone`).
+#[derive(Clone, Copy)]
+pub(super) struct Migrations(pub(super) &'static EmbeddedMigrations);
+
+impl MigrationSource<Pg> for Migrations {
+    fn migrations(&self) -> diesel::migration::Result<Vec<Box<dyn diesel::migration::Migration<Pg>>>> {
+        MigrationSource::<Pg>::migrations(self.0)
+    }
+}
+
 /// The application's setup first (it may create the database), then idemq's
-/// migrations (a no-op if the setup ran them).
-pub(super) async fn migrate(url: &str, setup: Option<&Setup>) -> CliResult {
-    if let Some(setup) = setup {
+/// migrations (a no-op if the setup ran them), then the application's.
+pub(super) async fn migrate(url: &str, app: &App) -> CliResult {
+    if let Some(setup) = &app.setup {
         setup(url.to_owned()).await?;
     }
     crate::store::migrate::migrate(url).await?;
+    if let Some(migrations) = app.migrations {
+        crate::store::migrate::migrate_with(url, migrations).await?;
+    }
     Ok(())
 }
 
-/// `migrate --status`: idemq's migrations, applied or pending.
-pub(super) async fn migrate_status(url: &str) -> CliResult {
+/// `migrate --status`: idemq's migrations, then the application's given with
+/// [`Cli::migrations`](super::Cli::migrations), each applied or pending.
+pub(super) async fn migrate_status(url: &str, app: &App) -> CliResult {
     let mut conn = connect_db(url).await?;
     let applied = crate::store::db::applied_migrations(&mut conn).await?;
-    let embedded =
-        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&crate::store::MIGRATIONS)?;
     let mut pending = 0;
-    for migration in &embedded {
-        let done = applied.contains(&migration.name().version().to_string());
-        pending += usize::from(!done);
-        println!("{}  {}", if done { "applied" } else { "pending" }, migration.name());
+    let sources = [("idemq", Some(Migrations(&crate::store::MIGRATIONS))), ("application", app.migrations)];
+    for (whose, source) in sources {
+        let Some(source) = source else {
+            println!(
+                "application: none given to idemq (Cli::migrations); a set-up step's own are not listed"
+            );
+            continue;
+        };
+        let embedded = source.migrations()?;
+        for migration in &embedded {
+            let done = applied.contains(&migration.name().version().to_string());
+            pending += usize::from(!done);
+            println!("{whose:<12} {}  {}", if done { "applied" } else { "pending" }, migration.name());
+        }
     }
     println!("{pending} pending; `migrate` applies them");
     Ok(())

@@ -93,7 +93,7 @@ pub struct Cli {
     about: Option<&'static str>,
     version: &'static str,
     builder: RuntimeBuilder,
-    setup: Option<Setup>,
+    app: commands::App,
 }
 
 impl std::fmt::Debug for Cli {
@@ -111,7 +111,7 @@ impl Cli {
     /// `<name> --version` prints idemq's version until [`Cli::version`] gives the
     /// application's.
     pub fn new(name: &'static str, builder: RuntimeBuilder) -> Self {
-        Self { name, about: None, version: env!("CARGO_PKG_VERSION"), builder, setup: None }
+        Self { name, about: None, version: env!("CARGO_PKG_VERSION"), builder, app: commands::App::default() }
     }
 
     /// The version `--version` prints after the name (exit 0): the application's,
@@ -127,17 +127,28 @@ impl Cli {
         self
     }
 
-    /// The application's own set-up (creating its database, its tables), run by
-    /// `migrate` and at the start of `run` — in both, **before** idemq's migrations,
-    /// so it may create the database they run in. It must be idempotent: it runs on
-    /// every start. `migrate --status` lists idemq's migrations only; the
-    /// application's are its own to list.
+    /// The application's own set-up (creating its database, say), run by `migrate`
+    /// and at the start of `run` — in both, **before** idemq's migrations, so it may
+    /// create the database they run in. It must be idempotent: it runs on every
+    /// start. Its tables are better given as migrations ([`Cli::migrations`]), which
+    /// `migrate --status` lists.
     pub fn setup<F, Fut>(mut self, setup: F) -> Self
     where
         F: Fn(String) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>> + Send + 'static,
     {
-        self.setup = Some(Box::new(move |url| Box::pin(setup(url))));
+        self.app.setup = Some(Box::new(move |url| Box::pin(setup(url))));
+        self
+    }
+
+    /// The application's own diesel migrations
+    /// (`diesel_migrations::embed_migrations!("migrations")`): `migrate` and `run`
+    /// apply them **after** idemq's (after the set-up, under the same lock, without
+    /// DDL when none is pending), and `migrate --status` lists them beside idemq's.
+    /// Their versions share `__diesel_schema_migrations` with idemq's
+    /// (`2026-11-30-000001` and on): give yours other dates or numbers.
+    pub fn migrations(mut self, migrations: &'static diesel_migrations::EmbeddedMigrations) -> Self {
+        self.app.migrations = Some(commands::Migrations(migrations));
         self
     }
 
@@ -249,12 +260,12 @@ impl Cli {
             builder = builder.database_url(url);
         }
         match subcommand {
-            "run" => commands::run(file.run_settings(builder, sub)?, self.setup.as_ref()).await,
+            "run" => commands::run(file.run_settings(builder, sub)?, &self.app).await,
             "migrate" if sub.get_flag("status") => {
-                commands::migrate_status(builder.configured_database_url()).await
+                commands::migrate_status(builder.configured_database_url(), &self.app).await
             }
             "migrate" => {
-                commands::migrate(builder.configured_database_url(), self.setup.as_ref()).await?;
+                commands::migrate(builder.configured_database_url(), &self.app).await?;
                 println!("migrations applied to {}", redact(builder.configured_database_url()));
                 Ok(())
             }

@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS accounts;
+DROP TABLE IF EXISTS ledger;
