@@ -1,14 +1,18 @@
 //! What the runtime logs when a channel is lost with deliveries in flight: one WARN
-//! when the first ack cannot be sent and one with the count once the lost session's
-//! last delivery is done — not one per delivery (a network cut wrote 3,808 lines to
-//! one consumer's log). A test binary of its own: it installs the process's global
-//! subscriber, to read what was logged.
+//! when the first ack (or copy) cannot be sent and one with the count once the lost
+//! session's last delivery is done — not one per delivery (a network cut wrote 3,808
+//! lines to one consumer's log). A test binary of its own: it installs the process's
+//! global subscriber, to read what was logged; each test reads the lines naming its
+//! own queue.
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use diesel_async::AsyncPgConnection;
+use idemq::{idempotent_handler, HandlerError, Outcome};
+use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
 
 /// What the test's subscriber wrote.
@@ -26,6 +30,32 @@ impl Write for Captured {
     }
 }
 
+/// The process's subscriber (installed by the first test to ask), writing WARN and
+/// above of idemq into one buffer.
+fn captured() -> Captured {
+    static CAPTURED: OnceLock<Captured> = OnceLock::new();
+    CAPTURED
+        .get_or_init(|| {
+            let captured = Captured::default();
+            let writer = captured.clone();
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new("idemq=warn"))
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .init();
+            captured
+        })
+        .clone()
+}
+
+impl Captured {
+    /// The lines logged so far that name `queue` and hold `words`.
+    fn lines(&self, queue: &str, words: &str) -> Vec<String> {
+        let log = String::from_utf8_lossy(&self.0.lock().expect("lock")).into_owned();
+        log.lines().filter(|line| line.contains(queue) && line.contains(words)).map(str::to_owned).collect()
+    }
+}
+
 /// Stages a batch whose COMMIT succeeded and whose channel is then closed before the
 /// ack (a fault hook at `AfterCommit`), with more batches in flight: every delivery of
 /// the lost channel is redelivered and skipped as before, and the log holds one line
@@ -33,13 +63,7 @@ impl Write for Captured {
 /// deliveries reported `settled_with_broker: false` — and no line per delivery.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_channel_logs_one_line_and_a_count_not_one_line_per_unsettled_delivery() {
-    let captured = Captured::default();
-    let writer = captured.clone();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new("idemq=warn"))
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .init();
+    let captured = captured();
     let bed = Bed::new().await;
     const PAYMENTS: usize = 96;
     for i in 0..PAYMENTS {
@@ -61,11 +85,67 @@ async fn a_lost_channel_logs_one_line_and_a_count_not_one_line_per_unsettled_del
     let unsent = events.iter().filter(|e| !e.settled_with_broker).count();
     assert!(unsent >= 2, "a batch's acks were lost together: {unsent}");
     assert_eq!(bed.doubled().await, Vec::<String>::new());
-    let log = String::from_utf8_lossy(&captured.0.lock().expect("lock")).into_owned();
-    let lines = |words: &str| log.lines().filter(|line| line.contains(words)).collect::<Vec<_>>();
-    assert_eq!(lines("the channel is gone").len(), 1, "{log}");
+    let lines = |words: &str| captured.lines(&bed.queue, words);
+    let log = lines("");
+    assert_eq!(lines("the channel is gone").len(), 1, "{log:#?}");
     let counted = lines("deliveries of the lost channel were not settled");
-    assert_eq!(counted.len(), 1, "{log}");
-    assert!(counted[0].contains(&format!("unsettled={unsent}")), "{unsent} expected: {log}");
-    assert!(lines("not settled").len() == 2, "no line per delivery: {log}");
+    assert_eq!(counted.len(), 1, "{log:#?}");
+    assert!(counted[0].contains(&format!("unsettled={unsent}")), "{unsent} expected: {log:#?}");
+    assert!(lines("not settled").len() == 2, "no line per delivery: {log:#?}");
+}
+
+/// Every delivery fails, for now.
+#[idempotent_handler(key = "payment_id", name = "always_down")]
+async fn always_down(_conn: &mut AsyncPgConnection, _msg: PaymentRequested) -> Result<(), HandlerError> {
+    Err(HandlerError::transient("the service behind it is down"))
+}
+
+/// A batch of failed deliveries is being copied to its retry wait queue when the
+/// publishing channel goes (a fault hook closes it before the first copy): one WARN
+/// says the channel is gone and one counts the copies it cost once the session is
+/// done — not an ERROR per delivery. Each delivery is requeued and, on a new
+/// session, retried to the end: all dead-lettered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_publishing_channel_logs_one_line_and_a_count_not_an_error_per_copy() {
+    use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
+    let captured = captured();
+    let bed = Bed::new().await;
+    const PAYMENTS: usize = 32;
+    for i in 0..PAYMENTS {
+        bed.publish(&payment(7000 + i as i64)).await;
+    }
+    let fired = Arc::new(AtomicBool::new(false));
+    let fired_in_hook = Arc::clone(&fired);
+    let hook: FaultHook = Arc::new(move |ctx: FaultContext| {
+        let fired = Arc::clone(&fired_in_hook);
+        Box::pin(async move {
+            if ctx.point == FaultPoint::BeforeCopy && !fired.swap(true, Ordering::SeqCst) {
+                let _ = ctx.publisher.close(200, "fault: publishing channel lost".into()).await;
+            }
+        })
+    });
+    let running =
+        Running::start(bed.runtime().batch_size(PAYMENTS).consume(&bed.queue, always_down).fault_hook(hook));
+    let events = running
+        .wait_until("every payment dead-lettered", |events| {
+            let dead: HashSet<_> = events
+                .iter()
+                .filter(|e| matches!(e.outcome, Outcome::DeadLettered { .. }))
+                .filter_map(|e| e.key.clone())
+                .collect();
+            dead.len() == PAYMENTS
+        })
+        .await;
+    running.stop().await.expect("clean shutdown");
+
+    assert!(fired.load(Ordering::SeqCst), "the fault hook ran");
+    let requeued = events.iter().filter(|e| matches!(e.outcome, Outcome::Requeued { .. })).count();
+    assert!(requeued >= 2, "copies in flight were lost together: {requeued}");
+    let lines = |words: &str| captured.lines(&bed.queue, words);
+    let log = lines("");
+    assert_eq!(lines("could not publish the copy").len(), 0, "no ERROR per copy: {log:#?}");
+    assert_eq!(lines("the publishing channel is gone").len(), 1, "{log:#?}");
+    let counted = lines("could not be published on the lost channel");
+    assert_eq!(counted.len(), 1, "{log:#?}");
+    assert!(counted[0].contains(&format!("requeued={requeued}")), "{requeued} expected: {log:#?}");
 }

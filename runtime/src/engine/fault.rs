@@ -19,6 +19,9 @@ pub enum FaultPoint {
     /// A copy (retry or dead letter) was confirmed and recorded; the original is not
     /// yet acked.
     AfterCopy,
+    /// A copy (retry or dead letter) is about to be published on the
+    /// [`publisher`](FaultContext::publisher) channel.
+    BeforeCopy,
 }
 
 /// What the hook sees.
@@ -29,6 +32,8 @@ pub struct FaultContext {
     pub point: FaultPoint,
     /// The consumer's channel: close it to lose the ack.
     pub channel: lapin::Channel,
+    /// The channel copies are published on: close it to lose the copies.
+    pub publisher: lapin::Channel,
     /// The delivery's key.
     pub key: Option<String>,
     /// The outcome decided so far.

@@ -134,6 +134,8 @@ impl Consumer {
             copy_id: &copy_id,
             retry_of,
         };
+        #[cfg(feature = "testing")]
+        self.fault(crate::engine::fault::FaultPoint::BeforeCopy, decision).await;
         let publish = dead_letter::publish(&self.publisher, &target, delivery, &letter, self.frame_max);
         tokio::pin!(publish);
         let published = tokio::select! {
@@ -145,8 +147,9 @@ impl Consumer {
         };
         if let Err(err) = published {
             let error = crate::error::report(&err);
-            tracing::error!(queue = %self.queue, %error, "could not publish the copy; the delivery is requeued");
-            if matches!(err, dead_letter::PublishError::Nacked { .. }) {
+            let nacked = matches!(err, dead_letter::PublishError::Nacked { .. });
+            self.copy_failed(&error, nacked, decision);
+            if nacked {
                 // A nack is the broker refusing on this channel, and on RabbitMQ 3.10 a
                 // channel that first published to a quorum queue during its leader
                 // election stays refused (seen with the outbox relay on a cluster):
@@ -172,6 +175,27 @@ impl Consumer {
         #[cfg(feature = "testing")]
         self.fault(crate::engine::fault::FaultPoint::AfterCopy, decision).await;
         report(self.acks.ack_one(delivery).await, self, decision)
+    }
+
+    /// Logs a copy that could not be published: an ERROR for a refusal on a live
+    /// channel (or a nack), but a lost channel, which fails every copy in flight
+    /// alike, is one WARN now and a count later ([`Unsent`]).
+    fn copy_failed(&self, error: &str, nacked: bool, decision: &Decision) {
+        if nacked || self.publisher.status().connected() {
+            tracing::error!(queue = %self.queue, %error, "could not publish the copy; the delivery is requeued");
+            return;
+        }
+        tracing::debug!(queue = %self.queue, key = ?decision.key, %error, "could not publish the copy: the publishing channel is gone; the delivery is requeued");
+        if self.unsent.note_copy() {
+            tracing::warn!(
+                queue = %self.queue,
+                session = self.session,
+                %error,
+                "the publishing channel is gone: retry copies and dead letters cannot be published, \
+                 their deliveries are requeued (how many is logged once the last is done; \
+                 RUST_LOG=idemq::engine::delivery=debug lists each)"
+            );
+        }
     }
 
     /// A duplicated request: its stored reply goes into the outbox (committed on its
@@ -234,6 +258,7 @@ impl Consumer {
             let context = crate::engine::fault::FaultContext {
                 point,
                 channel: self.channel.clone(),
+                publisher: self.publisher.clone(),
                 key: decision.key.clone(),
                 outcome: decision.outcome.clone(),
             };
@@ -324,29 +349,48 @@ fn report(sent: lapin::Result<bool>, consumer: &Consumer, decision: &Decision) -
 }
 
 /// The deliveries of one consumer's channel session whose ack or nack could not be
-/// sent (the channel or its connection is gone). The first is a WARN at once; the
-/// count is a WARN when the session's [`Consumer`] is dropped, after its last
+/// sent (the channel or its connection is gone), and those whose copy could not be
+/// published (the publishing channel is gone). The first of each is a WARN at once;
+/// the counts are WARNs when the session's [`Consumer`] is dropped, after its last
 /// delivery is done. Counting changes nothing about what is settled.
 #[derive(Debug)]
 pub(crate) struct Unsent {
     queue: String,
     session: u64,
     count: AtomicU64,
+    /// Copies that could not be published because the publishing channel was gone
+    /// (their deliveries requeued).
+    copies: AtomicU64,
 }
 
 impl Unsent {
     pub(crate) fn new(queue: &str, session: u64) -> Self {
-        Self { queue: queue.to_owned(), session, count: AtomicU64::new(0) }
+        Self { queue: queue.to_owned(), session, count: AtomicU64::new(0), copies: AtomicU64::new(0) }
     }
 
     /// Counts one; `true` for the first of the session.
     fn note(&self) -> bool {
         self.count.fetch_add(1, Ordering::Relaxed) == 0
     }
+
+    /// Counts one copy lost with its channel; `true` for the first of the session.
+    fn note_copy(&self) -> bool {
+        self.copies.fetch_add(1, Ordering::Relaxed) == 0
+    }
 }
 
 impl Drop for Unsent {
     fn drop(&mut self) {
+        let copies = *self.copies.get_mut();
+        if copies > 0 {
+            tracing::warn!(
+                queue = %self.queue,
+                session = self.session,
+                requeued = copies,
+                "{copies} copies (retries, dead letters) could not be published on the lost channel; \
+                 their deliveries were requeued and are tried again"
+            );
+        }
         let count = *self.count.get_mut();
         if count > 0 {
             tracing::warn!(
