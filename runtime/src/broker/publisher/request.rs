@@ -40,7 +40,7 @@ pub enum RequestError {
         error: String,
     },
     /// The reply does not decode as the type asked for.
-    #[error("the reply is not a {expected}: {body}")]
+    #[error("the reply does not decode as {expected}: {body}")]
     Decode {
         /// The type asked for.
         expected: &'static str,
