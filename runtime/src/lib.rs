@@ -119,6 +119,20 @@
 //!   ([`RuntimeBuilder::reply_ttl`], 1 h) or its request's `expiration`, whichever
 //!   comes first — and is then deleted unpublished, so one to a `reply_to` queue that
 //!   is gone does not stay in the outbox for ever; events never expire.
+//! - **Streams: the offset in the transaction.** A [`Queue::stream`] is consumed in
+//!   offset order; each transaction applies a run of messages and moves the
+//!   handler's offset (`idemq_stream_offsets`) to its last, in the same COMMIT, only
+//!   from the value this consumer read (a fence against a zombie). After any failure
+//!   the consumer subscribes again after the stored offset; one process per
+//!   (handler, stream) consumes, holding a PostgreSQL advisory lock, and another
+//!   takes over when it goes. No dedup row is needed (`dedup = false`), a new
+//!   handler name replays the stream from its start, and a failing message holds the
+//!   stream (retried in place) until it is applied or dead-lettered. The life of a
+//!   stream message is told in `engine/stream/mod.rs`.
+//! - **The producer side too:** [`Publisher`] publishes `mandatory` with confirms (a
+//!   returned message is an error), reconnects and publishes again under the same
+//!   `message_id`, and sends requests over direct reply-to; the same calls write
+//!   into the outbox inside a transaction of yours ([`outbox::Outbox`]).
 //! - **TLS or nothing:** `amqps://` URLs (RabbitMQ's `cacertfile`, `certfile`,
 //!   `keyfile`, `server_name_indication`, `verify`) and PostgreSQL URLs (libpq's
 //!   `sslmode`, `sslrootcert`, `sslcert`, `sslkey`, libpq's meanings) are read into one
@@ -135,12 +149,14 @@
 //! [`RuntimeBuilder`], [`Topology`] / [`Queue`] / [`Exchange`], [`Handler`],
 //! [`HandlerError`] / [`Permanent`] / [`ErrorClass`], [`Context`] /
 //! [`HandlerOutput`], [`Batch`] (batch handlers), [`Key`] / [`Metadata`], [`RetryPolicy`], [`OnConflict`],
-//! [`Outcome`] / [`FailureKind`], [`Error`] / [`Dependency`], [`migrate`] and the
-//! shutdown signals. Everything else lives in one module, under one path:
+//! [`Outcome`] / [`FailureKind`], [`Error`] / [`Dependency`], [`migrate`], the
+//! shutdown signals, and the producer side: [`Publisher`] and [`PublishError`].
+//! Everything else lives in one module, under one path:
 //!
 //! | module | what |
 //! |---|---|
-//! | [`outbox`] | [`outbox::enqueue`] from your own transactions, [`outbox::Outgoing`], the [`outbox::Relay`] run on its own |
+//! | [`outbox`] | [`outbox::Outbox`] and [`outbox::enqueue`] in your own transactions, [`outbox::Outgoing`], the [`outbox::Relay`] run on its own |
+//! | [`publisher`] | the [`Publisher`]'s builder and its requests' errors |
 //! | [`observe`] | the [`observe::Observe`] trait, its events, [`observe::Stats`] |
 //! | [`key`] | key extraction for handlers and key types written by hand |
 //! | [`store`] | idemq's tables for operators: [`store::schema`], migrations, retention ([`store::sweep`]), [`store::forget`] |
@@ -159,14 +175,16 @@
 //!
 //! ```text
 //! lib (the public face) · app/ (cli + dlq, testing) · connect · outbox
-//!   └─> engine/   the delivery state machine (delivery), broker sessions, start-up,
-//!   │             the relay, the runtime that supervises them, metrics
+//!   └─> engine/   the delivery state machine (delivery), stream consumers (stream),
+//!   │             broker sessions, start-up, the relay, the runtime that supervises
+//!   │             them, metrics
 //!   └─> handler/ · store/ · broker/                siblings: none imports another
 //!         handler/  the user's contract: Handler, HandlerError, Context, keys,
 //!         │         preparing a delivery (decode, key, fingerprint), identity
 //!         store/    PostgreSQL: idemq's statements (db), the schema and its check
 //!         │         (migrate), retention
-//!         broker/   lapin: broker addresses, topology, acks, dead letters and copies
+//!         broker/   lapin: broker addresses, topology, acks, dead letters and copies,
+//!         │         the publisher
 //!         └─> tls/  the rustls configuration both store and broker connect with;
 //!         │         PostgreSQL's connections, made by idemq (the SQLSTATEs read
 //!         │         off the wire)

@@ -213,6 +213,9 @@ pub(crate) enum QueueType {
     /// every delivery is not bounded by idemq. Use only where quorum queues are not
     /// available.
     Classic,
+    /// A stream (`x-queue-type: stream`): messages stay after they are read; a
+    /// consumer starts at an offset (see the crate docs, *Streams*).
+    Stream,
 }
 
 /// A durable queue, its dead-letter queue and its bindings.
@@ -227,6 +230,9 @@ pub struct Queue {
     bindings: Vec<(String, String)>,
     /// [`Queue::declared_elsewhere`]: described, never declared.
     pub(crate) elsewhere: bool,
+    /// A stream's retention: `x-max-age` (whole seconds) and `x-max-length-bytes`.
+    max_age: Option<Duration>,
+    max_length_bytes: Option<u64>,
 }
 
 impl Queue {
@@ -250,7 +256,46 @@ impl Queue {
             replicas: None,
             bindings: Vec::new(),
             elsewhere: false,
+            max_age: None,
+            max_length_bytes: None,
         }
+    }
+
+    /// A durable **stream** named `name` (`x-queue-type: stream`, RabbitMQ 3.9 and
+    /// later), with dead-letter queue `<name>.dlq` (a quorum queue). Messages stay in
+    /// a stream after they are read, until its retention
+    /// ([`max_age`](Self::max_age), [`max_length_bytes`](Self::max_length_bytes))
+    /// drops them. A handler consuming it keeps its offset in its own transaction
+    /// and resumes after it: see the crate docs, *Streams*.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use idemq::{Queue, Topology};
+    /// let topology = Topology::new()
+    ///     .queue(Queue::stream("payments.stream").max_age(Duration::from_secs(7 * 86_400)));
+    /// # let _ = topology;
+    /// ```
+    pub fn stream(name: impl Into<String>) -> Self {
+        Self { queue_type: QueueType::Stream, ..Self::new(name) }
+    }
+
+    /// A stream's retention by age (`x-max-age`, in whole seconds): segments older
+    /// than this are dropped. Ignored for queues.
+    pub fn max_age(mut self, age: Duration) -> Self {
+        self.max_age = Some(age);
+        self
+    }
+
+    /// A stream's retention by size (`x-max-length-bytes`): the oldest segments are
+    /// dropped beyond it. Ignored for queues.
+    pub fn max_length_bytes(mut self, bytes: u64) -> Self {
+        self.max_length_bytes = Some(bytes);
+        self
+    }
+
+    /// Whether it is a [stream](Self::stream).
+    pub(crate) fn is_stream(&self) -> bool {
+        self.queue_type == QueueType::Stream
     }
 
     /// Makes it a classic queue: not replicated, and with no delivery count, so a
@@ -347,7 +392,8 @@ impl Queue {
                     self.dead_letter, self.delivery_limit
                 )
             }
-            _ => format!("classic, dead letters to {}", self.dead_letter),
+            QueueType::Stream => format!("stream, dead letters to {}", self.dead_letter),
+            QueueType::Classic => format!("classic, dead letters to {}", self.dead_letter),
         }
     }
 
@@ -390,7 +436,10 @@ impl Queue {
         declare_queue(channel, name, args).await
     }
 
-    async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+    pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        if self.is_stream() {
+            return self.declare_stream(channel).await;
+        }
         let mut args = self.dead_lettering_to(&self.dead_letter);
         if self.queue_type == QueueType::Quorum {
             let limit = i64::from(self.delivery_limit + BROKER_LIMIT_MARGIN);
@@ -401,7 +450,31 @@ impl Queue {
         let mut dlq_args = FieldTable::default();
         self.type_arguments(&mut dlq_args);
         declare_queue(channel, &self.dead_letter, dlq_args).await?;
+        self.bind_all(channel).await
+    }
 
+    /// A stream, with its retention, and its dead-letter queue (quorum: a stream
+    /// cannot dead-letter, idemq publishes the letters there).
+    async fn declare_stream(&self, channel: &Channel) -> Result<(), Error> {
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), long_string("stream"));
+        if let Some(age) = self.max_age {
+            args.insert("x-max-age".into(), long_string(&format!("{}s", age.as_secs().max(1))));
+        }
+        if let Some(bytes) = self.max_length_bytes {
+            args.insert(
+                "x-max-length-bytes".into(),
+                AMQPValue::LongLongInt(i64::try_from(bytes).unwrap_or(i64::MAX)),
+            );
+        }
+        declare_queue(channel, &self.name, args).await?;
+        let mut dlq_args = FieldTable::default();
+        dlq_args.insert("x-queue-type".into(), long_string("quorum"));
+        declare_queue(channel, &self.dead_letter, dlq_args).await?;
+        self.bind_all(channel).await
+    }
+
+    async fn bind_all(&self, channel: &Channel) -> Result<(), Error> {
         for (exchange, routing_key) in &self.bindings {
             channel
                 .queue_bind(

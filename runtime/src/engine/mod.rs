@@ -1,5 +1,6 @@
 //! The delivery state machine and what runs it: the consumer (`delivery`), broker
-//! sessions, start-up, the outbox relay and the runtime that supervises them.
+//! sessions, start-up, the outbox relay, stream consumers (`stream`) and the runtime
+//! that supervises them.
 
 pub(crate) mod delivery;
 #[cfg(feature = "testing")]
@@ -10,3 +11,4 @@ pub(crate) mod relay;
 pub(crate) mod runtime;
 pub(crate) mod session;
 pub(crate) mod startup;
+pub(crate) mod stream;

@@ -149,7 +149,8 @@ async fn nothing_to_do(conn: &mut AsyncPgConnection) -> Result<bool, Error> {
 }
 
 /// The tables [`check_schema`] requires, with the privileges idemq uses on them.
-const TABLES: [&str; 4] = ["idemq_dedup", "idemq_started", "idemq_copies", "idemq_outbox"];
+const TABLES: [&str; 5] =
+    ["idemq_dedup", "idemq_started", "idemq_copies", "idemq_outbox", "idemq_stream_offsets"];
 
 /// What is wrong with the database for idemq, if anything: missing migrations,
 /// missing tables, or privileges this user lacks. Errors that no retry can fix.

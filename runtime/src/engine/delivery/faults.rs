@@ -78,7 +78,7 @@ impl std::fmt::Display for Failure {
 }
 
 /// Cancels the statement running on the connection `cancel` belongs to, bounded.
-pub(super) async fn cancel_statement(cancel: &db::Canceller) {
+pub(crate) async fn cancel_statement(cancel: &db::Canceller) {
     match tokio::time::timeout(BOOKKEEPING_TIMEOUT, cancel.cancel()).await {
         Ok(Ok(())) => {}
         Ok(Err(error)) => {
@@ -116,7 +116,7 @@ pub(super) fn no_answer(deadline: Duration) -> diesel::result::Error {
 }
 
 /// The message of a panic payload (`panic!` with a literal or a format string).
-pub(super) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())

@@ -143,6 +143,7 @@ use crate::handler::prepare::{ErasedHandler, InputLimits, Prepared, Rejection};
 use crate::store::db;
 
 use counts::Counts;
+pub(crate) use faults::{cancel_statement, panic_message};
 pub(crate) use settle::Unsent;
 use settle::Unsettled;
 
@@ -234,7 +235,7 @@ impl Fatal {
         Self { stop, error: std::sync::Mutex::default() }
     }
 
-    fn raise(&self, error: Error) {
+    pub(crate) fn raise(&self, error: Error) {
         tracing::error!(error = %error.report(), "stopping the runtime: a fault no retry can fix");
         self.error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(error);
         self.stop.cancel();

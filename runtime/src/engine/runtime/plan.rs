@@ -9,6 +9,9 @@ use super::RuntimeBuilder;
 use crate::base::duration::human;
 #[cfg(feature = "cli")]
 use crate::base::observe::Observers;
+#[cfg(feature = "cli")]
+use std::time::Duration;
+
 use crate::base::retry::RetryPolicy;
 #[cfg(feature = "cli")]
 use crate::engine::startup::Startup;
@@ -52,6 +55,22 @@ impl RuntimeBuilder {
         Ok(self)
     }
 
+    /// Whether `queue` is declared as a [stream](crate::Queue::stream): its consumer
+    /// is a stream consumer (see `engine::stream`).
+    pub(crate) fn is_stream(&self, queue: &str) -> bool {
+        self.topology.find_queue(queue).is_some_and(crate::Queue::is_stream)
+    }
+
+    /// The retry wait queues of `queue` under `retry`: none for a stream, whose
+    /// consumer retries in place (nothing can be taken out of a stream to wait).
+    #[cfg(feature = "cli")]
+    pub(crate) fn wait_queues_of(&self, queue: &str, retry: &RetryPolicy) -> Vec<(String, Duration)> {
+        if self.is_stream(queue) {
+            return Vec::new();
+        }
+        retry.wait_queues(queue)
+    }
+
     /// Every consumer's retry policy, as `run` uses it.
     pub(crate) fn retry_policies(&self) -> Vec<RetryPolicy> {
         self.consumers.iter().map(|r| r.retry_policy(&self.retry)).collect()
@@ -70,7 +89,7 @@ impl RuntimeBuilder {
             ));
         }
         for (Registration { queue, .. }, retry) in self.consumers.iter().zip(self.retry_policies()) {
-            for (name, delay) in retry.wait_queues(queue) {
+            for (name, delay) in self.wait_queues_of(queue, &retry) {
                 plan.push((name, format!("retries of {queue} after {}", human(delay))));
             }
         }
@@ -88,7 +107,7 @@ impl RuntimeBuilder {
             shown.push((queue.clone(), if consumer.is_some() { "consumed" } else { "declared" }.to_owned()));
             shown.push((dead_letters, format!("dead letters of {queue}")));
             if let Some(registration) = consumer {
-                for (name, delay) in registration.retry_policy(&self.retry).wait_queues(&queue) {
+                for (name, delay) in self.wait_queues_of(&queue, &registration.retry_policy(&self.retry)) {
                     shown.push((name, format!("retries of {queue} after {}", human(delay))));
                 }
             }
@@ -126,7 +145,9 @@ impl RuntimeBuilder {
             .zip(self.retry_policies())
             .zip(&declared)
             .flat_map(|((Registration { queue, .. }, retry), declared)| {
-                retry.wait_queues(queue).into_iter().map(move |(name, delay)| (declared, name, delay))
+                self.wait_queues_of(queue, &retry)
+                    .into_iter()
+                    .map(move |(name, delay)| (declared, name, delay))
             })
             .collect();
         self.topology.declare_available(connection, &waits, |_| true).await

@@ -33,6 +33,7 @@ use crate::engine::delivery::{BatchLimits, Fatal, Shared};
 use crate::engine::relay::{relay_pool, OutboxSignal, Worker};
 use crate::engine::session::{self, Connections, ConsumerSpec, SessionContext, SessionEnd};
 use crate::engine::startup::Startup;
+use crate::engine::stream::{StreamContext, StreamSpec};
 use crate::error::{redact, Dependency, Error};
 use crate::handler::prepare::InputLimits;
 use crate::store::db::{self, SessionLimits};
@@ -190,7 +191,7 @@ impl Assembly {
 
     /// Phase 2: the subsystems beside the consumers, on one tracker.
     fn spawn(self) -> Result<Running, Error> {
-        let Self { builder: b, shared, startup, retention, relay_wake, .. } = self;
+        let Self { builder: mut b, shared, startup, retention, relay_wake, .. } = self;
         let background = TaskTracker::new();
         let stop = shared.fatal.stop.clone();
         // The relay outlives the consumers' drain (it publishes what they commit) and
@@ -224,8 +225,21 @@ impl Assembly {
         }
         let (amqp_url, reconnect_max, shutdown_deadline) =
             (b.amqp_url.clone(), b.reconnect_max, b.shutdown_deadline);
+        let (streams, stream_ctx) = stream_consumers(&mut b, &shared)?;
+        let ctx = session_context(b, shared)?;
+        for spec in streams {
+            // On the sessions' tracker: the drain gives them the shutdown deadline, as
+            // it gives deliveries, then cuts them off.
+            let (stream_ctx, stop, hard_stop) = (stream_ctx.clone(), stop.clone(), ctx.hard_stop.clone());
+            ctx.tracker.spawn(async move {
+                tokio::select! {
+                    () = crate::engine::stream::consume(spec, stream_ctx, stop) => {}
+                    () = hard_stop.cancelled() => {}
+                }
+            });
+        }
         Ok(Running {
-            ctx: session_context(b, shared)?,
+            ctx,
             startup,
             amqp_url,
             reconnect_max,
@@ -275,6 +289,43 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
         tracker: TaskTracker::new(),
         hard_stop: CancellationToken::new(),
     })
+}
+
+/// The consumers of streams, taken out of `b`'s (the sessions consume the queues),
+/// with their settings resolved, and what they share.
+fn stream_consumers(
+    b: &mut RuntimeBuilder,
+    shared: &Arc<Shared>,
+) -> Result<(Vec<StreamSpec>, StreamContext), Error> {
+    let (streams, queues): (Vec<Registration>, Vec<Registration>) =
+        std::mem::take(&mut b.consumers).into_iter().partition(|r| b.is_stream(&r.queue));
+    b.consumers = queues;
+    let specs = streams
+        .into_iter()
+        .map(|registration| {
+            let retry = registration.retry_policy(&b.retry);
+            let Registration { queue, handler, .. } = registration;
+            let batch_size = handler.batch_size().map_or(b.batch_size, |size| size.clamp(1, b.batch_size));
+            StreamSpec {
+                declared: b.topology.queue_or_default(&queue),
+                retry,
+                batch_size,
+                linger: b.linger,
+                prefetch: b
+                    .prefetch
+                    .unwrap_or_else(|| u16::try_from(batch_size.saturating_mul(2)).unwrap_or(u16::MAX)),
+                scope: dedup_scope(b.namespace.as_deref(), handler.name()),
+                handler,
+            }
+        })
+        .collect();
+    let ctx = StreamContext {
+        brokers: Arc::new(Brokers::parse(&b.amqp_url)?.map(|url| with_heartbeat(url, b.heartbeat))),
+        database_url: b.database_url.clone(),
+        shared: Arc::clone(shared),
+        reconnect_max: b.reconnect_max,
+    };
+    Ok((specs, ctx))
 }
 
 /// Phases 3 and 4: the sessions, and what runs beside them until the drain.

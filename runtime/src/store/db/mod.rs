@@ -11,6 +11,7 @@
 //!   prepared statement) by the SQLSTATE the server sent, never by its message;
 //! - `outbox`: the outbox table's statements and the relays' `NOTIFY` channel;
 //! - `marks`: start marks and copy records;
+//! - `streams`: stream offsets and the stream owner's advisory lock;
 //! - `housekeeping`: retention deletes and their lock, applied migrations, row counts;
 //! - `pool`: the pool and each connection's session settings;
 //! - `conn`: the pool's connection, [`Conn`]: diesel-async's, with the SQLSTATEs its
@@ -27,6 +28,7 @@ mod marks;
 mod outbox;
 mod pool;
 mod sqlstate;
+mod streams;
 
 pub(crate) use commit::{commit_checked, CommitFailure};
 pub(crate) use conn::Conn;
@@ -36,7 +38,7 @@ pub(crate) use crate::tls::postgres::Canceller;
 #[allow(unused_imports)]
 pub(crate) use dedup::BATCH_LOCK_TIMEOUT;
 pub(crate) use dedup::{
-    begin_and_claim, begin_without_claim, forget, store_failure, store_results, stored_rows, Stored,
+    begin_and_claim, begin_without_claim, forget, store_failure, store_results, stored_rows, Claim, Stored,
 };
 pub(crate) use housekeeping::{applied_migrations, delete_older, try_gc_lock};
 #[cfg(feature = "cli")]
@@ -48,3 +50,4 @@ pub(crate) use outbox::{
 };
 pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, SessionLimits};
 pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};
+pub(crate) use streams::{advance_offset, owner_lock, read_offset, try_lock, NO_OFFSET};

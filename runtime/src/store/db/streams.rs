@@ -1,0 +1,89 @@
+//! Stream offsets: the last offset of a stream a handler applied, kept in the
+//! handler's transaction (see `engine::stream`), and the advisory lock that makes
+//! one consumer per handler and stream the active one.
+
+use diesel::sql_types::{BigInt, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use sha2::{Digest, Sha256};
+
+/// The offset before the first: nothing applied yet.
+pub(crate) const NO_OFFSET: i64 = -1;
+
+#[derive(QueryableByName)]
+struct Offset {
+    #[diesel(sql_type = BigInt)]
+    last_offset: i64,
+}
+
+/// The last offset of `stream` the handler `scope` applied ([`NO_OFFSET`] before
+/// the first), its row made if missing.
+pub(crate) async fn read_offset(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    stream: &str,
+) -> diesel::QueryResult<i64> {
+    let row: Offset = diesel::sql_query(
+        "WITH made AS (INSERT INTO idemq_stream_offsets (handler, stream, last_offset) VALUES ($1, $2, $3) \
+         ON CONFLICT DO NOTHING RETURNING last_offset) \
+         SELECT last_offset FROM made UNION ALL \
+         SELECT last_offset FROM idemq_stream_offsets WHERE handler = $1 AND stream = $2 LIMIT 1",
+    )
+    .bind::<Text, _>(scope)
+    .bind::<Text, _>(stream)
+    .bind::<BigInt, _>(NO_OFFSET)
+    .get_result(conn)
+    .await?;
+    Ok(row.last_offset)
+}
+
+/// Moves the offset from `from` to `to` in the open transaction: `false` when it
+/// is not at `from` any more (another consumer moved it: this one is fenced off).
+pub(crate) async fn advance_offset(
+    conn: &mut AsyncPgConnection,
+    scope: &str,
+    stream: &str,
+    from: i64,
+    to: i64,
+) -> diesel::QueryResult<bool> {
+    let moved = diesel::sql_query(
+        "UPDATE idemq_stream_offsets SET last_offset = $4, updated_at = now() \
+         WHERE handler = $1 AND stream = $2 AND last_offset = $3",
+    )
+    .bind::<Text, _>(scope)
+    .bind::<Text, _>(stream)
+    .bind::<BigInt, _>(from)
+    .bind::<BigInt, _>(to)
+    .execute(conn)
+    .await?;
+    Ok(moved == 1)
+}
+
+/// The key of the session-level advisory lock held by the active consumer of
+/// `stream` for the handler `scope`: the first 8 bytes of a SHA-256 of both.
+pub(crate) fn owner_lock(scope: &str, stream: &str) -> i64 {
+    let digest = Sha256::new()
+        .chain_update(b"idemq stream owner\0")
+        .chain_update(scope)
+        .chain_update([0])
+        .chain_update(stream)
+        .finalize();
+    let mut bytes = [0_u8; 8];
+    bytes.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(bytes)
+}
+
+/// Takes the advisory lock `key` if it is free: `true` once held (by this session,
+/// until it ends).
+pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> diesel::QueryResult<bool> {
+    #[derive(QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        locked: bool,
+    }
+    let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
+        .bind::<BigInt, _>(key)
+        .get_result(conn)
+        .await?;
+    Ok(row.locked)
+}

@@ -1,0 +1,323 @@
+//! Exactly-once consumption of a RabbitMQ stream: the offset kept in the handler's
+//! transaction. The handlers here keep no dedup rows (`dedup = false`): the offset
+//! alone must make every message apply once, across restarts, lost connections
+//! and a second consumer. Each test runs in a vhost of its own.
+
+use std::time::Duration;
+
+use diesel::prelude::*;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idemq::{idempotent_handler, HandlerError, Outcome, Permanent, Publisher, Queue, Topology};
+use idemq_example_payments::{ledger, record_payment, PaymentRequested};
+use idemq_tests::fixture::{next_attempt, payment, Bed, Running};
+use idemq_tests::with_timeout;
+
+/// Applies a payment with no dedup row: only the stream's offset keeps it once.
+/// 13 cents is refused for good; 7 cents fails twice before it applies.
+#[idempotent_handler(key = "payment_id", name = "stream_ledger", dedup = false)]
+async fn stream_ledger(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    if msg.amount_cents == 13 {
+        return Err(Permanent("thirteen is refused").into());
+    }
+    if msg.amount_cents == 7 && next_attempt(&msg.payment_id) < 3 {
+        return Err(HandlerError::transient("the ledger service is down"));
+    }
+    record_payment(conn, &msg).await?;
+    Ok(())
+}
+
+/// The same effect under another name: a new consumer of the stream.
+#[idempotent_handler(key = "payment_id", name = "stream_replay", dedup = false)]
+async fn stream_replay(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    diesel::sql_query("INSERT INTO replayed (payment_id) VALUES ($1)")
+        .bind::<diesel::sql_types::Text, _>(&msg.payment_id)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// A bed with a stream of its own, declared.
+async fn stream_bed() -> (Bed, String) {
+    let bed = Bed::isolated().await;
+    let stream = idemq_tests::unique("stream");
+    let channel = bed.broker.connection().create_channel().await.expect("a channel");
+    topology(&stream).declare(&channel).await.expect("declare the stream");
+    (bed, stream)
+}
+
+fn topology(stream: &str) -> Topology {
+    Topology::new().queue(Queue::stream(stream))
+}
+
+fn runtime(bed: &Bed, stream: &str) -> idemq::RuntimeBuilder {
+    bed.runtime().topology(topology(stream)).batch_size(16).consume(stream, stream_ledger)
+}
+
+async fn publish(bed: &Bed, stream: &str, payments: &[PaymentRequested]) {
+    let publisher = Publisher::connect(&bed.amqp_url).await.expect("a publisher");
+    let batch = payments.iter().map(|p| idemq::outbox::Outgoing::json("", stream, p).expect("outgoing"));
+    publisher.publish_all(batch).await.expect("published");
+    publisher.close().await;
+}
+
+/// The ledger's payment ids, in the order they were applied.
+async fn applied(bed: &Bed) -> Vec<String> {
+    let mut conn = bed.db.connect().await;
+    ledger::table.select(ledger::payment_id).order(ledger::id).load(&mut conn).await.expect("read the ledger")
+}
+
+async fn stored_offset(bed: &Bed, handler: &str) -> i64 {
+    bed.db.count(&format!("SELECT last_offset FROM idemq_stream_offsets WHERE handler = '{handler}'")).await
+}
+
+fn ids(payments: &[PaymentRequested]) -> Vec<String> {
+    payments.iter().map(|p| p.payment_id.clone()).collect()
+}
+
+/// Every message is applied once, in stream order, with the offset stored beside
+/// it; a second run consumes only what came after (nothing is applied twice,
+/// though no dedup row exists).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_is_applied_once_in_order_and_a_restart_resumes_after_the_stored_offset() {
+    let (bed, stream) = stream_bed().await;
+    let first: Vec<_> = (0..120).map(|i| payment(1000 + i)).collect();
+    publish(&bed, &stream, &first).await;
+    let running = Running::start(runtime(&bed, &stream));
+    running.wait_settled(first.len()).await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(applied(&bed).await, ids(&first), "each once, in stream order");
+    assert_eq!(stored_offset(&bed, "stream_ledger").await, 119, "the offset of the last message");
+
+    let second: Vec<_> = (0..30).map(|i| payment(2000 + i)).collect();
+    publish(&bed, &stream, &second).await;
+    let running = Running::start(runtime(&bed, &stream));
+    running.wait_settled(second.len()).await;
+    // Nothing else comes: what was applied before is not delivered to the handler.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(events.len(), second.len(), "only the new messages: {events:?}");
+    let all: Vec<String> = ids(&first).into_iter().chain(ids(&second)).collect();
+    assert_eq!(applied(&bed).await, all);
+    assert_eq!(bed.db.count("SELECT count(*) FROM idemq_dedup").await, 0, "no dedup rows: the offset did it");
+}
+
+/// Bad input and a permanent failure are dead-lettered with the reason, and the
+/// stream moves past them; a transient failure is retried in place, so the stream
+/// keeps its order.
+#[tokio::test(flavor = "multi_thread")]
+async fn failures_are_dead_lettered_or_retried_in_place_and_the_order_is_kept() {
+    let (bed, stream) = stream_bed().await;
+    let before = payment(100);
+    let refused = payment(13);
+    let flaky = payment(7);
+    let after = payment(200);
+    publish(&bed, &stream, &[before.clone(), refused.clone()]).await;
+    let publisher = Publisher::connect(&bed.amqp_url).await.expect("a publisher");
+    let not_json = idemq::outbox::Outgoing::bytes("", &stream, b"not json".to_vec()).expect("outgoing");
+    publisher.publish_outgoing(not_json).await.expect("published");
+    publish(&bed, &stream, &[flaky.clone(), after.clone()]).await;
+
+    let running = Running::start(runtime(&bed, &stream));
+    running.wait_settled(5).await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(applied(&bed).await, ids(&[before, flaky.clone(), after]), "in stream order");
+    assert_eq!(idemq_tests::fixture::attempts_of(&flaky.payment_id), 3, "retried in place twice");
+    let dead = bed.broker.drain(&format!("{stream}.dlq")).await;
+    let kinds: Vec<_> =
+        dead.iter().map(|m| idemq_tests::header_str(&m.delivery.properties, "x-idemq-error-kind")).collect();
+    assert_eq!(kinds, [Some("handler".to_owned()), Some("decode".to_owned())], "in stream order");
+    assert_eq!(stored_offset(&bed, "stream_ledger").await, 4);
+}
+
+/// The broker closes every connection while the stream is being consumed: the
+/// consumer subscribes again after the stored offset and every payment is applied
+/// exactly once — with no dedup row to catch a second application.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_closed_broker_connection_resumes_after_the_offset_with_nothing_applied_twice() {
+    let (bed, stream) = stream_bed().await;
+    let payments: Vec<_> = (0..400).map(|i| payment(3000 + i)).collect();
+    publish(&bed, &stream, &payments).await;
+    let running = Running::start(runtime(&bed, &stream).batch_size(4));
+    running.wait_until("some applied", |events| events.len() >= 60).await;
+    bed.vhost.as_ref().expect("isolated").close_all_connections().await;
+    running.wait_settled(payments.len()).await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(applied(&bed).await, ids(&payments), "each once, in order");
+}
+
+/// Two runtimes consume one stream for one handler: one owns it, the other waits;
+/// when the owner stops, the other takes over at the stored offset.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_process_waits_and_takes_over_at_the_stored_offset() {
+    let (bed, stream) = stream_bed().await;
+    let first: Vec<_> = (0..50).map(|i| payment(4000 + i)).collect();
+    publish(&bed, &stream, &first).await;
+    let owner = Running::start(runtime(&bed, &stream));
+    owner.wait_settled(first.len()).await;
+    let standby = Running::start(runtime(&bed, &stream));
+    let second: Vec<_> = (0..50).map(|i| payment(5000 + i)).collect();
+    publish(&bed, &stream, &second).await;
+    owner.wait_settled(first.len() + second.len()).await;
+    assert!(standby.events().is_empty(), "the standby consumed nothing while the owner ran");
+    owner.stop().await.expect("clean shutdown");
+    let third: Vec<_> = (0..50).map(|i| payment(6000 + i)).collect();
+    publish(&bed, &stream, &third).await;
+    with_timeout("the standby takes over", Duration::from_secs(30), standby.wait_settled(third.len())).await;
+    standby.stop().await.expect("clean shutdown");
+    let all: Vec<String> = [first, second, third].iter().flat_map(|p| ids(p)).collect();
+    assert_eq!(applied(&bed).await, all, "each once, in order, across the take-over");
+}
+
+/// A new handler name reads the stream from its first message: a replay into a new
+/// projection, while the first handler's offset stays where it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_handler_replays_the_stream_from_offset_zero() {
+    let (bed, stream) = stream_bed().await;
+    let payments: Vec<_> = (0..40).map(|i| payment(7000 + i)).collect();
+    publish(&bed, &stream, &payments).await;
+    let running = Running::start(runtime(&bed, &stream));
+    running.wait_settled(payments.len()).await;
+    running.stop().await.expect("clean shutdown");
+    let mut conn = bed.db.connect().await;
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut conn,
+        "CREATE TABLE replayed (id bigserial, payment_id text)",
+    )
+    .await
+    .expect("the projection's table");
+    let replay = Running::start(bed.runtime().topology(topology(&stream)).consume(&stream, stream_replay));
+    replay.wait_settled(payments.len()).await;
+    let events = replay.events();
+    replay.stop().await.expect("clean shutdown");
+    assert!(events.iter().all(|e| e.outcome == Outcome::Applied));
+    let replayed: Vec<String> = diesel::sql_query("SELECT payment_id FROM replayed ORDER BY id")
+        .load::<Replayed>(&mut conn)
+        .await
+        .expect("read")
+        .into_iter()
+        .map(|r| r.payment_id)
+        .collect();
+    assert_eq!(replayed, ids(&payments), "every message, from the first");
+    assert_eq!(stored_offset(&bed, "stream_ledger").await, 39);
+    assert_eq!(stored_offset(&bed, "stream_replay").await, 39);
+}
+
+#[derive(diesel::QueryableByName)]
+struct Replayed {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    payment_id: String,
+}
+
+static GATE_REACHED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Applies payments, but holds the one of 8050 cents until the test opens the gate.
+#[idempotent_handler(key = "payment_id", name = "stream_gated", dedup = false)]
+async fn stream_gated(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    use std::sync::atomic::Ordering;
+    if msg.amount_cents == 8050 {
+        GATE_REACHED.store(true, Ordering::SeqCst);
+        while !std::sync::atomic::AtomicBool::load(&GATE_OPEN, Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    record_payment(conn, &msg).await?;
+    Ok(())
+}
+
+/// Fencing: while a handler runs, the stored offset is moved past it (as a
+/// consumer that took over would): its transaction finds the offset moved, rolls
+/// back, and the consumer resumes after the new offset. Nothing between is applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_whose_offset_was_moved_rolls_back_and_the_consumer_resumes_after_it() {
+    use std::sync::atomic::Ordering;
+    let (bed, stream) = stream_bed().await;
+    let payments: Vec<_> = (0..100).map(|i| payment(8000 + i)).collect();
+    publish(&bed, &stream, &payments).await;
+    let running = Running::start(
+        bed.runtime().topology(topology(&stream)).batch_size(1).consume(&stream, stream_gated),
+    );
+    idemq_tests::eventually("the handler of offset 50 holds", Duration::from_secs(30), || async {
+        std::sync::atomic::AtomicBool::load(&GATE_REACHED, Ordering::SeqCst)
+    })
+    .await;
+    let mut conn = bed.db.connect().await;
+    diesel::sql_query("UPDATE idemq_stream_offsets SET last_offset = 89 WHERE handler = 'stream_gated'")
+        .execute(&mut conn)
+        .await
+        .expect("move the offset");
+    GATE_OPEN.store(true, Ordering::SeqCst);
+    running.wait_until("the last payment applied", |events| events.len() >= 60).await;
+    running.stop().await.expect("clean shutdown");
+    let expected: Vec<String> = ids(&payments[..50]).into_iter().chain(ids(&payments[90..])).collect();
+    assert_eq!(applied(&bed).await, expected, "50..=89 were skipped: the held transaction rolled back");
+    assert_eq!(stored_offset(&bed, "stream_gated").await, 99);
+}
+
+/// With dedup rows (the default), a message published twice — a publisher's
+/// retransmission lands at a second offset — is applied once; what the handler
+/// publishes goes through the outbox, once per payment.
+#[idempotent_handler(key = "payment_id", name = "stream_events")]
+async fn stream_events(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+    ctx: &mut idemq::Context,
+) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    let event = idemq_example_payments::PaymentApplied {
+        payment_id: msg.payment_id.clone(),
+        account: msg.account.clone(),
+        amount_cents: msg.amount_cents,
+    };
+    ctx.publish("", &msg.account, &event)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_dedup_rows_a_retransmitted_message_is_applied_once_and_its_event_published_once() {
+    let (bed, stream) = stream_bed().await;
+    let events = idemq_tests::unique("events");
+    bed.broker.declare_queue(&events).await;
+    let payments: Vec<_> =
+        (0..10).map(|i| PaymentRequested { account: events.clone(), ..payment(9000 + i) }).collect();
+    let mut published = payments.clone();
+    published.insert(4, payments[3].clone());
+    published.push(payments[7].clone());
+    publish(&bed, &stream, &published).await;
+    let running = Running::start(bed.runtime().topology(topology(&stream)).consume(&stream, stream_events));
+    running.wait_settled(published.len()).await;
+    idemq_tests::eventually("ten events", Duration::from_secs(20), || async {
+        bed.broker.message_count(&events).await >= 10
+    })
+    .await;
+    let outcomes: Vec<Outcome> = running.events().into_iter().map(|e| e.outcome).collect();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::Duplicate).count(), 2, "{outcomes:?}");
+    assert_eq!(applied(&bed).await, ids(&payments), "each once, in order");
+    assert_eq!(bed.broker.message_count(&events).await, 10, "one event per payment");
+}
+
+/// Every PostgreSQL session of the test's database is killed mid-stream — the
+/// pool's, the owner's lock connection, the relay's: the consumer takes its lock
+/// again, reads its offset and goes on; each payment is applied once, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_database_sessions_lose_and_double_nothing() {
+    let (bed, stream) = stream_bed().await;
+    let payments: Vec<_> = (0..300).map(|i| payment(10_000 + i)).collect();
+    publish(&bed, &stream, &payments).await;
+    let running = Running::start(runtime(&bed, &stream).batch_size(4));
+    running.wait_until("some applied", |events| events.len() >= 40).await;
+    let killed = bed
+        .db
+        .count(&format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = '{}' \
+             AND pid <> pg_backend_pid()",
+            bed.db.name()
+        ))
+        .await;
+    assert!(killed >= 2, "the lock's connection and the pool's at least: {killed}");
+    running.wait_settled(payments.len()).await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(applied(&bed).await, ids(&payments), "each once, in order");
+}
