@@ -321,3 +321,60 @@ async fn killed_database_sessions_lose_and_double_nothing() {
     running.stop().await.expect("clean shutdown");
     assert_eq!(applied(&bed).await, ids(&payments), "each once, in order");
 }
+
+/// The owner is SIGKILLed inside a transaction, its effect written and not
+/// committed: the process waiting for the stream takes over at the stored offset
+/// and applies the rest, each payment once, in order — with no dedup rows.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigkilled_owner_is_taken_over_at_the_stored_offset_with_nothing_applied_twice() {
+    use idemq_tests::fixture::ConsumerProcess;
+    const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
+    let (bed, stream) = stream_bed().await;
+    let payments: Vec<_> = (0..300).map(|i| payment(11_000 + i)).collect();
+    publish(&bed, &stream, &payments).await;
+    let doomed = payments[150].payment_id.clone();
+    let env = [("STREAM", "1"), ("QUEUE", stream.as_str()), ("SLOW_MS", "3")];
+    let mut owner = ConsumerProcess::spawn(CONSUMER, &bed, &[env[0], env[1], env[2], ("KILL_ON", &doomed)]);
+    idemq_tests::eventually("the first process owns the stream", Duration::from_secs(30), || async {
+        !applied(&bed).await.is_empty()
+    })
+    .await;
+    let standby = ConsumerProcess::spawn(CONSUMER, &bed, &env);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while owner.exited().is_none() {
+        assert!(std::time::Instant::now() < deadline, "the owner did not kill itself at {doomed}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    idemq_tests::eventually("every payment applied", Duration::from_secs(60), || async {
+        applied(&bed).await.len() >= payments.len()
+    })
+    .await;
+    assert!(standby.terminate(Duration::from_secs(20)).await.success());
+    assert_eq!(applied(&bed).await, ids(&payments), "each once, in order, across the kill");
+}
+
+/// A stream handler's result.
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+struct Receipt {
+    payment_id: String,
+}
+
+#[idempotent_handler(key = "payment_id", name = "stream_quote", dedup = false)]
+async fn stream_quote(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<Receipt, HandlerError> {
+    record_payment(conn, &msg).await?;
+    Ok(Receipt { payment_id: msg.payment_id })
+}
+
+/// A request published to a stream is answered through the outbox, as from a queue.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_on_a_stream_is_answered() {
+    let (bed, stream) = stream_bed().await;
+    let running = Running::start(bed.runtime().topology(topology(&stream)).consume(&stream, stream_quote));
+    let publisher = Publisher::connect(&bed.amqp_url).await.expect("a publisher");
+    let asked = payment(12_000);
+    let request = idemq::outbox::Outgoing::json("", &stream, &asked).expect("outgoing");
+    let reply = publisher.request_outgoing(request, Duration::from_secs(20)).await.expect("a reply");
+    running.stop().await.expect("clean shutdown");
+    let receipt: Receipt = serde_json::from_slice(&reply).expect("a receipt");
+    assert_eq!(receipt.payment_id, asked.payment_id);
+}

@@ -11,6 +11,9 @@
 //! `PaymentApplied` event to that queue through the outbox (stage A); with
 //! `STAGE=b`, the process consumes those events instead and records each in the
 //! table `notified (payment_id, message_id)`, which the test creates (stage B).
+//! With `STREAM=1`, `QUEUE` is a stream, consumed by a handler keeping no dedup rows
+//! (the offset alone keeps it exact), with the same `KILL_ON` and `SLOW_MS` knobs.
+//!
 //! Exits 0 after SIGTERM/SIGINT, 1 on a runtime error.
 
 use std::process::ExitCode;
@@ -44,10 +47,27 @@ fn env_number(name: &str, default: u64) -> u64 {
 /// The payments handler, with the knobs; same name, so its dedup rows are shared.
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
 async fn payments(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), diesel::result::Error> {
+    payments_effect(conn, &msg).await
+}
+
+/// The payments handler of a stream: no dedup rows, the same knobs.
+#[idempotent_handler(key = "payment_id", name = "stream_payments", dedup = false)]
+async fn stream_payments(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    payments_effect(conn, &msg).await
+}
+
+/// The payment, and the knobs: killed mid-transaction after the effect was written
+/// (nothing is recorded), or slowed inside it.
+async fn payments_effect(
+    conn: &mut AsyncPgConnection,
+    msg: &PaymentRequested,
+) -> Result<(), diesel::result::Error> {
     let kill = knobs().kill_on.as_deref().is_some_and(|prefix| msg.payment_id.starts_with(prefix));
-    record_payment(conn, &msg).await?;
+    record_payment(conn, msg).await?;
     if kill {
-        // Killed mid-transaction, after the effect was written: nothing is recorded.
         let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
         std::future::pending::<()>().await;
     }
@@ -99,13 +119,16 @@ async fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     let limit = u32::try_from(env_number("DELIVERY_LIMIT", 20)).unwrap_or(20);
-    let mut topology = Topology::new().queue(Queue::new(queue.clone()).delivery_limit(limit));
+    let stream = std::env::var("STREAM").is_ok_and(|v| v == "1");
+    let declared = if stream { Queue::stream(queue.clone()) } else { Queue::new(queue.clone()) };
+    let mut topology = Topology::new().queue(declared.delivery_limit(limit));
     let next = &knobs().next_queue;
     if !next.is_empty() {
         topology = topology.queue(Queue::new(next.clone()).delivery_limit(limit));
     }
     let builder = Runtime::builder().topology(topology);
     let builder = match (std::env::var("STAGE").as_deref(), next.is_empty()) {
+        _ if stream => builder.consume(queue, stream_payments),
         (Ok("b"), _) => builder.consume(queue, notify),
         (_, false) => builder.consume(queue, payments_then_notify),
         (_, true) => builder.consume(queue, payments),

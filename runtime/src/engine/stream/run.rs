@@ -19,11 +19,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::{End, StreamContext, StreamSpec};
 use crate::base::outcome::{FailureKind, Outcome, Settled};
-use crate::base::outgoing::Outgoing;
+use crate::base::outgoing::{self, Outgoing, Request};
 use crate::base::retry::RetryPolicy;
 use crate::broker::dead_letter::{self, Letter};
 use crate::engine::delivery::{cancel_statement, panic_message, Shared};
-use crate::handler::context::Context;
+use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::prepare::{ErasedHandler, Payload, Prepared};
 use crate::handler::{ErrorClass, HandlerError};
 use crate::store::db::{self, Conn};
@@ -330,6 +330,15 @@ impl Runner {
             match self.effect(conn, &items[index], &key, effect, attempt).await {
                 Ok((output, published, took)) => {
                     written.published.extend(published);
+                    if let Some(request) = Request::of(&items[index].delivery.properties) {
+                        // Without dedup rows two requests may share a key: random ids.
+                        let id = match self.handler.dedup() {
+                            true => outgoing::message_id(&self.scope, key.as_str(), "reply"),
+                            false => crate::base::random_id(),
+                        };
+                        let body = HandlerOutput::reply_body(output.as_deref());
+                        written.published.push(Outgoing::reply(&request, id, body, true));
+                    }
                     if let Some(result) = output {
                         written.results.push((key.as_str().to_owned(), result));
                     }
