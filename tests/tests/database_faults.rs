@@ -248,3 +248,60 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
     assert!(stats.requeued > 0, "{stats:?}");
 }
 }
+
+/// A stream's payments, applied with no dedup row (the offset keeps them once),
+/// 10 ms each, so the stream is still flowing when the fault lands.
+#[idemq::idempotent_handler(key = "payment_id", name = "stream_ledger", dedup = false)]
+async fn stream_ledger(
+    conn: &mut diesel_async::AsyncPgConnection,
+    msg: idemq_example_payments::PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    idemq_example_payments::record_payment(conn, &msg).await?;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    Ok(())
+}
+
+/// PostgreSQL restarts while a stream is consumed: every pooled connection and the
+/// owner's lock connection die. The consumer runs its transaction again, takes its
+/// lock again and resumes after the stored offset: each payment once, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_postgres_restart_mid_stream_loses_and_doubles_nothing_on_a_stream() {
+    use diesel::prelude::*;
+    use diesel_async::RunQueryDsl;
+    let _serial = SERIAL.lock().await;
+    let bed = Bed::isolated().await;
+    let stream = idemq_tests::unique("stream");
+    let topology = idemq::Topology::new().queue(idemq::Queue::stream(&stream));
+    let channel = bed.broker.connection().create_channel().await.expect("a channel");
+    topology.declare(&channel).await.expect("declare the stream");
+    let payments: Vec<_> = (0..300).map(|i| idemq_tests::fixture::payment(20_000 + i)).collect();
+    let publisher = idemq::Publisher::connect(&bed.amqp_url).await.expect("a publisher");
+    let batch = payments.iter().map(|p| idemq::outbox::Outgoing::json("", &stream, p).expect("outgoing"));
+    publisher.publish_all(batch).await.expect("published");
+    let running =
+        Running::start(bed.runtime().topology(topology).batch_size(4).consume(&stream, stream_ledger));
+    running.wait_settled(60).await;
+    let status = Command::new("sh")
+        .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main restart"])
+        .status()
+        .await
+        .expect("run pg_ctlcluster");
+    wait_for_postgres().await;
+    assert!(status.success(), "pg_ctlcluster restart failed");
+    idemq_tests::with_timeout("every payment settled after the restart", Duration::from_secs(120), async {
+        while running.events().len() < payments.len() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    running.stop().await.expect("clean shutdown");
+    let mut conn = bed.db.connect().await;
+    let applied: Vec<String> = idemq_example_payments::ledger::table
+        .select(idemq_example_payments::ledger::payment_id)
+        .order(idemq_example_payments::ledger::id)
+        .load(&mut conn)
+        .await
+        .expect("read the ledger");
+    let expected: Vec<String> = payments.iter().map(|p| p.payment_id.clone()).collect();
+    assert_eq!(applied, expected, "each once, in order, across the restart");
+}
