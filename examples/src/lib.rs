@@ -207,13 +207,14 @@ pub fn topology() -> Topology {
         .queue(Queue::new(EVENTS_QUEUE).bind(EVENTS_EXCHANGE, ""))
 }
 
-/// The demo's own tables. `ledger.id` is an identity column, not a `bigserial`: a role
-/// with only INSERT on the table can add rows (a serial's `nextval` needs USAGE on
-/// its sequence; an identity column's needs nothing more). A `ledger` made by an
-/// earlier version keeps its `bigserial`: grant USAGE on `ledger_id_seq` there.
 /// The demo's own tables (`ledger`, `accounts`) as diesel migrations: `payments
 /// migrate` and `payments run` apply them after idemq's, under idemq's migration lock
 /// (`Cli::migrations`), and `payments migrate --status` lists them beside idemq's.
+///
+/// `ledger.id` is an identity column, not a `bigserial`: a role with only INSERT on
+/// the table can add rows (a serial's `nextval` needs USAGE on its sequence; an
+/// identity column's needs nothing more). A `ledger` made by an earlier version keeps
+/// its `bigserial`: grant USAGE on `ledger_id_seq` there.
 pub const MIGRATIONS: diesel_migrations::EmbeddedMigrations =
     diesel_migrations::embed_migrations!("migrations");
 
