@@ -81,6 +81,8 @@ pub(super) struct Runner {
     fresh: bool,
     /// The first message runs, holding the process's turn for writing.
     alone_in_process: bool,
+    /// The last COMMIT's outcome was unknown: its connection is dropped.
+    unknown_commit: bool,
 }
 
 impl Runner {
@@ -108,6 +110,7 @@ impl Runner {
             frame_max,
             fresh: true,
             alone_in_process: false,
+            unknown_commit: false,
         }
     }
 
@@ -292,7 +295,7 @@ impl Runner {
         };
         let began_at = Instant::now();
         let tx = self.run_tx(&mut conn, items, attempt, began_at).await;
-        let cut = matches!(tx, Tx::Failed { cut: true, .. });
+        let cut = matches!(tx, Tx::Failed { cut: true, .. }) || std::mem::take(&mut self.unknown_commit);
         if cut || matches!(tx, Tx::Fault(_)) || PoolableConnection::is_broken(&mut **conn) {
             drop(db::Pooled::take(conn));
         }
@@ -491,13 +494,19 @@ impl Runner {
         }
         match db::commit_checked(conn, xid).await {
             Ok(()) => {}
-            Err(db::CommitFailure::Unknown(err)) => match self.landed(target).await {
-                Some(true) => {}
-                Some(false) => {
-                    return Tx::Fault(format!("the COMMIT's outcome is unknown and it did not land: {err}"))
+            Err(db::CommitFailure::Unknown(err)) => {
+                // Its connection's state is unknown too: never back to the pool.
+                self.unknown_commit = true;
+                match self.landed(target).await {
+                    Some(true) => {}
+                    Some(false) => {
+                        return Tx::Fault(format!(
+                            "the COMMIT's outcome is unknown and it did not land: {err}"
+                        ))
+                    }
+                    None => return Tx::Fenced,
                 }
-                None => return Tx::Fenced,
-            },
+            }
             Err(db::CommitFailure::Refused { contention: true, error }) => {
                 return Tx::Fault(error.to_string())
             }
