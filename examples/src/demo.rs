@@ -2,6 +2,8 @@
 //! and check the ledger against what was meant to happen.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel::prelude::*;
@@ -10,8 +12,8 @@ use idemq::{observe::StatsSnapshot, Runtime};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    accounts, apply_payment, ledger, topology, PaymentApplied, PaymentRequested, EVENTS_EXCHANGE,
-    EVENTS_QUEUE, QUEUE,
+    accounts, apply_payment, apply_stream_payment, ledger, topology, PaymentApplied, PaymentRequested,
+    EVENTS_EXCHANGE, EVENTS_QUEUE, QUEUE, STREAM,
 };
 
 /// How big a burst to send.
@@ -25,19 +27,23 @@ pub struct DemoConfig {
     pub accounts: usize,
     /// Deliveries processed at once.
     pub concurrency: usize,
+    /// Distinct payments published to the stream (`payments.stream`).
+    pub stream_payments: usize,
 }
 
 impl Default for DemoConfig {
     fn default() -> Self {
-        Self { payments: 2_000, duplicate_every: 10, accounts: 10, concurrency: 16 }
+        Self { payments: 2_000, duplicate_every: 10, accounts: 10, concurrency: 16, stream_payments: 200 }
     }
 }
 
 /// What the demo saw.
 #[derive(Debug)]
 pub struct DemoReport {
-    /// Messages published (payments, their duplicates, bad ones).
+    /// Messages published to the queue (payments, their duplicates, bad ones).
     pub published: usize,
+    /// Payments published to the stream, and how many of them were applied.
+    pub stream: (usize, usize),
     /// The runtime's counters.
     pub stats: StatsSnapshot,
     /// Time from the consumer's start to the last settled delivery.
@@ -116,6 +122,18 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
         idemq::outbox::Outgoing::bytes("", QUEUE, body.clone()).map(|o| o.content_type("application/json"))
     });
     publisher.publish_all(outgoing.collect::<Result<Vec<_>, _>>()?).await?;
+    // And to the stream, other payments to accounts of their own (the two consumers
+    // never update one row).
+    let mut stream_batch = Vec::with_capacity(config.stream_payments);
+    for i in 0..config.stream_payments {
+        let account = format!("demo-{run_id}-stream-acct-{}", i % config.accounts.max(1));
+        let amount_cents = 100 + (i as i64 * 53) % 9_900;
+        let payment =
+            PaymentRequested { payment_id: format!("demo-{run_id}-stream-{i}"), account, amount_cents };
+        *expected.entry(payment.account.clone()).or_default() += amount_cents;
+        stream_batch.push(idemq::outbox::Outgoing::json("", STREAM, &payment)?);
+    }
+    publisher.publish_all(stream_batch).await?;
     publisher.close().await;
     // This run's events, watched on a queue of the demo's own bound to the events
     // exchange (`payments.applied` keeps every event, of every run, for you).
@@ -137,12 +155,23 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
         .await?;
     let published = bodies.len();
 
+    // This run's stream payments applied, counted as they settle.
+    let stream_applied = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&stream_applied);
+    let prefix = format!("demo-{run_id}-stream-");
     let runtime = Runtime::builder()
         .amqp_url(amqp_url)
         .database_url(database_url)
         .topology(topology())
         .consume(QUEUE, apply_payment)
+        .consume(STREAM, apply_stream_payment)
         .concurrency(config.concurrency)
+        .observe(idemq::observe::on_settled(move |settled| {
+            let ours = settled.key.as_deref().is_some_and(|key| key.starts_with(&prefix));
+            if settled.queue == STREAM && ours && settled.outcome == idemq::Outcome::Applied {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+        }))
         .build()?;
     let stats = runtime.stats();
     let shutdown = CancellationToken::new();
@@ -150,13 +179,17 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
     let consumer = tokio::spawn(runtime.run(shutdown.clone()));
 
     let deadline = started + Duration::from_secs(120);
-    let settled = |s: StatsSnapshot| s.applied + s.duplicates + s.dead_lettered;
+    // The queue's deliveries (the stream's applied ones are counted apart).
+    // (`AtomicUsize::load` by path: diesel_async::RunQueryDsl has a `load` too.)
+    let stream_done = || AtomicUsize::load(&stream_applied, Ordering::Relaxed);
+    let settled =
+        |s: StatsSnapshot| (s.applied + s.duplicates + s.dead_lettered).saturating_sub(stream_done() as u64);
     // Progress on stderr while it consumes (drawn only on a terminal).
     let progress = indicatif::ProgressBar::new(published as u64).with_style(
         indicatif::ProgressStyle::with_template("consuming {bar:40} {pos}/{len} deliveries, {per_sec}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    while settled(stats.snapshot()) < published as u64 {
+    while settled(stats.snapshot()) < published as u64 || stream_done() < config.stream_payments {
         progress.set_position(settled(stats.snapshot()));
         if Instant::now() > deadline || consumer.is_finished() {
             break;
@@ -182,11 +215,28 @@ pub async fn run(amqp_url: &str, database_url: &str, config: DemoConfig) -> Resu
         .into());
     }
 
-    let mut mismatches = check_ledger(database_url, &run_id, &expected, config.payments).await?;
+    let stream = (config.stream_payments, stream_done());
+    if stream.1 != stream.0 {
+        return Err(format!(
+            "only {} of the stream's {} payments were applied within two minutes",
+            stream.1, stream.0
+        )
+        .into());
+    }
+    let rows = config.payments + config.stream_payments;
+    let mut mismatches = check_ledger(database_url, &run_id, &expected, rows).await?;
     let events = check_events(&channel, watcher.name().as_str(), &run_id, config.payments).await?;
     let _ = connection.close(200, "checked".into()).await;
     mismatches.extend(events.mismatches.iter().cloned());
-    Ok(DemoReport { published, stats, consume_time, ledger_ok: mismatches.is_empty(), mismatches, events })
+    Ok(DemoReport {
+        published,
+        stream,
+        stats,
+        consume_time,
+        ledger_ok: mismatches.is_empty(),
+        mismatches,
+        events,
+    })
 }
 
 /// Takes this run's events off the demo's watcher queue: each payment must have one,
@@ -300,12 +350,17 @@ impl std::fmt::Display for DemoReport {
         let s = &self.stats;
         let secs = self.consume_time.as_secs_f64();
         let total = s.applied + s.duplicates + s.dead_lettered;
+        let (stream_published, stream_applied) = self.stream;
         writeln!(f, "published:           {}", self.published)?;
-        writeln!(f, "applied:             {}", s.applied)?;
+        writeln!(f, "applied:             {}", s.applied.saturating_sub(stream_applied as u64))?;
         writeln!(f, "duplicates skipped:  {}", s.duplicates)?;
         writeln!(f, "dead-lettered:       {}  (see queue payments.dlq)", s.dead_lettered)?;
         writeln!(f, "handler retries:     {}", s.retried)?;
         writeln!(f, "consumed in:         {secs:.2} s ({:.0} msg/s)", total as f64 / secs.max(1e-9))?;
+        writeln!(
+            f,
+            "stream:              {stream_applied} of {stream_published} payments from {STREAM} applied once each (offset in the transaction, no dedup rows)"
+        )?;
         writeln!(
             f,
             "events (outbox):     {} payments, {} events (one message_id each), also kept in {EVENTS_QUEUE}",

@@ -19,6 +19,9 @@ pub mod demo;
 
 /// The queue the demo consumes.
 pub const QUEUE: &str = "payments";
+/// The stream the demo also consumes, exactly once, with the offset kept in the
+/// handler's transaction and no dedup rows ([`apply_stream_payment`]).
+pub const STREAM: &str = "payments.stream";
 /// The queue every applied payment's [`PaymentApplied`] event lands in.
 pub const EVENTS_QUEUE: &str = "payments.applied";
 /// The fanout exchange the events are published to; [`EVENTS_QUEUE`] is bound to it
@@ -99,6 +102,18 @@ pub async fn apply_payment(
     for (msg, ctx) in batch.iter_mut() {
         ctx.send(&PaymentApplied::from(msg.clone()))?;
     }
+    Ok(())
+}
+
+/// The payments of [`STREAM`]: the same effect (a ledger row, the balance) with **no
+/// dedup row** — the stream consumer keeps its offset in this transaction and resumes
+/// after it, so each payment of the stream is applied once.
+#[idempotent_handler(key = "payment_id", dedup = false)]
+pub async fn apply_stream_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
     Ok(())
 }
 
@@ -205,6 +220,8 @@ pub fn topology() -> Topology {
         .exchange(Exchange::fanout(EVENTS_EXCHANGE))
         .queue(Queue::new(QUEUE))
         .queue(Queue::new(EVENTS_QUEUE).bind(EVENTS_EXCHANGE, ""))
+        // A day of payments: a stream keeps what was read, until its retention.
+        .queue(Queue::stream(STREAM).max_age(std::time::Duration::from_secs(86_400)))
 }
 
 /// The demo's own tables (`ledger`, `accounts`) as diesel migrations: `payments

@@ -3,14 +3,16 @@
 //! Run with: `cargo run --release -p idemq-example-payments -- demo`
 //!
 //! ```text
-//! payments run       declare the topology and consume until SIGINT/SIGTERM
+//! payments run       declare the topology and consume the queue and the stream until
+//!                    SIGINT/SIGTERM
 //! payments migrate   apply idemq's migrations and the demo's tables (--status: list them)
 //! payments declare   show the topology and what exists (--apply: declare it)
 //! payments status    queue depths, consumers, dead letters, retry wait queues, dedup rows,
 //!                    outbox backlog
 //! payments gc        delete dedup rows older than --keep
-//! payments demo      migrate, publish a burst with duplicates and bad messages,
-//!                    consume it, print a summary and check the ledger and the events
+//! payments demo      migrate, publish a burst with duplicates and bad messages (and
+//!                    payments to the stream), consume it, print a summary and check
+//!                    the ledger and the events
 //! ```
 //! `payments --help` and `payments <command> --help` say more; `payments --version`
 //! prints the version. Environment: `AMQP_URL`
@@ -28,7 +30,8 @@ use idemq::cli::Cli;
 use idemq::Runtime;
 use idemq_example_payments::demo::{self, DemoConfig};
 use idemq_example_payments::{
-    apply_payment, create_database, topology, DEFAULT_DATABASE_URL, MIGRATIONS, QUEUE,
+    apply_payment, apply_stream_payment, create_database, topology, DEFAULT_DATABASE_URL, MIGRATIONS, QUEUE,
+    STREAM,
 };
 
 #[tokio::main]
@@ -40,7 +43,8 @@ async fn main() -> ExitCode {
         Ok(database_url) => Runtime::builder().database_url(database_url),
         Err(_) => Runtime::builder(),
     };
-    let builder = builder.topology(topology()).consume(QUEUE, apply_payment);
+    let builder =
+        builder.topology(topology()).consume(QUEUE, apply_payment).consume(STREAM, apply_stream_payment);
     let cli = Cli::new("payments", builder)
         .version(env!("CARGO_PKG_VERSION"))
         .about("exactly-once payments from RabbitMQ into PostgreSQL, with idemq")

@@ -581,7 +581,10 @@ fn run_with_log_format_json_logs_one_json_object_per_line() {
             .find(|object| object["fields"]["message"] == "starting")
             .unwrap_or_else(|| panic!("no start line: {lines:#?}"));
         assert_eq!(start["level"], "INFO", "{start}");
-        assert_eq!(start["fields"]["consumers"], "payments (apply_payment)", "{start}");
+        assert_eq!(
+            start["fields"]["consumers"], "payments (apply_payment), payments.stream (apply_stream_payment)",
+            "{start}"
+        );
         assert!(objects.iter().any(|object| object["fields"]["message"]
             .as_str()
             .is_some_and(|message| message.starts_with("stopped"))));

@@ -170,7 +170,8 @@ async fn payments_are_applied_exactly_once_over_tls_to_both_and_nothing_crosses_
     let database_url =
         servers.postgres("localhost", pg_proxy.address().port(), &database, &servers.verify_full());
 
-    let config = DemoConfig { payments: 200, duplicate_every: 10, accounts: 5, concurrency: 8 };
+    let config =
+        DemoConfig { payments: 200, duplicate_every: 10, accounts: 5, concurrency: 8, stream_payments: 20 };
     let report = with_timeout(
         "the demo over TLS",
         Duration::from_secs(120),
@@ -179,7 +180,8 @@ async fn payments_are_applied_exactly_once_over_tls_to_both_and_nothing_crosses_
     .await
     .expect("the demo runs over TLS");
     assert!(report.ledger_ok, "{:?}", report.mismatches);
-    assert_eq!(report.stats.applied, 200, "{:?}", report.stats);
+    assert_eq!(report.stats.applied, 220, "200 from the queue, 20 from the stream: {:?}", report.stats);
+    assert_eq!(report.stream, (20, 20), "the stream's payments, over TLS too");
     assert_eq!(report.stats.duplicates, 20, "{:?}", report.stats);
     assert_eq!(report.events.payments, 200, "{:?}", report.events);
 
