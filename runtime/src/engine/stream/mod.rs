@@ -124,7 +124,11 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
         let mut backoff = Backoff::new(Duration::from_millis(100), ctx.reconnect_max);
         loop {
             session += 1;
-            let end = subscribe(&spec, &ctx, &mut owner, session, &stop).await;
+            let (end, consumed) = subscribe(&spec, &ctx, &mut owner, session, &stop).await;
+            if consumed {
+                // A subscription that was made: the next loss starts the waits afresh.
+                backoff = Backoff::new(Duration::from_millis(100), ctx.reconnect_max);
+            }
             let reason = match end {
                 End::Stopped => return,
                 End::Fatal(err) => {
@@ -158,22 +162,22 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
 }
 
 /// One subscription: connect, declare, read the offset, consume after it, apply
-/// batch after batch until something ends it.
+/// batch after batch until something ends it. `true` if it got to consume.
 async fn subscribe(
     spec: &StreamSpec,
     ctx: &StreamContext,
     owner: &mut Owner,
     session: u64,
     stop: &CancellationToken,
-) -> End {
+) -> (End, bool) {
     let (connection, node) = match ctx.brokers.connect("stream consumer").await {
         Ok(connected) => connected,
-        Err(err) if crate::broker::brokers::unreachable(&err) => return End::Lost(err.report()),
-        Err(err) => return End::Fatal(err),
+        Err(err) if crate::broker::brokers::unreachable(&err) => return (End::Lost(err.report()), false),
+        Err(err) => return (End::Fatal(err), false),
     };
-    let end = match open(spec, ctx, &connection, session).await {
-        Ok((runner, consumer)) => pump(spec, runner, consumer, owner, stop).await,
-        Err(end) => end,
+    let (end, consumed) = match open(spec, ctx, &connection, session).await {
+        Ok((runner, consumer)) => (pump(spec, runner, consumer, owner, stop).await, true),
+        Err(end) => (end, false),
     };
     if matches!(end, End::Lost(_)) {
         ctx.brokers.lost(node);
@@ -181,7 +185,7 @@ async fn subscribe(
     let _ =
         tokio::time::timeout(Duration::from_secs(2), connection.close(200, "stream session ended".into()))
             .await;
-    end
+    (end, consumed)
 }
 
 /// The channels, the stream declared, the stored offset read and the consumer
