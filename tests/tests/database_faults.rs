@@ -72,6 +72,17 @@ async fn psql(sql: &str) {
     assert!(status.success(), "psql {sql}");
 }
 
+/// Restarts the machine's PostgreSQL and waits until it accepts connections.
+async fn restart_postgres() {
+    let status = Command::new("sh")
+        .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main restart"])
+        .status()
+        .await
+        .expect("run pg_ctlcluster");
+    wait_for_postgres().await;
+    assert!(status.success(), "pg_ctlcluster restart failed");
+}
+
 async fn wait_for_postgres() {
     idemq_tests::eventually("PostgreSQL accepts connections", Duration::from_secs(60), || async {
         Command::new("pg_isready")
@@ -153,13 +164,7 @@ async fn a_postgres_restart_mid_stream_loses_nothing_and_doubles_nothing() {
     let _serial = SERIAL.lock().await;
     let bed = Bed::new().await;
     let stats = stream_through(&bed, async {
-        let status = Command::new("sh")
-            .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main restart"])
-            .status()
-            .await
-            .expect("run pg_ctlcluster");
-        wait_for_postgres().await;
-        assert!(status.success(), "pg_ctlcluster restart failed");
+        restart_postgres().await;
     })
     .await;
     eprintln!("after a PostgreSQL restart: {stats:?}");
@@ -281,13 +286,7 @@ async fn a_postgres_restart_mid_stream_loses_and_doubles_nothing_on_a_stream() {
     let running =
         Running::start(bed.runtime().topology(topology).batch_size(4).consume(&stream, stream_ledger));
     running.wait_settled(60).await;
-    let status = Command::new("sh")
-        .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main restart"])
-        .status()
-        .await
-        .expect("run pg_ctlcluster");
-    wait_for_postgres().await;
-    assert!(status.success(), "pg_ctlcluster restart failed");
+    restart_postgres().await;
     idemq_tests::with_timeout("every payment settled after the restart", Duration::from_secs(120), async {
         while running.events().len() < payments.len() {
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -60,6 +60,18 @@ async fn publisher(bed: &Bed) -> Publisher {
         .expect("connect the publisher")
 }
 
+/// A publisher whose connection is named `name` (for the test to close it), with
+/// time to reconnect.
+async fn named_publisher(bed: &Bed, name: &str) -> Publisher {
+    Publisher::builder()
+        .amqp_url(&bed.amqp_url)
+        .name(name)
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .expect("connect")
+}
+
 fn message_id(message: &lapin::message::BasicGetMessage) -> String {
     message.delivery.properties.message_id().as_ref().map(|id| id.to_string()).expect("a message id")
 }
@@ -143,13 +155,7 @@ async fn a_batch_is_confirmed_as_a_whole_every_message_once() {
 async fn a_lost_connection_is_made_again_and_nothing_is_lost() {
     let bed = Bed::isolated().await;
     let name = idemq_tests::unique("publisher");
-    let publisher = Publisher::builder()
-        .amqp_url(&bed.amqp_url)
-        .name(&name)
-        .timeout(Duration::from_secs(30))
-        .connect()
-        .await
-        .expect("connect");
+    let publisher = named_publisher(&bed, &name).await;
     let queue = bed.queue.clone();
     let publishing = {
         let publisher = publisher.clone();
@@ -261,13 +267,7 @@ async fn a_request_nobody_answers_times_out() {
 async fn a_request_whose_connection_is_lost_is_answered_on_the_next() {
     let bed = Bed::isolated().await;
     let name = idemq_tests::unique("requester");
-    let publisher = Publisher::builder()
-        .amqp_url(&bed.amqp_url)
-        .name(&name)
-        .timeout(Duration::from_secs(30))
-        .connect()
-        .await
-        .expect("connect");
+    let publisher = named_publisher(&bed, &name).await;
     let asked = payment(700);
     let request = ToQueue { queue: bed.queue.clone(), payment: asked.clone() };
     let requesting =

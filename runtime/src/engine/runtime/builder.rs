@@ -35,6 +35,12 @@ impl Registration {
     pub(crate) fn retry_policy(&self, runtime: &RetryPolicy) -> RetryPolicy {
         self.retry.clone().or_else(|| self.handler.retry()).unwrap_or_else(|| runtime.clone())
     }
+
+    /// Its batch size: the handler's `batch = N` within the runtime's, else the
+    /// runtime's.
+    pub(crate) fn batch_size(&self, runtime: usize) -> usize {
+        self.handler.batch_size().map_or(runtime, |size| size.clamp(1, runtime))
+    }
 }
 
 // Each setter is listed in `settings.rs` beside this file, with its `run` flag,

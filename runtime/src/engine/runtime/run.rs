@@ -263,9 +263,8 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
         .map(|registration| {
             // The handler's own options (`batch = N`, `retry(..)`, `on_conflict`)
             // override the runtime's; `consume_with`'s policy overrides both.
-            let retry = registration.retry_policy(&b.retry);
+            let (retry, size) = (registration.retry_policy(&b.retry), registration.batch_size(b.batch_size));
             let Registration { queue, handler, .. } = registration;
-            let size = handler.batch_size().map_or(b.batch_size, |size| size.clamp(1, b.batch_size));
             ConsumerSpec {
                 declared: b.topology.queue_or_default(&queue),
                 retry,
@@ -303,9 +302,9 @@ fn stream_consumers(
     let specs = streams
         .into_iter()
         .map(|registration| {
-            let retry = registration.retry_policy(&b.retry);
+            let (retry, batch_size) =
+                (registration.retry_policy(&b.retry), registration.batch_size(b.batch_size));
             let Registration { queue, handler, .. } = registration;
-            let batch_size = handler.batch_size().map_or(b.batch_size, |size| size.clamp(1, b.batch_size));
             StreamSpec {
                 declared: b.topology.queue_or_default(&queue),
                 retry,

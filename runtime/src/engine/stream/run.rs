@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use super::{End, StreamContext, StreamSpec};
+use crate::base::backoff::Backoff;
 use crate::base::outcome::{FailureKind, Outcome, Settled};
 use crate::base::outgoing::{self, Outgoing, Request};
 use crate::base::retry::RetryPolicy;
@@ -207,8 +208,7 @@ impl Runner {
                 [item] => return self.alone(item, stop).await,
                 _ => {}
             }
-            let mut backoff =
-                crate::base::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+            let mut backoff = database_backoff();
             loop {
                 let (before, culprit, after) = match self.transact(items, 1).await {
                     Tx::Committed => return Ok(()),
@@ -238,8 +238,7 @@ impl Runner {
     /// it is dead-lettered and the offset moves past it.
     async fn alone(&mut self, item: &Item, stop: &CancellationToken) -> Result<(), End> {
         let mut attempt = 1;
-        let mut backoff =
-            crate::base::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut backoff = database_backoff();
         loop {
             match self.transact(std::slice::from_ref(item), attempt).await {
                 Tx::Committed => return Ok(()),
@@ -270,7 +269,7 @@ impl Runner {
     async fn wait_out(
         &self,
         reason: &str,
-        backoff: &mut crate::base::backoff::Backoff,
+        backoff: &mut Backoff,
         stop: &CancellationToken,
     ) -> Result<(), End> {
         tracing::warn!(stream = %self.stream, %reason, "database fault; running the transaction again on a fresh connection (not an attempt)");
@@ -570,8 +569,7 @@ impl Runner {
         dead_letter::publish(&self.publisher, &self.dead_letter, &item.delivery, &letter, self.frame_max)
             .await
             .map_err(|err| End::Lost(crate::error::report(&err)))?;
-        let mut backoff =
-            crate::base::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut backoff = database_backoff();
         loop {
             let moved = async {
                 let mut conn = self.shared.pool.get().await.map_err(|err| err.to_string())?;
@@ -620,6 +618,11 @@ impl Runner {
             handler_time,
         });
     }
+}
+
+/// The waits between runs of a transaction the database failed.
+fn database_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(5))
 }
 
 /// A stream delivery's offset (`x-stream-offset`, set by the broker).
