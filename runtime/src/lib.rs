@@ -127,7 +127,9 @@
 //!   (handler, stream) consumes, holding a PostgreSQL advisory lock, and another
 //!   takes over when it goes. No dedup row is needed (`dedup = false`), a new
 //!   handler name replays the stream from its start, and a failing message holds the
-//!   stream (retried in place) until it is applied or dead-lettered. The life of a
+//!   stream (retried in place) until it is applied or dead-lettered. [`Partitions`]
+//!   split a stream by key over N streams that N processes share fairly (advisory
+//!   locks again: each counts the others and owns at most its share). The life of a
 //!   stream message is told in `engine/stream/mod.rs`.
 //! - **The producer side too:** [`Publisher`] publishes `mandatory` with confirms (a
 //!   returned message is an error), reconnects and publishes again under the same
@@ -311,6 +313,7 @@ pub use base::outcome::{FailureKind, Outcome};
 pub use base::outgoing::{Message, PublishError};
 pub use base::retry::RetryPolicy;
 pub use base::verdict::OnConflict;
+pub use broker::partitions::Partitions;
 pub use broker::publisher::Publisher;
 pub use broker::topology::{Exchange, Queue, Topology};
 pub use engine::runtime::{shutdown_signal, shutdown_signals, Runtime, RuntimeBuilder, ShutdownSignals};

@@ -3,11 +3,12 @@
 //! alone must make every message apply once, across restarts, lost connections
 //! and a second consumer. Each test runs in a vhost of its own.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use idemq::{idempotent_handler, HandlerError, Outcome, Permanent, Publisher, Queue, Topology};
+use idemq::{idempotent_handler, HandlerError, Outcome, Partitions, Permanent, Publisher, Queue, Topology};
 use idemq_example_payments::{ledger, record_payment, PaymentRequested};
 use idemq_tests::fixture::{next_attempt, payment, Bed, Running};
 use idemq_tests::with_timeout;
@@ -377,4 +378,146 @@ async fn a_request_on_a_stream_is_answered() {
     running.stop().await.expect("clean shutdown");
     let receipt: Receipt = serde_json::from_slice(&reply).expect("a receipt");
     assert_eq!(receipt.payment_id, asked.payment_id);
+}
+
+/// Publishes each payment to its partition (routed by its key).
+async fn publish_partitioned(bed: &Bed, partitions: &Partitions, payments: &[PaymentRequested]) {
+    let publisher = Publisher::connect(&bed.amqp_url).await.expect("a publisher");
+    let batch = payments.iter().map(|p| {
+        idemq::outbox::Outgoing::json(partitions.name(), partitions.routing_key(&p.payment_id), p)
+            .expect("outgoing")
+    });
+    publisher.publish_all(batch).await.expect("published");
+    publisher.close().await;
+}
+
+/// Which process (pid) applied each payment, by partition: (partition, pid) pairs.
+async fn handled(bed: &Bed, partitions: &Partitions, payments: &[PaymentRequested]) -> HashSet<(u16, i64)> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        payment_id: String,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        pid: i64,
+    }
+    let mut conn = bed.db.connect().await;
+    let rows: Vec<Row> = diesel::sql_query("SELECT payment_id, pid FROM handled_by")
+        .load(&mut conn)
+        .await
+        .expect("handled_by");
+    let wanted: HashSet<&str> = payments.iter().map(|p| p.payment_id.as_str()).collect();
+    rows.into_iter()
+        .filter(|row| wanted.contains(row.payment_id.as_str()))
+        .map(|row| (partitions.partition_of(&row.payment_id), row.pid))
+        .collect()
+}
+
+/// How many processes (told apart by their connections' `application_name`) hold
+/// a stream's owner lock in the test's database.
+async fn owning_processes(bed: &Bed) -> i64 {
+    bed.db
+        .count(
+            "SELECT count(DISTINCT a.application_name) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND a.datname = current_database()",
+        )
+        .await
+}
+
+/// Partitioning: two processes consume two partitioned streams with one handler.
+/// The first, alone, owns both; once the second starts, the first gives one up and
+/// each owns one (each stream's payments of the next wave are applied by one
+/// process, the two streams' by different ones); when one is SIGKILLed, the other
+/// takes its stream over at the stored offset. Every payment is applied once, each
+/// stream's in its publish order, with no dedup rows.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_processes_share_two_partitioned_streams_and_one_takes_both_when_the_other_dies() {
+    use idemq_tests::fixture::ConsumerProcess;
+    const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
+    let bed = Bed::isolated().await;
+    let name = idemq_tests::unique("partitioned");
+    let partitions = Partitions::new(name.as_str(), 2);
+    let channel = bed.broker.connection().create_channel().await.expect("a channel");
+    Topology::new().partitions(partitions.clone()).declare(&channel).await.expect("declare the partitions");
+    let mut conn = bed.db.connect().await;
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut conn,
+        "CREATE TABLE handled_by (payment_id text PRIMARY KEY, pid bigint NOT NULL)",
+    )
+    .await
+    .expect("the handled_by table");
+    // Told apart in `pg_stat_activity` by their connections' application_name.
+    let spawn = |tag: &str| {
+        let url = format!("{}?application_name={tag}", bed.db.url());
+        let env = [("STREAM", "1"), ("PARTITIONS", "2"), ("QUEUE", name.as_str()), ("SLOW_MS", "2")];
+        ConsumerProcess::spawn(
+            CONSUMER,
+            &bed,
+            &[env[0], env[1], env[2], env[3], ("DATABASE_URL", url.as_str())],
+        )
+    };
+    let wave = |from: i64, n: i64| (0..n).map(|i| payment(from + i)).collect::<Vec<_>>();
+
+    let mut first = spawn("first");
+    let alone = wave(30_000, 100);
+    publish_partitioned(&bed, &partitions, &alone).await;
+    idemq_tests::eventually("the first process applied the first wave", Duration::from_secs(60), || async {
+        applied(&bed).await.len() >= alone.len()
+    })
+    .await;
+    let first_pid = i64::from(first.id());
+    assert_eq!(
+        handled(&bed, &partitions, &alone).await,
+        HashSet::from([(0, first_pid), (1, first_pid)]),
+        "alone, it owns both"
+    );
+
+    let second = spawn("second");
+    let second_pid = i64::from(second.id());
+    idemq_tests::eventually("each process owns one stream", Duration::from_secs(60), || async {
+        owning_processes(&bed).await == 2
+    })
+    .await;
+    let shared = wave(31_000, 200);
+    publish_partitioned(&bed, &partitions, &shared).await;
+    idemq_tests::eventually("the second wave applied", Duration::from_secs(60), || async {
+        applied(&bed).await.len() >= alone.len() + shared.len()
+    })
+    .await;
+    let by_partition = handled(&bed, &partitions, &shared).await;
+    assert_eq!(by_partition.len(), 2, "each stream's wave applied by one process: {by_partition:?}");
+    let pids: HashSet<i64> = by_partition.iter().map(|(_, pid)| *pid).collect();
+    assert_eq!(pids, HashSet::from([first_pid, second_pid]), "one stream each: {by_partition:?}");
+
+    first.kill();
+    let survivor = wave(32_000, 100);
+    publish_partitioned(&bed, &partitions, &survivor).await;
+    idemq_tests::eventually("the third wave applied by the survivor", Duration::from_secs(60), || async {
+        applied(&bed).await.len() >= alone.len() + shared.len() + survivor.len()
+    })
+    .await;
+    assert_eq!(
+        handled(&bed, &partitions, &survivor).await,
+        HashSet::from([(0, second_pid), (1, second_pid)]),
+        "the survivor took the dead one's stream over"
+    );
+    assert!(second.terminate(Duration::from_secs(20)).await.success());
+
+    let all: Vec<PaymentRequested> = alone.into_iter().chain(shared).chain(survivor).collect();
+    let ledger = applied(&bed).await;
+    assert_eq!(ledger.len(), all.len(), "each payment once");
+    for partition in 0..partitions.count() {
+        let of = |ids: Vec<String>| -> Vec<String> {
+            ids.into_iter().filter(|id| partitions.partition_of(id) == partition).collect()
+        };
+        assert_eq!(
+            of(ledger.clone()),
+            of(ids(&all)),
+            "stream {partition}'s payments once each, in its order"
+        );
+    }
+    assert_eq!(
+        bed.db.count("SELECT count(*) FROM idemq_dedup").await,
+        0,
+        "no dedup rows: the offsets did it"
+    );
 }

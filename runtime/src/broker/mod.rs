@@ -6,5 +6,6 @@ pub(crate) mod brokers;
 pub(crate) mod consumer_timeout;
 pub(crate) mod dead_letter;
 pub(crate) mod exchanges;
+pub(crate) mod partitions;
 pub(crate) mod publisher;
 pub(crate) mod topology;

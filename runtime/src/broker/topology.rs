@@ -61,6 +61,16 @@ impl Topology {
         self
     }
 
+    /// Adds partitioned streams: their direct exchange and each stream (with its
+    /// dead-letter queue), bound by its number. See [`Partitions`](crate::Partitions).
+    pub fn partitions(mut self, partitions: crate::Partitions) -> Self {
+        if !self.exchanges.iter().any(|exchange| exchange.name == partitions.name()) {
+            self.exchanges.push(partitions.exchange());
+        }
+        self.queues.extend(partitions.queues());
+        self
+    }
+
     /// Whether it names any queue (declared, or [declared
     /// elsewhere](Queue::declared_elsewhere)): then it must name every consumed queue
     /// (see [`RuntimeBuilder::consume`](crate::RuntimeBuilder::consume)).
@@ -291,6 +301,11 @@ impl Queue {
     pub fn max_length_bytes(mut self, bytes: u64) -> Self {
         self.max_length_bytes = Some(bytes);
         self
+    }
+
+    /// The same queue under another name, its dead-letter queue `<name>.dlq`.
+    pub(crate) fn renamed(&self, name: String) -> Self {
+        Self { dead_letter: format!("{name}.dlq"), name, ..self.clone() }
     }
 
     /// Whether it is a [stream](Self::stream).

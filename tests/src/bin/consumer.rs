@@ -13,6 +13,10 @@
 //! table `notified (payment_id, message_id)`, which the test creates (stage B).
 //! With `STREAM=1`, `QUEUE` is a stream, consumed by a handler keeping no dedup rows
 //! (the offset alone keeps it exact), with the same `KILL_ON` and `SLOW_MS` knobs.
+//! With `PARTITIONS=N` (and `STREAM=1`), `QUEUE` names N partitioned streams
+//! (`idemq::Partitions`), all consumed by that handler, which also records in the
+//! table `handled_by (payment_id, pid)` (the test creates it) which process applied
+//! each payment.
 //!
 //! Exits 0 after SIGTERM/SIGINT, 1 on a runtime error.
 
@@ -22,7 +26,7 @@ use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use diesel_async::RunQueryDsl;
-use idemq::{idempotent_handler, Context, HandlerError, Queue, RetryPolicy, Runtime, Topology};
+use idemq::{idempotent_handler, Context, HandlerError, Partitions, Queue, RetryPolicy, Runtime, Topology};
 use idemq_example_payments::{record_payment, PaymentApplied, PaymentRequested};
 
 struct Knobs {
@@ -56,6 +60,21 @@ async fn stream_payments(
     conn: &mut AsyncPgConnection,
     msg: PaymentRequested,
 ) -> Result<(), diesel::result::Error> {
+    payments_effect(conn, &msg).await
+}
+
+/// The partitioned streams' handler: the stream handler's effect, and which
+/// process applied the payment, in the same transaction.
+#[idempotent_handler(key = "payment_id", name = "partitioned_payments", dedup = false)]
+async fn partitioned_payments(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    diesel::sql_query("INSERT INTO handled_by (payment_id, pid) VALUES ($1, $2)")
+        .bind::<diesel::sql_types::Text, _>(&msg.payment_id)
+        .bind::<diesel::sql_types::BigInt, _>(i64::from(std::process::id()))
+        .execute(conn)
+        .await?;
     payments_effect(conn, &msg).await
 }
 
@@ -121,17 +140,23 @@ async fn main() -> ExitCode {
     let limit = u32::try_from(env_number("DELIVERY_LIMIT", 20)).unwrap_or(20);
     let stream = std::env::var("STREAM").is_ok_and(|v| v == "1");
     let declared = if stream { Queue::stream(queue.clone()) } else { Queue::new(queue.clone()) };
-    let mut topology = Topology::new().queue(declared.delivery_limit(limit));
+    let partitions = u16::try_from(env_number("PARTITIONS", 0)).ok().filter(|n| *n > 0);
+    let partitions = partitions.map(|count| Partitions::new(queue.clone(), count));
+    let mut topology = match &partitions {
+        Some(partitions) => Topology::new().partitions(partitions.clone()),
+        None => Topology::new().queue(declared.delivery_limit(limit)),
+    };
     let next = &knobs().next_queue;
     if !next.is_empty() {
         topology = topology.queue(Queue::new(next.clone()).delivery_limit(limit));
     }
     let builder = Runtime::builder().topology(topology);
-    let builder = match (std::env::var("STAGE").as_deref(), next.is_empty()) {
+    let builder = match (&partitions, std::env::var("STAGE").as_deref(), next.is_empty()) {
+        (Some(partitions), _, _) => builder.consume_partitions(partitions, partitioned_payments),
         _ if stream => builder.consume(queue, stream_payments),
-        (Ok("b"), _) => builder.consume(queue, notify),
-        (_, false) => builder.consume(queue, payments_then_notify),
-        (_, true) => builder.consume(queue, payments),
+        (_, Ok("b"), _) => builder.consume(queue, notify),
+        (_, _, false) => builder.consume(queue, payments_then_notify),
+        (_, _, true) => builder.consume(queue, payments),
     };
     let mut builder = builder.concurrency(usize::try_from(env_number("CONCURRENCY", 8)).unwrap_or(8));
     // The test's mode (empty: the runtime's default, group commit).

@@ -187,6 +187,17 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Consumes every stream of `partitions` with `handler`, sharing them with the
+    /// other processes that do (see [`Partitions`](crate::Partitions)): each stream
+    /// has its own offset and owner, and a process owns at most its fair share.
+    pub fn consume_partitions<H: Handler>(mut self, partitions: &crate::Partitions, handler: H) -> Self {
+        let handler = prepare::erase(handler);
+        for stream in partitions.streams() {
+            self.consumers.push(Registration { queue: stream, handler: Arc::clone(&handler), retry: None });
+        }
+        self
+    }
+
     /// Consumes the queue the handler names (`#[idempotent_handler(queue = "...")]`).
     /// A handler that names none is refused by [`build`](Self::build).
     #[deprecated(since = "0.2.0", note = "use `.consume(queue, handler)`: one way to register a handler")]

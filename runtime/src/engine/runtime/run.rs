@@ -16,6 +16,7 @@
 //! cancelled by a fatal fault) ends intake, the sweep and the gauge; `relay_stop`,
 //! cancelled only after the drain, ends the relay.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +34,7 @@ use crate::engine::delivery::{BatchLimits, Fatal, Shared};
 use crate::engine::relay::{relay_pool, OutboxSignal, Worker};
 use crate::engine::session::{self, Connections, ConsumerSpec, SessionContext, SessionEnd};
 use crate::engine::startup::Startup;
-use crate::engine::stream::{StreamContext, StreamSpec};
+use crate::engine::stream::{Share, StreamContext, StreamSpec};
 use crate::error::{redact, Dependency, Error};
 use crate::handler::prepare::InputLimits;
 use crate::store::db::{self, SessionLimits};
@@ -227,6 +228,16 @@ impl Assembly {
             (b.amqp_url.clone(), b.reconnect_max, b.shutdown_deadline);
         let (streams, stream_ctx) = stream_consumers(&mut b, &shared)?;
         let ctx = session_context(b, shared)?;
+        let mut shares: Vec<Arc<Share>> = Vec::new();
+        for share in streams.iter().filter_map(|spec| spec.share.as_ref()) {
+            if !shares.iter().any(|known| Arc::ptr_eq(known, share)) {
+                shares.push(Arc::clone(share));
+            }
+        }
+        for share in shares {
+            let (url, stop) = (stream_ctx.database_url.clone(), stop.clone());
+            ctx.tracker.spawn(async move { share.keep(&url, stop).await });
+        }
         for spec in streams {
             // On the sessions' tracker: the drain gives them the shutdown deadline, as
             // it gives deliveries, then cuts them off.
@@ -315,9 +326,11 @@ fn stream_consumers(
                     .unwrap_or_else(|| u16::try_from(batch_size.saturating_mul(2)).unwrap_or(u16::MAX)),
                 scope: dedup_scope(b.namespace.as_deref(), handler.name()),
                 handler,
+                share: None,
             }
         })
-        .collect();
+        .collect::<Vec<_>>();
+    let specs = share_streams(specs);
     let ctx = StreamContext {
         brokers: Arc::new(Brokers::parse(&b.amqp_url)?.map(|url| with_heartbeat(url, b.heartbeat))),
         database_url: b.database_url.clone(),
@@ -325,6 +338,24 @@ fn stream_consumers(
         reconnect_max: b.reconnect_max,
     };
     Ok((specs, ctx))
+}
+
+/// A handler consuming several streams (partitions) shares them with the other
+/// processes that do: one [`Share`] per such handler.
+fn share_streams(mut specs: Vec<StreamSpec>) -> Vec<StreamSpec> {
+    let mut streams: HashMap<String, usize> = HashMap::new();
+    for spec in &specs {
+        *streams.entry(spec.scope.clone()).or_default() += 1;
+    }
+    let shares: HashMap<String, Arc<Share>> = streams
+        .into_iter()
+        .filter(|(_, streams)| *streams > 1)
+        .map(|(scope, streams)| (scope.clone(), Arc::new(Share::new(&scope, streams))))
+        .collect();
+    for spec in &mut specs {
+        spec.share = shares.get(&spec.scope).cloned();
+    }
+    specs
 }
 
 /// Phases 3 and 4: the sessions, and what runs beside them until the drain.

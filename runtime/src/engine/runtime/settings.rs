@@ -41,6 +41,7 @@ pub(crate) const SETTINGS: &[Setting] = &[
     code("topology"),
     code("consume"),
     code("consume_with"),
+    code("consume_partitions"),
     cli("concurrency", "--concurrency", "IDEMQ_CONCURRENCY", "16"),
     cli("batch_size", "--batch-size", "IDEMQ_BATCH_SIZE", "64"),
     cli("prefetch", "--prefetch", "IDEMQ_PREFETCH", "100"),

@@ -37,6 +37,10 @@
 //!   holding a PostgreSQL advisory lock on its own connection consumes; the others
 //!   wait and take over within a second when its session ends (a crash, a lost
 //!   connection). The owner checks its lock's connection every few seconds.
+//! - **Sharing partitions** (a handler on several streams, [`Share`]): each process
+//!   counts the processes consuming them (member advisory locks) and owns at most
+//!   `ceil(streams / processes)`; an owner with more gives one up between batches.
+//!   It decides who works, never what is applied: that stays the offset's fence.
 //! - A COMMIT whose outcome is unknown is read back from the offset: at the run's
 //!   last, it committed; still at the old value, it did not (run again).
 //! - Poison: the first message of every subscription (where a crash restarts) runs
@@ -48,6 +52,7 @@
 
 mod owner;
 mod run;
+mod share;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,6 +74,7 @@ use crate::store::db;
 
 use owner::Owner;
 use run::Runner;
+pub(crate) use share::Share;
 
 /// How often the owner checks that its lock's connection is alive.
 const OWNER_CHECK: Duration = Duration::from_secs(3);
@@ -83,6 +89,9 @@ pub(crate) struct StreamSpec {
     pub(crate) batch_size: usize,
     pub(crate) linger: Duration,
     pub(crate) prefetch: u16,
+    /// The handler's share of its streams in this process, when it consumes several
+    /// (partitions): see [`Share`].
+    pub(crate) share: Option<Arc<Share>>,
 }
 
 /// What every stream consumer of a runtime shares.
@@ -104,6 +113,9 @@ pub(super) enum End {
     Fenced,
     /// The owner's lock is gone: take it again first.
     OwnerLost,
+    /// This process owns more than its share of the handler's streams: this one
+    /// goes to another process.
+    GiveWay,
     /// No retry can fix it: the runtime stops.
     Fatal(Error),
 }
@@ -137,6 +149,14 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
                 }
                 End::OwnerLost => {
                     tracing::warn!(stream = spec.stream(), handler = spec.handler.name(), "lost the stream's lock (its database connection went); taking it again before consuming");
+                    continue 'owning;
+                }
+                End::GiveWay => {
+                    tracing::info!(
+                        stream = spec.stream(),
+                        handler = spec.handler.name(),
+                        "another process shares this handler's streams: giving this one to it"
+                    );
                     continue 'owning;
                 }
                 End::Fenced => {
@@ -258,6 +278,9 @@ async fn pump(
             _ = check.tick() => {
                 if !owner.alive().await {
                     return End::OwnerLost;
+                }
+                if owner.give_way() {
+                    return End::GiveWay;
                 }
                 continue;
             }

@@ -11,7 +11,8 @@
 //!   prepared statement) by the SQLSTATE the server sent, never by its message;
 //! - `outbox`: the outbox table's statements and the relays' `NOTIFY` channel;
 //! - `marks`: start marks and copy records;
-//! - `streams`: stream offsets and the stream owner's advisory lock;
+//! - `streams`: stream offsets, the stream owner's advisory lock and the members
+//!   sharing partitioned streams;
 //! - `housekeeping`: retention deletes and their lock, applied migrations, row counts;
 //! - `pool`: the pool and each connection's session settings;
 //! - `conn`: the pool's connection, [`Conn`]: diesel-async's, with the SQLSTATEs its
@@ -50,4 +51,6 @@ pub(crate) use outbox::{
 };
 pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, SessionLimits};
 pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};
-pub(crate) use streams::{advance_offset, owner_lock, read_offset, try_lock, NO_OFFSET};
+pub(crate) use streams::{
+    advance_offset, count_members, owner_lock, read_offset, share_group, try_lock, try_lock_member, NO_OFFSET,
+};

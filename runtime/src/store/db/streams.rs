@@ -2,7 +2,7 @@
 //! handler's transaction (see `engine::stream`), and the advisory lock that makes
 //! one consumer per handler and stream the active one.
 
-use diesel::sql_types::{BigInt, Text};
+use diesel::sql_types::{BigInt, Integer, Text};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use sha2::{Digest, Sha256};
@@ -86,4 +86,49 @@ pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> diesel::
         .get_result(conn)
         .await?;
     Ok(row.locked)
+}
+
+/// The first key of the two-key advisory locks by which processes consuming several
+/// streams with the handler `scope` count each other (each holds one, its second key
+/// its session's backend pid, unique on the server): 31 bits of a SHA-256, so it reads back from `pg_locks.classid` (an
+/// `oid`) unchanged.
+pub(crate) fn share_group(scope: &str) -> i32 {
+    let digest = Sha256::new().chain_update(b"idemq stream share\0").chain_update(scope).finalize();
+    let mut bytes = [0_u8; 4];
+    bytes.copy_from_slice(&digest[..4]);
+    i32::from_be_bytes(bytes) & i32::MAX
+}
+
+/// Takes this session's member lock of `group` (its second key the backend pid):
+/// `true` once held.
+pub(crate) async fn try_lock_member(conn: &mut AsyncPgConnection, group: i32) -> diesel::QueryResult<bool> {
+    #[derive(QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        locked: bool,
+    }
+    let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1, pg_backend_pid()) AS locked")
+        .bind::<Integer, _>(group)
+        .get_result(conn)
+        .await?;
+    Ok(row.locked)
+}
+
+/// How many sessions hold a member lock of `group` in this database: the processes
+/// sharing its streams, this one included.
+pub(crate) async fn count_members(conn: &mut AsyncPgConnection, group: i32) -> diesel::QueryResult<i64> {
+    #[derive(QueryableByName)]
+    struct Members {
+        #[diesel(sql_type = BigInt)]
+        members: i64,
+    }
+    let row: Members = diesel::sql_query(
+        "SELECT count(*) AS members FROM pg_locks WHERE locktype = 'advisory' AND granted \
+         AND objsubid = 2 AND classid = $1::int8::oid \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .bind::<BigInt, _>(i64::from(group))
+    .get_result(conn)
+    .await?;
+    Ok(row.members)
 }
