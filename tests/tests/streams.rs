@@ -380,6 +380,40 @@ async fn a_request_on_a_stream_is_answered() {
     assert_eq!(receipt.payment_id, asked.payment_id);
 }
 
+#[idempotent_handler(key = "payment_id", name = "stream_quote_once")]
+async fn stream_quote_once(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<Receipt, HandlerError> {
+    record_payment(conn, &msg).await?;
+    Ok(Receipt { payment_id: msg.payment_id })
+}
+
+/// With dedup rows, a request sent twice (the client retried: a second message
+/// with the same key, at another offset) is applied once and both are answered
+/// with the same reply, the second from the stored result.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_duplicated_request_on_a_stream_gets_the_stored_reply() {
+    let (bed, stream) = stream_bed().await;
+    let running =
+        Running::start(bed.runtime().topology(topology(&stream)).consume(&stream, stream_quote_once));
+    let publisher = Publisher::connect(&bed.amqp_url).await.expect("a publisher");
+    let asked = payment(12_500);
+    let mut replies = Vec::new();
+    for _ in 0..2 {
+        let request = idemq::outbox::Outgoing::json("", &stream, &asked).expect("outgoing");
+        replies.push(publisher.request_outgoing(request, Duration::from_secs(20)).await.expect("a reply"));
+    }
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(replies[0], replies[1], "the same reply, byte for byte");
+    let receipt: Receipt = serde_json::from_slice(&replies[1]).expect("a receipt");
+    assert_eq!(receipt.payment_id, asked.payment_id);
+    let outcomes: Vec<_> = events.iter().map(|e| e.outcome.clone()).collect();
+    assert_eq!(outcomes, [Outcome::Applied, Outcome::Duplicate]);
+    assert_eq!(applied(&bed).await, vec![asked.payment_id], "applied once");
+}
+
 /// Publishes each payment to its partition (routed by its key).
 async fn publish_partitioned(bed: &Bed, partitions: &Partitions, payments: &[PaymentRequested]) {
     let publisher = Publisher::connect(&bed.amqp_url).await.expect("a publisher");

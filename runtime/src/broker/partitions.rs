@@ -9,8 +9,10 @@ use super::topology::{Exchange, Queue};
 
 /// A handler's streams, `<name>.0` … `<name>.<count - 1>`, behind the direct exchange
 /// `<name>`, each bound with its number as routing key. A publisher routes a message
-/// to the partition of its key ([`routing_key`](Self::routing_key)), so every message
-/// of one key lands in one stream, in order.
+/// to the partition of a key ([`routing_key`](Self::routing_key)), so every message
+/// of one key lands in one stream, in order. Partition by what the handler's writes
+/// share (an account, as a lane would), not by message id: two streams whose
+/// transactions update one row wait on each other's locks.
 ///
 /// Declared with [`Topology::partitions`](crate::Topology::partitions) and consumed
 /// with [`RuntimeBuilder::consume_partitions`](crate::RuntimeBuilder::consume_partitions).
@@ -25,8 +27,8 @@ use super::topology::{Exchange, Queue};
 /// let payments = Partitions::new("payments.partitioned", 4).max_age(Duration::from_secs(7 * 86_400));
 /// let topology = Topology::new().partitions(payments.clone());
 /// assert_eq!(payments.stream(2), "payments.partitioned.2");
-/// // A publisher sends each payment to its partition:
-/// // publisher.publish(payments.name(), &payments.routing_key(&payment.payment_id), &payment)
+/// // A publisher sends each payment to its account's partition:
+/// // publisher.publish(payments.name(), &payments.routing_key(&payment.account), &payment)
 /// let partition = payments.partition_of("pay_1");
 /// assert_eq!(payments.routing_key("pay_1"), partition.to_string());
 /// # let _ = topology;

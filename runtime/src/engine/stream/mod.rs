@@ -196,7 +196,13 @@ async fn subscribe(
         Err(err) => return (End::Fatal(err), false),
     };
     let (end, consumed) = match open(spec, ctx, &connection, session).await {
-        Ok((runner, consumer)) => (pump(spec, runner, consumer, owner, stop).await, true),
+        Ok((mut runner, consumer)) => {
+            let end = pump(spec, &mut runner, consumer, owner, stop).await;
+            // The channels first: lapin reports channels still open when their
+            // connection closes as errors.
+            runner.close_channels().await;
+            (end, true)
+        }
         Err(end) => (end, false),
     };
     if matches!(end, End::Lost(_)) {
@@ -265,7 +271,7 @@ async fn open(
 /// owner's lock goes, or `stop`.
 async fn pump(
     spec: &StreamSpec,
-    mut runner: Runner,
+    runner: &mut Runner,
     mut consumer: lapin::Consumer,
     owner: &mut Owner,
     stop: &CancellationToken,

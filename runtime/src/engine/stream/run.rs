@@ -115,6 +115,17 @@ impl Runner {
         }
     }
 
+    /// Closes both channels (each handshake bounded), before their connection.
+    pub(super) async fn close_channels(&self) {
+        for channel in [&self.channel, &self.publisher] {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                channel.close(200, "stream session ended".into()),
+            )
+            .await;
+        }
+    }
+
     /// Applies a batch in offset order (what is at or below the offset skipped),
     /// then acks it.
     pub(super) async fn batch(&mut self, batch: Vec<Delivery>, stop: &CancellationToken) -> Result<(), End> {
@@ -318,8 +329,18 @@ impl Runner {
         for (index, prepared) in prepared.into_iter().enumerate() {
             let Prepared { key, fingerprint, payload, .. } = prepared;
             if self.handler.dedup() && !claim.inserted.contains(key.as_str()) {
-                if let Err(tx) = self.known(conn, &claim, &key, &fingerprint, index).await {
-                    return self.abort(conn, tx).await;
+                let stored = match self.known(conn, &claim, &key, &fingerprint, index).await {
+                    Ok(stored) => stored,
+                    Err(tx) => return self.abort(conn, tx).await,
+                };
+                // A duplicated request gets the stored reply again, in this COMMIT,
+                // under the first reply's message id.
+                if let (Some(request), Some(stored)) =
+                    (Request::of(&items[index].delivery.properties), stored)
+                {
+                    let id = outgoing::message_id(&self.scope, key.as_str(), "reply");
+                    let body = HandlerOutput::reply_body(stored.result.as_deref());
+                    written.published.push(Outgoing::reply(&request, id, body, !stored.failed));
                 }
                 written.applied.push((Some(key.as_str().to_owned()), Outcome::Duplicate, None));
                 continue;
@@ -385,8 +406,9 @@ impl Runner {
     }
 
     /// A key applied before (a message published twice, at two offsets): a
-    /// duplicate if its payload is the same, else a conflict (dead-lettered unless the
-    /// handler ignores conflicts).
+    /// duplicate if its payload is the same (its stored row returned, for a
+    /// request's reply), else a conflict (dead-lettered unless the handler ignores
+    /// conflicts: then `None`).
     async fn known(
         &self,
         conn: &mut Conn,
@@ -394,7 +416,7 @@ impl Runner {
         key: &crate::Key,
         fingerprint: &[u8],
         index: usize,
-    ) -> Result<(), Tx> {
+    ) -> Result<Option<db::Stored>, Tx> {
         let stored = match claim.stored.get(key.as_str()) {
             Some(stored) => Some(stored.clone()),
             None => match db::stored_rows(conn, &self.scope, &[key.as_str()]).await {
@@ -409,7 +431,7 @@ impl Runner {
                 HandlerError::permanent(format!("key '{key}' was applied before with another payload"));
             return Err(Tx::Failed { at: Some(index), error, kind: FailureKind::Conflict, cut: false });
         }
-        Ok(())
+        Ok(stored.filter(|_| !conflict))
     }
 
     /// One handler in the open transaction, within the handler timeout, a panic
