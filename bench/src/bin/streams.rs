@@ -30,7 +30,7 @@
 //! move with the machine: read the ratios.
 //!
 //! Flags: `--messages N` (default 20000), `--rounds R` (default 3), `--accounts A`
-//! (default 10). Environment: `AMQP_URL` (default the local node), `DATABASE_URL`
+//! (default 10), `--contenders queue,stream,stream+dedup,4 partitions` (default all). Environment: `AMQP_URL` (default the local node), `DATABASE_URL`
 //! (default `postgres://postgres@127.0.0.1:5432/idemq_streams_bench`, created,
 //! migrated, and dropped at the end).
 
@@ -152,11 +152,13 @@ struct Options {
     messages: usize,
     rounds: usize,
     accounts: usize,
+    contenders: Vec<Contender>,
 }
 
 impl Options {
     fn parse(args: &[String]) -> Result<Self, String> {
-        let mut options = Options { messages: 20_000, rounds: 3, accounts: 10 };
+        let mut options =
+            Options { messages: 20_000, rounds: 3, accounts: 10, contenders: Contender::ALL.to_vec() };
         let mut args = args.iter();
         while let Some(flag) = args.next() {
             let mut value = || -> Result<usize, String> {
@@ -167,6 +169,18 @@ impl Options {
                 "--messages" => options.messages = value()?.max(1),
                 "--rounds" => options.rounds = value()?.max(1),
                 "--accounts" => options.accounts = value()?.max(1),
+                "--contenders" => {
+                    let list = args.next().ok_or("--contenders needs a value")?;
+                    options.contenders = list
+                        .split(',')
+                        .map(|label| {
+                            Contender::ALL
+                                .into_iter()
+                                .find(|contender| contender.label() == label.trim())
+                                .ok_or_else(|| format!("unknown contender {label}"))
+                        })
+                        .collect::<Result<_, _>>()?;
+                }
                 "--help" | "-h" => return Err(String::new()),
                 other => return Err(format!("unknown flag {other}")),
             }
@@ -202,7 +216,9 @@ async fn main() -> ExitCode {
     let options = match Options::parse(&args) {
         Ok(options) => options,
         Err(message) => {
-            eprintln!("{message}\nusage: streams [--messages N] [--rounds R] [--accounts A]");
+            eprintln!(
+                "{message}\nusage: streams [--messages N] [--rounds R] [--accounts A] [--contenders A,B]"
+            );
             return if message.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(2) };
         }
     };
@@ -242,7 +258,7 @@ async fn run(options: &Options, amqp_url: &str, database_url: &str) -> Result<bo
     );
     let mut results: Vec<Measured> = Vec::new();
     for round in 1..=options.rounds {
-        for contender in Contender::ALL {
+        for &contender in &options.contenders {
             let measured =
                 one_run(contender, round, options, amqp_url, database_url, &mut db, &admin).await?;
             let per = |total: f64| total / options.messages as f64;
