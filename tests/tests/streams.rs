@@ -131,6 +131,45 @@ async fn failures_are_dead_lettered_or_retried_in_place_and_the_order_is_kept() 
     assert_eq!(stored_offset(&bed, "stream_ledger").await, 4);
 }
 
+/// A batch handler on a stream: each run of new messages in one call (one
+/// multi-row insert), 13 cents refused for the whole call.
+#[idempotent_handler(key = "payment_id", name = "stream_batch_ledger", dedup = false)]
+async fn stream_batch_ledger(
+    conn: &mut AsyncPgConnection,
+    batch: &mut idemq::Batch<PaymentRequested>,
+) -> Result<(), HandlerError> {
+    if batch.messages().iter().any(|msg| msg.amount_cents == 13) {
+        return Err(Permanent("thirteen is refused").into());
+    }
+    idemq_example_payments::record_payments(conn, batch.messages()).await?;
+    Ok(())
+}
+
+/// A batch handler consumes a stream: its runs are applied in one call each, in
+/// offset order; a call that fails runs again in halves until the failing message
+/// is alone, which is dead-lettered, and the rest is applied around it, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_handler_applies_runs_in_order_and_isolates_a_refused_message() {
+    let (bed, stream) = stream_bed().await;
+    let mut payments: Vec<_> = (0..60).map(|i| payment(20_000 + i)).collect();
+    let refused = payment(13);
+    payments.insert(30, refused.clone());
+    publish(&bed, &stream, &payments).await;
+    let builder =
+        bed.runtime().topology(topology(&stream)).batch_size(16).consume(&stream, stream_batch_ledger);
+    let running = Running::start(builder);
+    let events = running.wait_until("every payment settled", |events| events.len() >= payments.len()).await;
+    running.stop().await.expect("clean shutdown");
+    let kept: Vec<_> = payments.iter().filter(|p| p.payment_id != refused.payment_id).cloned().collect();
+    assert_eq!(applied(&bed).await, ids(&kept), "each once, in stream order, around the refused one");
+    assert!(events.iter().any(|e| e.batch > 1), "runs were applied together: {events:?}");
+    let dead = bed.broker.drain(&format!("{stream}.dlq")).await;
+    assert_eq!(dead.len(), 1, "the refused payment alone is dead-lettered");
+    let body: PaymentRequested = serde_json::from_slice(&dead[0].delivery.data).expect("a payment");
+    assert_eq!(body.payment_id, refused.payment_id);
+    assert_eq!(stored_offset(&bed, "stream_batch_ledger").await, payments.len() as i64 - 1);
+}
+
 /// The broker closes every connection while the stream is being consumed: the
 /// consumer subscribes again after the stored offset and every payment is applied
 /// exactly once — with no dedup row to catch a second application.

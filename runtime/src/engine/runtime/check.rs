@@ -43,7 +43,6 @@ impl RuntimeBuilder {
         }
         self.check_handler_queues()?;
         self.check_declared_queues()?;
-        self.check_streams()?;
         if let Some(retention) = &self.retention {
             retention.check(&self.retry_policies())?;
         }
@@ -98,22 +97,6 @@ impl RuntimeBuilder {
                     )));
                 }
                 _ => {}
-            }
-        }
-        Ok(())
-    }
-
-    /// Stream consumers: handlers of one message each (a batch handler on a stream
-    /// is not built yet).
-    pub(super) fn check_streams(&self) -> Result<(), Error> {
-        for Registration { queue, handler, .. } in &self.consumers {
-            if self.is_stream(queue) && handler.batched() {
-                return Err(Error::Config(format!(
-                    "handler `{}` is a batch handler (it takes a Batch) and consumes the stream '{queue}': stream \
-                     consumers run handlers of one message each (their runs are group-committed all the same); \
-                     write it for one message",
-                    handler.type_path()
-                )));
             }
         }
         Ok(())
