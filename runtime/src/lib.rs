@@ -131,6 +131,9 @@
 //!   split a stream by key over N streams that N processes share fairly (advisory
 //!   locks again: each counts the others and owns at most its share). The life of a
 //!   stream message is told in `engine/stream/mod.rs`.
+//! - **Traces across hops:** a delivery's W3C `traceparent` is continued by what its
+//!   handler publishes (stored with the outbox row when enqueued) and by its reply;
+//!   handlers run in a `handler` span carrying the trace id (`base/trace.rs`).
 //! - **The producer side too:** [`Publisher`] publishes `mandatory` with confirms (a
 //!   returned message is an error), reconnects and publishes again under the same
 //!   `message_id`, and sends requests over direct reply-to; the same calls write

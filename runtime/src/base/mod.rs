@@ -10,6 +10,7 @@ pub(crate) mod outcome;
 pub(crate) mod outgoing;
 pub(crate) mod redact;
 pub(crate) mod retry;
+pub(crate) mod trace;
 pub(crate) mod verdict;
 pub(crate) mod width;
 

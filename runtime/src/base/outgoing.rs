@@ -171,6 +171,11 @@ impl Outgoing {
     /// The reply to a request: to `reply_to` on the default exchange, with the
     /// request's correlation id. Replies to direct reply-to are best effort.
     pub(crate) fn reply(request: &Request, message_id: String, body: Vec<u8>, ok: bool) -> Self {
+        let mut headers =
+            BTreeMap::from([(STATUS_HEADER.to_owned(), if ok { "ok" } else { "error" }.to_owned())]);
+        if let Some(trace) = &request.trace {
+            headers.extend(trace.child_headers());
+        }
         Self {
             exchange: REPLY_EXCHANGE.to_owned(),
             routing_key: request.reply_to.clone(),
@@ -178,7 +183,7 @@ impl Outgoing {
             message_id: Some(message_id),
             content_type: Some("application/json".to_owned()),
             correlation_id: Some(request.correlation_id.clone()),
-            headers: BTreeMap::from([(STATUS_HEADER.to_owned(), if ok { "ok" } else { "error" }.to_owned())]),
+            headers,
             mandatory: !request.reply_to.starts_with(DIRECT_REPLY_TO),
             reply: Some(Expiry { within: request.expires_in }),
         }
@@ -348,6 +353,8 @@ pub(crate) struct Request {
     /// from consumption rather than publication (unknown), so it is an upper bound:
     /// a reply is never dropped while its requester may still wait.
     pub(crate) expires_in: Option<Duration>,
+    /// The request's W3C trace: its reply continues it.
+    pub(crate) trace: Option<crate::base::trace::Trace>,
 }
 
 impl Request {
@@ -371,7 +378,12 @@ impl Request {
         let expires_in = expiration
             .and_then(|ms| ms.trim().parse::<u64>().ok())
             .map(|ms| Duration::from_millis(ms).max(MIN_REPLY_WINDOW));
-        Some(Self { reply_to: reply_to.to_owned(), correlation_id: correlation_id.to_owned(), expires_in })
+        Some(Self {
+            reply_to: reply_to.to_owned(),
+            correlation_id: correlation_id.to_owned(),
+            expires_in,
+            trace: crate::base::trace::Trace::of(properties),
+        })
     }
 }
 

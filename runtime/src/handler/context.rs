@@ -5,6 +5,7 @@ use lapin::BasicProperties;
 use serde::Serialize;
 
 use crate::base::outgoing::{message_id, Message, Outgoing, PublishError};
+use crate::base::trace::{Trace, TRACEPARENT};
 use crate::handler::HandlerError;
 
 /// What a handler's run gives a message: the delivery's metadata, and the outbox.
@@ -35,6 +36,8 @@ pub struct Context {
     published: Vec<Outgoing>,
     /// `dedup = false`: message ids are random (stored with their rows).
     random_ids: bool,
+    /// The delivery's W3C trace (`traceparent`), passed on to what it publishes.
+    trace: Option<Trace>,
 }
 
 impl Context {
@@ -53,6 +56,7 @@ impl Context {
             properties: properties.clone(),
             published: Vec::new(),
             random_ids: false,
+            trace: Trace::of(properties),
         }
     }
 
@@ -115,12 +119,18 @@ impl Context {
     }
 
     /// Publishes a message built by hand (headers, a body that is not JSON); its
-    /// message id is the handler's deterministic one, whatever it set.
+    /// message id is the handler's deterministic one, whatever it set. Like every
+    /// message published here, it carries the delivery's trace (`traceparent`:
+    /// the same trace id, a span id of its own; `tracestate` as it came) unless it
+    /// sets a `traceparent` itself.
     ///
     /// # Errors
     /// None today; kept fallible like [`Context::publish`].
-    pub fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
+    pub fn publish_outgoing(&mut self, mut outgoing: Outgoing) -> Result<String, PublishError> {
         outgoing.validate()?;
+        if let Some(trace) = self.trace.as_ref().filter(|_| !outgoing.headers.contains_key(TRACEPARENT)) {
+            outgoing.headers.extend(trace.child_headers());
+        }
         let id = if self.random_ids {
             crate::base::random_id()
         } else {
@@ -128,6 +138,12 @@ impl Context {
         };
         self.published.push(Outgoing { message_id: Some(id.clone()), ..outgoing });
         Ok(id)
+    }
+
+    /// The W3C trace id (32 hex digits) of the delivery's `traceparent` header, if
+    /// it carried a valid one: what the handler publishes continues that trace.
+    pub fn trace_id(&self) -> Option<&str> {
+        self.trace.as_ref().map(Trace::trace_id)
     }
 
     /// The handler's dedup scope (its name, or `<namespace>/<name>`).
@@ -272,14 +288,36 @@ mod tests {
     }
 
     #[test]
+    fn what_a_handler_publishes_continues_the_deliverys_trace_unless_it_sets_its_own() {
+        use lapin::types::{AMQPValue, FieldTable, LongString};
+        let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut headers = FieldTable::default();
+        headers.insert("traceparent".into(), AMQPValue::LongString(LongString::from(parent)));
+        let mut ctx = Context::new("h", "k", 1, false, &BasicProperties::default().with_headers(headers));
+        assert_eq!(ctx.trace_id(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        ctx.publish("", "events", &1).unwrap();
+        let own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+        ctx.publish_outgoing(Outgoing::json("", "events", &2).unwrap().header("traceparent", own)).unwrap();
+        let continued = &ctx.published()[0].headers["traceparent"];
+        assert!(continued.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{continued}");
+        assert_ne!(continued, parent);
+        assert_eq!(ctx.published()[1].headers["traceparent"], own);
+        let mut untraced = Context::standalone("h", "k");
+        untraced.publish("", "events", &3).unwrap();
+        assert!(!untraced.published()[0].headers.contains_key("traceparent"));
+    }
+
+    #[test]
     fn replies_to_direct_reply_to_are_best_effort() {
         let request = Request {
             reply_to: "amq.rabbitmq.reply-to.g1h2AA".into(),
             correlation_id: "c".into(),
             expires_in: None,
+            trace: None,
         };
         assert!(!Outgoing::reply(&request, "id".into(), b"1".to_vec(), true).mandatory);
-        let named = Request { reply_to: "replies".into(), correlation_id: "c".into(), expires_in: None };
+        let named =
+            Request { reply_to: "replies".into(), correlation_id: "c".into(), expires_in: None, trace: None };
         assert!(Outgoing::reply(&named, "id".into(), b"1".to_vec(), true).mandatory);
     }
 

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AnsiTransactionManager, AsyncConnection, TransactionManager};
 use futures_util::FutureExt;
+use tracing::Instrument;
 
 use super::faults::{answers, cancel_statement, panic_message, Failure, Fault, InfraFault};
 use super::transact::{infra, rerun_repeats, split, Done, Step, Tx};
@@ -115,8 +116,9 @@ impl Consumer {
             }
         };
         let mut ctx = self.context(tx, index, &key);
+        let span = handler_span(self.handler.name(), key.as_str(), ctx.trace_id());
         let mark = conn.mark();
-        let (ran, took) = self.guarded(effect(conn, &mut ctx)).await;
+        let (ran, took) = self.guarded(effect(conn, &mut ctx).instrument(span)).await;
         let unfinished = match ran {
             Ok(output) => {
                 let published = ctx.take_published();
@@ -153,7 +155,9 @@ impl Consumer {
             heads.push((index, key, fingerprint));
         }
         let mark = conn.mark();
-        let (ran, took) = self.guarded(self.handler.run_batch(conn, messages, contexts)).await;
+        let span = tracing::info_span!("handler", handler = self.handler.name(), messages = count);
+        let (ran, took) =
+            self.guarded(self.handler.run_batch(conn, messages, contexts).instrument(span)).await;
         let unfinished = match ran {
             Ok((outputs, contexts)) if outputs.len() == count => {
                 let done = heads
@@ -396,4 +400,10 @@ fn batch_messages(new: Vec<(usize, Prepared)>) -> Result<Vec<Waiting>, Vec<(usiz
             Payload::Effect(_) => None,
         })
         .collect())
+}
+
+/// The span a handler of one message runs in: its name, the message's key and the
+/// W3C trace id it came with (empty without one), so what it logs is found by any.
+pub(crate) fn handler_span(handler: &str, key: &str, trace_id: Option<&str>) -> tracing::Span {
+    tracing::info_span!("handler", handler, key, trace_id = trace_id.unwrap_or_default())
 }

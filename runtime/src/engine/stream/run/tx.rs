@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use futures_util::FutureExt;
+use tracing::Instrument;
 
 use super::{Item, Runner};
 use crate::base::outcome::{FailureKind, Outcome};
 use crate::base::outgoing::{self, Outgoing, Request};
-use crate::engine::delivery::{cancel_statement, panic_message};
+use crate::engine::delivery::{cancel_statement, handler_span, panic_message};
 use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::prepare::{Erased, Payload, Prepared};
 use crate::handler::HandlerError;
@@ -117,8 +118,12 @@ impl Runner {
                 }
             };
             let mut ctx = self.context(&items[index], &key, attempt);
-            let guarded =
-                self.guarded(conn, async |conn| effect(conn, &mut ctx).await.map(|output| output.0)).await;
+            let span = handler_span(self.handler.name(), key.as_str(), ctx.trace_id());
+            let guarded = self
+                .guarded(conn, async |conn| {
+                    effect(conn, &mut ctx).instrument(span).await.map(|output| output.0)
+                })
+                .await;
             match guarded {
                 Ok((output, took)) => {
                     let published = ctx.take_published();
@@ -286,8 +291,9 @@ impl Runner {
             contexts.push(ctx);
         }
         let handler = Arc::clone(&self.handler);
+        let span = tracing::info_span!("handler", handler = handler.name(), messages = count);
         let ((outputs, contexts), took) = self
-            .guarded(conn, async |conn| handler.run_batch(conn, messages, contexts).await)
+            .guarded(conn, async |conn| handler.run_batch(conn, messages, contexts).instrument(span).await)
             .await
             .map_err(|(error, cut)| (alone, error, cut))?;
         if outputs.len() != count {
