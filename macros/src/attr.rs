@@ -70,6 +70,8 @@ pub(crate) struct Options {
     pub(crate) batch: Option<usize>,
     /// `dedup = false`.
     pub(crate) dedup: bool,
+    /// `idempotency_key_lifetime = "24h"`, in milliseconds.
+    pub(crate) idempotency_key_lifetime: Option<u64>,
 }
 
 /// A dotted field path into the message, e.g. `order.id`.
@@ -122,10 +124,22 @@ impl KeySpec {
 const OPTIONS: &str = "`key = \"field.path\"` (or a template `\"{a}:{b.c}\"`, `\"@message_id\"`, \
                        `\"@header:name\"`, `\"@hash\"`), `key_fn = path::to::fn`, `name = \"handler_name\"`, \
                        `lane = \"field.path\"`, `queue = \"queue\"`, `retry(delays = [\"1s\", \"30s\"])` or \
-                       `retry(none)`, `on_conflict = \"ignore\"`, `batch = N` and `dedup = false`";
+                       `retry(none)`, `on_conflict = \"ignore\"`, `batch = N`, `dedup = false` and \
+                       `idempotency_key_lifetime = \"24h\"`";
 
 /// Every option's name, for typo hints.
-const NAMES: [&str; 9] = ["key", "key_fn", "name", "lane", "queue", "retry", "on_conflict", "batch", "dedup"];
+const NAMES: [&str; 10] = [
+    "key",
+    "key_fn",
+    "name",
+    "lane",
+    "queue",
+    "retry",
+    "on_conflict",
+    "batch",
+    "dedup",
+    "idempotency_key_lifetime",
+];
 
 /// The largest `batch = N` (the runtime's own limit).
 const MAX_BATCH: usize = 4096;
@@ -163,6 +177,7 @@ impl Options {
             (take("key"), take("key_fn"), take("name"), take("lane"), take("queue"));
         let (retry, on_conflict, batch, dedup) =
             (take("retry"), take("on_conflict"), take("batch"), take("dedup"));
+        let key_lifetime = take("idempotency_key_lifetime");
 
         let key = key.and_then(|option| errors.take(string(option)));
         let name = name.and_then(|option| errors.take(string(option)));
@@ -213,6 +228,21 @@ impl Options {
                 }
             }
         });
+        let idempotency_key_lifetime = key_lifetime.and_then(|option| {
+            let lit = errors.take(string(option))?;
+            let ms = parse_duration(&lit.value());
+            if ms.is_none() {
+                errors.push(syn::Error::new(
+                    lit.span(),
+                    format!(
+                        "`idempotency_key_lifetime` is how long the provider keeps an idempotency key: write \
+                         e.g. \"24h\" (units ms, s, m, h), not \"{}\"",
+                        lit.value()
+                    ),
+                ));
+            }
+            ms
+        });
         let dedup = match dedup {
             Some(option) => {
                 errors.take(literal::<syn::LitBool>(option, "dedup", "dedup = false")).is_none_or(|b| b.value)
@@ -248,7 +278,17 @@ impl Options {
             }
             (None, None) => None,
         };
-        errors.finish(|| Self { key, name, lane, queue, retry, on_conflict_ignore, batch, dedup })
+        errors.finish(|| Self {
+            key,
+            name,
+            lane,
+            queue,
+            retry,
+            on_conflict_ignore,
+            batch,
+            dedup,
+            idempotency_key_lifetime,
+        })
     }
 }
 

@@ -310,7 +310,14 @@ fn settings(options: &Options) -> TokenStream {
             }
         }
     });
-    quote! { #queue #retry #on_conflict #batch #dedup }
+    let key_lifetime = options.idempotency_key_lifetime.map(|ms| {
+        quote! {
+            fn idempotency_key_lifetime(&self) -> ::core::option::Option<::core::time::Duration> {
+                ::core::option::Option::Some(::core::time::Duration::from_millis(#ms))
+            }
+        }
+    });
+    quote! { #queue #retry #on_conflict #batch #dedup #key_lifetime }
 }
 
 /// The message, as key expressions name it (bound with mixed-site hygiene).

@@ -181,6 +181,7 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// | `on_conflict = "ignore"` / `"dead_letter"` | a known key with another payload: ack as a duplicate, or dead-letter (the default) |
 /// | `batch = N` | at most N of its deliveries per transaction (`1`: one at a time) |
 /// | `dedup = false` | no dedup rows: idempotent by itself; still one transaction, still acked after COMMIT; its outbox messages get random ids |
+/// | `idempotency_key_lifetime = "24h"` | how long the provider of its outbound calls keeps an idempotency key (`ctx.idempotency_key()`); `build()` warns if its retries last longer |
 ///
 /// ```
 /// # use diesel_async::AsyncPgConnection;

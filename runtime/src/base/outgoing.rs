@@ -342,6 +342,26 @@ pub(crate) fn message_id(scope: &str, key: &str, part: &str) -> String {
     hex(&digest[..16])
 }
 
+/// The idempotency key of a handler's outbound call for `purpose` on the message
+/// keyed `key`: a UUID (RFC 9562 version 8, made of a SHA-256 of the three), so
+/// APIs that insist on a UUID take it.
+pub(crate) fn idempotency_key(scope: &str, key: &str, purpose: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(b"idemq idempotency key\0")
+        .chain_update(scope.as_bytes())
+        .chain_update([0])
+        .chain_update(key.as_bytes())
+        .chain_update([0])
+        .chain_update(purpose.as_bytes())
+        .finalize();
+    let mut bytes = [0_u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    bytes[6] = (bytes[6] & 0x0f) | 0x80;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let hex = hex(&bytes);
+    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
+}
+
 /// What a request carries: where its reply goes, and for how long it is wanted.
 #[derive(Debug, Clone)]
 pub(crate) struct Request {

@@ -140,6 +140,34 @@ impl Context {
         Ok(id)
     }
 
+    /// A key for an outbound call that accepts one (Stripe's `Idempotency-Key`,
+    /// PayPal's `PayPal-Request-Id`, …): the same on every attempt and every
+    /// redelivery of this message, and for a retransmission of it (derived from the
+    /// handler's scope and the message's key), different for any other handler or
+    /// key. A UUID. If the handler makes several such calls, give each its own with
+    /// [`idempotency_key_for`](Self::idempotency_key_for).
+    ///
+    /// It protects the call only while the provider keeps the key (Stripe: 24
+    /// hours): declare that with `#[idempotent_handler(.., idempotency_key_lifetime =
+    /// "24h")]` and `build()` warns when the handler's retries outlast it. A dead
+    /// letter replayed after it is called again.
+    ///
+    /// ```
+    /// let ctx = idemq::Context::standalone("charge", "order-7");
+    /// assert_eq!(ctx.idempotency_key(), idemq::Context::standalone("charge", "order-7").idempotency_key());
+    /// assert_ne!(ctx.idempotency_key(), ctx.idempotency_key_for("refund"));
+    /// assert_eq!(ctx.idempotency_key().len(), 36);
+    /// ```
+    pub fn idempotency_key(&self) -> String {
+        self.idempotency_key_for("")
+    }
+
+    /// [`idempotency_key`](Self::idempotency_key) for one of several outbound calls
+    /// of the handler, named by `purpose` (`"charge"`, `"refund"`).
+    pub fn idempotency_key_for(&self, purpose: &str) -> String {
+        crate::base::outgoing::idempotency_key(&self.scope, &self.key, purpose)
+    }
+
     /// The W3C trace id (32 hex digits) of the delivery's `traceparent` header, if
     /// it carried a valid one: what the handler publishes continues that trace.
     pub fn trace_id(&self) -> Option<&str> {
@@ -305,6 +333,24 @@ mod tests {
         let mut untraced = Context::standalone("h", "k");
         untraced.publish("", "events", &3).unwrap();
         assert!(!untraced.published()[0].headers.contains_key("traceparent"));
+    }
+
+    #[test]
+    fn an_idempotency_key_is_a_version_8_uuid_of_the_scope_key_and_purpose() {
+        let key = Context::standalone("charge", "order-7").idempotency_key();
+        let bytes = key.as_bytes();
+        assert_eq!(
+            (key.len(), bytes[8], bytes[13], bytes[18], bytes[23]),
+            (36, b'-', b'-', b'-', b'-'),
+            "{key}"
+        );
+        assert_eq!(bytes[14], b'8', "version 8: {key}");
+        assert!(matches!(bytes[19], b'8' | b'9' | b'a' | b'b'), "RFC 9562 variant: {key}");
+        let retried = Context::new("charge", "order-7", 3, true, &BasicProperties::default());
+        assert_eq!(retried.idempotency_key(), key, "the same on a retry and a redelivery");
+        assert_ne!(Context::standalone("charge", "order-8").idempotency_key(), key);
+        assert_ne!(Context::standalone("refund", "order-7").idempotency_key(), key);
+        assert_ne!(retried.idempotency_key_for("refund"), key);
     }
 
     #[test]

@@ -103,6 +103,13 @@ pub trait Handler: Send + Sync + 'static {
         true
     }
 
+    /// How long the provider of the handler's outbound calls keeps an idempotency
+    /// key ([`Context::idempotency_key`]; `idempotency_key_lifetime = "24h"`):
+    /// `build()` warns when the handler's retry horizon is longer.
+    fn idempotency_key_lifetime(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Applies the message's effect on `conn`, inside the runtime's transaction.
     /// Messages published through `ctx` go into the outbox in that transaction;
     /// the output is stored with the dedup row and is the reply to a request.

@@ -77,6 +77,7 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn on_conflict(&self) -> Option<crate::OnConflict>;
     fn batch_size(&self) -> Option<usize>;
     fn dedup(&self) -> bool;
+    fn idempotency_key_lifetime(&self) -> Option<std::time::Duration>;
     /// Whether its messages run together, as a [`Batch`] ([`Payload::Message`]).
     fn batched(&self) -> bool;
     /// Runs the batch handler on `messages` (each a [`Payload::Message`] this handler
@@ -135,6 +136,10 @@ impl<H: Handler> ErasedHandler for Arc<H> {
 
     fn dedup(&self) -> bool {
         H::dedup(self)
+    }
+
+    fn idempotency_key_lifetime(&self) -> Option<std::time::Duration> {
+        H::idempotency_key_lifetime(self)
     }
 
     fn batched(&self) -> bool {

@@ -13,7 +13,8 @@ struct PaymentRequested {
     queue = "payments",
     retry(delays = ["250ms", "5s", "2m"]),
     on_conflict = "ignore",
-    batch = 8
+    batch = 8,
+    idempotency_key_lifetime = "24h"
 )]
 async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     let _ = (conn, msg.payment_id);
@@ -33,6 +34,8 @@ fn main() {
     assert_eq!(apply_payment.on_conflict(), Some(OnConflict::Ignore));
     assert_eq!(apply_payment.batch_size(), Some(8));
     assert!(apply_payment.dedup());
+    assert_eq!(apply_payment.idempotency_key_lifetime(), Some(std::time::Duration::from_secs(86_400)));
+    assert_eq!(upsert.idempotency_key_lifetime(), None);
     assert!(!upsert.dedup());
     assert_eq!(upsert.retry().map(|r| r.max_attempts()), Some(1));
     assert_eq!(upsert.key_path(), "@hash");

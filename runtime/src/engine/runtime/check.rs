@@ -53,6 +53,9 @@ impl RuntimeBuilder {
         };
         crate::broker::consumer_timeout::check(holding, self.consumer_timeout)?;
         self.check_unique_queues()?;
+        for warning in self.short_idempotency_keys() {
+            tracing::warn!("{warning}");
+        }
         if let Some(namespace) = &self.namespace {
             if namespace.is_empty() || namespace.contains('/') {
                 return Err(Error::Config(format!(
@@ -100,6 +103,30 @@ impl RuntimeBuilder {
             }
         }
         Ok(())
+    }
+
+    /// A warning per handler whose provider keeps its idempotency keys for less
+    /// than the handler's retry horizon: a retry after that makes the outbound call
+    /// again under a key the provider has forgotten.
+    pub(super) fn short_idempotency_keys(&self) -> Vec<String> {
+        let mut warned = std::collections::HashSet::new();
+        let mut warnings = Vec::new();
+        for registration in &self.consumers {
+            let Some(lifetime) = registration.handler.idempotency_key_lifetime() else { continue };
+            let horizon = registration.retry_policy(&self.retry).horizon();
+            if horizon > lifetime && warned.insert(registration.handler.name()) {
+                let human = crate::base::duration::human;
+                warnings.push(format!(
+                    "handler `{}` retries for up to {} but its provider keeps an idempotency key for {}: a \
+                     retry after that makes the call again unprotected; shorten its retry delays \
+                     (`retry(delays = [..])`) to within the key's lifetime",
+                    registration.handler.type_path(),
+                    human(horizon),
+                    human(lifetime),
+                ));
+            }
+        }
+        warnings
     }
 
     /// A topology that names any queue names every consumed queue (see
@@ -278,6 +305,52 @@ pub(crate) mod tests {
     fn a_poll_interval_survives_turning_the_relay_off_and_on_again() {
         let builder = builder().relay(false).relay_poll_interval(Duration::from_millis(50)).relay(true);
         assert_eq!(builder.relay.map(|settings| settings.poll_interval), Some(Duration::from_millis(50)));
+    }
+
+    /// `Noop` with a provider that keeps idempotency keys for a minute.
+    struct ShortKeys;
+
+    impl Handler for ShortKeys {
+        type Message = serde_json::Value;
+
+        fn name(&self) -> &'static str {
+            "charge"
+        }
+
+        fn key_path(&self) -> &'static str {
+            "id"
+        }
+
+        fn key(&self, _: &Self::Message, metadata: &Metadata<'_>) -> Result<Key, KeyError> {
+            Ok(metadata.hash_key())
+        }
+
+        fn idempotency_key_lifetime(&self) -> Option<Duration> {
+            Some(Duration::from_secs(60))
+        }
+
+        fn handle<'a>(
+            &'a self,
+            _: &'a mut AsyncPgConnection,
+            _: &'a mut Context,
+            _: Self::Message,
+        ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>> {
+            Box::pin(async { Ok(HandlerOutput::none()) })
+        }
+    }
+
+    #[test]
+    fn a_provider_key_lifetime_shorter_than_the_retry_horizon_is_warned_about_once() {
+        let long = crate::RetryPolicy::new([Duration::from_secs(30), Duration::from_secs(300)]);
+        let runtime = builder().consume("charges", ShortKeys).consume("refunds", ShortKeys).retry(long);
+        let warnings = runtime.short_idempotency_keys();
+        assert_eq!(warnings.len(), 1, "one per handler: {warnings:?}");
+        assert!(warnings[0].contains("ShortKeys") && warnings[0].contains("for 1m"), "{warnings:?}");
+        runtime.build().expect("a warning, not a refusal");
+        let short = crate::RetryPolicy::new([Duration::from_secs(5), Duration::from_secs(30)]);
+        let within = builder().consume("charges", ShortKeys).retry(short);
+        assert_eq!(within.short_idempotency_keys(), Vec::<String>::new());
+        assert_eq!(builder().short_idempotency_keys(), Vec::<String>::new(), "no lifetime declared");
     }
 
     #[test]
