@@ -218,6 +218,8 @@ pub async fn record_payment(
 pub fn topology() -> Topology {
     Topology::new()
         .exchange(Exchange::fanout(EVENTS_EXCHANGE))
+        // What the handlers publish there (for the AsyncAPI document: `payments asyncapi`).
+        .message::<PaymentApplied>()
         .queue(Queue::new(QUEUE))
         .queue(Queue::new(EVENTS_QUEUE).bind(EVENTS_EXCHANGE, ""))
         // A day of payments: a stream keeps what was read, until its retention.

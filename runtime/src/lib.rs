@@ -134,6 +134,9 @@
 //! - **Traces across hops:** a delivery's W3C `traceparent` is continued by what its
 //!   handler publishes (stored with the outbox row when enqueued) and by its reply;
 //!   handlers run in a `handler` span carrying the trace id (`base/trace.rs`).
+//! - **The contract, generated:** [`RuntimeBuilder::asyncapi`] writes an AsyncAPI 3.0
+//!   document of the queues, exchanges, handlers and message types (`broker/asyncapi.rs`;
+//!   the CLI's `asyncapi`).
 //! - **The producer side too:** [`Publisher`] publishes `mandatory` with confirms (a
 //!   returned message is an error), reconnects and publishes again under the same
 //!   `message_id`, and sends requests over direct reply-to; the same calls write

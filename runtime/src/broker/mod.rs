@@ -2,6 +2,7 @@
 //! and copies, the `consumer_timeout` check, and the [`Publisher`](crate::Publisher).
 
 pub(crate) mod acks;
+pub(crate) mod asyncapi;
 pub(crate) mod brokers;
 pub(crate) mod consumer_timeout;
 pub(crate) mod dead_letter;

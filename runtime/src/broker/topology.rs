@@ -30,6 +30,9 @@ pub(crate) const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 pub struct Topology {
     exchanges: Vec<Exchange>,
     queues: Vec<Queue>,
+    /// The message types named with [`Topology::message`], for the AsyncAPI
+    /// document: (Rust type, exchange, routing key).
+    messages: Vec<(&'static str, &'static str, &'static str)>,
 }
 
 impl Topology {
@@ -48,7 +51,11 @@ impl Topology {
     /// `#[message(exchange = "...")]`): its exchange, as a topic exchange (nothing for
     /// the default exchange `""`). Registration is explicit: a type is declared where
     /// you name it here, never through a hidden global registry.
-    pub fn message<M: crate::Message>(self) -> Self {
+    pub fn message<M: crate::Message>(mut self) -> Self {
+        let kind = (std::any::type_name::<M>(), M::EXCHANGE, M::ROUTING_KEY);
+        if !self.messages.contains(&kind) {
+            self.messages.push(kind);
+        }
         if M::EXCHANGE.is_empty() || self.exchanges.iter().any(|e| e.name == M::EXCHANGE) {
             return self;
         }
@@ -78,6 +85,14 @@ impl Topology {
         !self.queues.is_empty()
     }
 
+    /// The topology as an AsyncAPI 3.0 document (JSON): its queues and exchanges as
+    /// channels, a `send` operation per [message type](Self::message). A runtime's
+    /// document ([`RuntimeBuilder::asyncapi`](crate::RuntimeBuilder::asyncapi)) adds
+    /// its handlers.
+    pub fn asyncapi(&self, title: &str, version: &str) -> serde_json::Value {
+        super::asyncapi::document(self, &[], title, version)
+    }
+
     /// The queue named `name`, if declared here.
     pub fn find_queue(&self, name: &str) -> Option<&Queue> {
         self.queues.iter().find(|q| q.name == name)
@@ -90,9 +105,19 @@ impl Topology {
     }
 
     /// The queues declared here.
-    #[cfg(feature = "cli")]
     pub(crate) fn queues(&self) -> &[Queue] {
         &self.queues
+    }
+
+    /// The exchanges declared here.
+    pub(crate) fn exchanges(&self) -> &[Exchange] {
+        &self.exchanges
+    }
+
+    /// The message types named with [`Topology::message`]: (Rust type, exchange,
+    /// routing key).
+    pub(crate) fn message_types(&self) -> &[(&'static str, &'static str, &'static str)] {
+        &self.messages
     }
 
     /// The exchanges declared here, by name.
@@ -104,6 +129,7 @@ impl Topology {
     pub(crate) fn merge(&mut self, other: Topology) {
         self.exchanges.extend(other.exchanges);
         self.queues.extend(other.queues);
+        self.messages.extend(other.messages);
     }
 
     /// Declares every exchange, queue, dead-letter queue and binding on `channel`.
@@ -200,6 +226,22 @@ impl Exchange {
     /// A durable fanout exchange.
     pub fn fanout(name: impl Into<String>) -> Self {
         Self::new(name, ExchangeKind::Fanout)
+    }
+
+    /// Its name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its kind, as AMQP names it (`topic`, `direct`, `fanout`, `headers`).
+    pub(crate) fn kind(&self) -> &str {
+        match &self.kind {
+            ExchangeKind::Direct => "direct",
+            ExchangeKind::Fanout => "fanout",
+            ExchangeKind::Headers => "headers",
+            ExchangeKind::Topic => "topic",
+            ExchangeKind::Custom(kind) => kind,
+        }
     }
 
     async fn declare(&self, channel: &Channel) -> Result<(), Error> {
@@ -391,7 +433,6 @@ impl Queue {
     }
 
     /// Its bindings: exchange, routing key.
-    #[cfg(feature = "cli")]
     pub(crate) fn bindings(&self) -> impl Iterator<Item = (&str, &str)> {
         self.bindings.iter().map(|(exchange, key)| (exchange.as_str(), key.as_str()))
     }

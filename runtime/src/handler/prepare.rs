@@ -78,6 +78,10 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn batch_size(&self) -> Option<usize>;
     fn dedup(&self) -> bool;
     fn idempotency_key_lifetime(&self) -> Option<std::time::Duration>;
+    /// The Rust type its messages decode into.
+    fn message_type(&self) -> &'static str;
+    /// Where its key comes from (`Handler::key_path`).
+    fn key_path(&self) -> &'static str;
     /// Whether its messages run together, as a [`Batch`] ([`Payload::Message`]).
     fn batched(&self) -> bool;
     /// Runs the batch handler on `messages` (each a [`Payload::Message`] this handler
@@ -140,6 +144,14 @@ impl<H: Handler> ErasedHandler for Arc<H> {
 
     fn idempotency_key_lifetime(&self) -> Option<std::time::Duration> {
         H::idempotency_key_lifetime(self)
+    }
+
+    fn message_type(&self) -> &'static str {
+        std::any::type_name::<H::Message>()
+    }
+
+    fn key_path(&self) -> &'static str {
+        H::key_path(self)
     }
 
     fn batched(&self) -> bool {

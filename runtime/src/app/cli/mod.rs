@@ -192,7 +192,15 @@ impl Cli {
                 ),
         )
         .subcommand(dlq_command())
-        .subcommand(gc_command());
+        .subcommand(gc_command())
+        .subcommand(
+            Command::new("asyncapi")
+                .about(
+                    "print the application's contract as an AsyncAPI 3.0 document (JSON; --yaml for YAML): \
+                     its queues, exchanges, handlers and message types",
+                )
+                .arg(Arg::new("yaml").long("yaml").action(ArgAction::SetTrue).help("print YAML, not JSON")),
+        );
         match self.about {
             Some(about) => command.about(about),
             None => command,
@@ -271,6 +279,14 @@ impl Cli {
             }
             "declare" => commands::declare(&builder, sub.get_flag("apply")).await,
             "status" => commands::status(&builder).await,
+            "asyncapi" => {
+                let document = builder.asyncapi(self.name, self.version);
+                match sub.get_flag("yaml") {
+                    true => print!("{}", crate::broker::asyncapi::yaml(&document)),
+                    false => println!("{}", serde_json::to_string_pretty(&document)?),
+                }
+                Ok(())
+            }
             "dlq" => dlq::run(&builder, sub).await,
             "gc" => {
                 let keep = setting::<Duration>(sub, "keep")

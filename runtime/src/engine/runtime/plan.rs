@@ -13,6 +13,7 @@ use crate::base::observe::Observers;
 use std::time::Duration;
 
 use crate::base::retry::RetryPolicy;
+use crate::broker::asyncapi::Receiver;
 #[cfg(feature = "cli")]
 use crate::engine::startup::Startup;
 #[cfg(feature = "cli")]
@@ -113,6 +114,27 @@ impl RuntimeBuilder {
             }
         }
         shown
+    }
+
+    /// The application's contract as an AsyncAPI 3.0 document (JSON; the CLI's
+    /// `asyncapi` prints it): the topology's queues and exchanges as channels with
+    /// their AMQP bindings, a `receive` operation per handler (its key and dedup in
+    /// `x-idemq-*` extensions), a `send` operation per message type the topology
+    /// names ([`Topology::message`](crate::Topology::message)). Payloads are named
+    /// by their Rust type; their fields are not described yet.
+    pub fn asyncapi(&self, title: &str, version: &str) -> serde_json::Value {
+        let receivers: Vec<Receiver<'_>> = self
+            .consumers
+            .iter()
+            .map(|registration| Receiver {
+                queue: &registration.queue,
+                handler: registration.handler.name(),
+                key: registration.handler.key_path(),
+                dedup: registration.handler.dedup(),
+                message: registration.handler.message_type(),
+            })
+            .collect();
+        crate::broker::asyncapi::document(&self.topology, &receivers, title, version)
     }
 
     /// The bindings the topology declares: queue, exchange, routing key.
