@@ -226,14 +226,8 @@ impl Assembly {
         }
         let (amqp_url, reconnect_max, shutdown_deadline) =
             (b.amqp_url.clone(), b.reconnect_max, b.shutdown_deadline);
-        let (streams, stream_ctx) = stream_consumers(&mut b, &shared)?;
+        let StreamConsumers { specs: streams, shares, ctx: stream_ctx } = stream_consumers(&mut b, &shared)?;
         let ctx = session_context(b, shared)?;
-        let mut shares: Vec<Arc<Share>> = Vec::new();
-        for share in streams.iter().filter_map(|spec| spec.share.as_ref()) {
-            if !shares.iter().any(|known| Arc::ptr_eq(known, share)) {
-                shares.push(Arc::clone(share));
-            }
-        }
         for share in shares {
             let (url, stop) = (stream_ctx.database_url.clone(), stop.clone());
             ctx.tracker.spawn(async move { share.keep(&url, stop).await });
@@ -303,10 +297,7 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
 
 /// The consumers of streams, taken out of `b`'s (the sessions consume the queues),
 /// with their settings resolved, and what they share.
-fn stream_consumers(
-    b: &mut RuntimeBuilder,
-    shared: &Arc<Shared>,
-) -> Result<(Vec<StreamSpec>, StreamContext), Error> {
+fn stream_consumers(b: &mut RuntimeBuilder, shared: &Arc<Shared>) -> Result<StreamConsumers, Error> {
     let (streams, queues): (Vec<Registration>, Vec<Registration>) =
         std::mem::take(&mut b.consumers).into_iter().partition(|r| b.is_stream(&r.queue));
     b.consumers = queues;
@@ -330,19 +321,28 @@ fn stream_consumers(
             }
         })
         .collect::<Vec<_>>();
-    let specs = share_streams(specs);
+    let (specs, shares) = share_streams(specs);
     let ctx = StreamContext {
         brokers: Arc::new(Brokers::parse(&b.amqp_url)?.map(|url| with_heartbeat(url, b.heartbeat))),
         database_url: b.database_url.clone(),
         shared: Arc::clone(shared),
         reconnect_max: b.reconnect_max,
     };
-    Ok((specs, ctx))
+    Ok(StreamConsumers { specs, shares, ctx })
+}
+
+/// The stream consumers of a runtime: their specs, the shares of handlers that
+/// consume several streams (each kept by a task of its own), what they share.
+struct StreamConsumers {
+    specs: Vec<StreamSpec>,
+    shares: Vec<Arc<Share>>,
+    ctx: StreamContext,
 }
 
 /// A handler consuming several streams (partitions) shares them with the other
-/// processes that do: one [`Share`] per such handler.
-fn share_streams(mut specs: Vec<StreamSpec>) -> Vec<StreamSpec> {
+/// processes that do: one [`Share`] per such handler, given to its specs and
+/// returned (each kept by a task of its own).
+fn share_streams(mut specs: Vec<StreamSpec>) -> (Vec<StreamSpec>, Vec<Arc<Share>>) {
     let mut streams: HashMap<String, usize> = HashMap::new();
     for spec in &specs {
         *streams.entry(spec.scope.clone()).or_default() += 1;
@@ -355,7 +355,7 @@ fn share_streams(mut specs: Vec<StreamSpec>) -> Vec<StreamSpec> {
     for spec in &mut specs {
         spec.share = shares.get(&spec.scope).cloned();
     }
-    specs
+    (specs, shares.into_values().collect())
 }
 
 /// Phases 3 and 4: the sessions, and what runs beside them until the drain.

@@ -73,14 +73,16 @@ pub(crate) fn owner_lock(scope: &str, stream: &str) -> i64 {
     i64::from_be_bytes(bytes)
 }
 
+/// The answer of a `pg_try_advisory_lock`.
+#[derive(QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    locked: bool,
+}
+
 /// Takes the advisory lock `key` if it is free: `true` once held (by this session,
 /// until it ends).
 pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> diesel::QueryResult<bool> {
-    #[derive(QueryableByName)]
-    struct Locked {
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        locked: bool,
-    }
     let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
         .bind::<BigInt, _>(key)
         .get_result(conn)
@@ -90,8 +92,8 @@ pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> diesel::
 
 /// The first key of the two-key advisory locks by which processes consuming several
 /// streams with the handler `scope` count each other (each holds one, its second key
-/// its session's backend pid, unique on the server): 31 bits of a SHA-256, so it reads back from `pg_locks.classid` (an
-/// `oid`) unchanged.
+/// its session's backend pid, unique on the server): 31 bits of a SHA-256, so it
+/// reads back from `pg_locks.classid` (an `oid`) unchanged.
 pub(crate) fn share_group(scope: &str) -> i32 {
     let digest = Sha256::new().chain_update(b"idemq stream share\0").chain_update(scope).finalize();
     let mut bytes = [0_u8; 4];
@@ -102,11 +104,6 @@ pub(crate) fn share_group(scope: &str) -> i32 {
 /// Takes this session's member lock of `group` (its second key the backend pid):
 /// `true` once held.
 pub(crate) async fn try_lock_member(conn: &mut AsyncPgConnection, group: i32) -> diesel::QueryResult<bool> {
-    #[derive(QueryableByName)]
-    struct Locked {
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        locked: bool,
-    }
     let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1, pg_backend_pid()) AS locked")
         .bind::<Integer, _>(group)
         .get_result(conn)
