@@ -105,6 +105,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         }
     });
     let settings = settings(options);
+    let reply = reply_type(ok_ty.as_ref(), batch_ty.is_some());
     // The checks only the compiler can make go through local traits whose
     // `on_unimplemented` says what to write, each spanned on the user's own tokens.
     let message_assoc = quote_spanned! {message_ty.span()=> type Message = #message_ty; };
@@ -265,9 +266,51 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
 
             #settings
 
+            #reply
+
+            #[allow(clippy::needless_borrow)] // the borrow is the probe: it picks the impl
+            fn wire(&self) -> ::idemq::__private::Wire<<Self as ::idemq::Handler>::Message> {
+                // Which of `MessageType` and `Versioned` the message type implements,
+                // found at compile time (see `idemq::__private::__IdemqProbe`).
+                #[allow(unused_imports)]
+                use ::idemq::__private::{
+                    __IdemqNamedProbe as _, __IdemqNoSchemaProbe as _, __IdemqSchemaProbe as _,
+                    __IdemqUnnamedProbe as _, __IdemqUnversionedProbe as _, __IdemqVersionedProbe as _,
+                };
+                let probe = ::idemq::__private::__IdemqProbe::<<Self as ::idemq::Handler>::Message>::new();
+                ::idemq::__private::Wire::of(
+                    (&probe).__idemq_type_name(),
+                    (&probe).__idemq_versions(),
+                    (&probe).__idemq_schema(),
+                )
+            }
+
             #handle
         }
     }
+}
+
+/// `Handler::reply_type`: the handler's result type (a batch handler's: the `R` of its
+/// `Vec<R>`), unless it is `()` or not written out (an alias of `Result`).
+fn reply_type(ok_ty: Option<&syn::Type>, batch: bool) -> Option<TokenStream> {
+    let mut ty = ok_ty?;
+    if batch {
+        let syn::Type::Path(path) = ty else { return None };
+        let last = path.path.segments.last()?;
+        let syn::PathArguments::AngleBracketed(args) = &last.arguments else { return None };
+        match (last.ident == "Vec", args.args.first()) {
+            (true, Some(syn::GenericArgument::Type(inner))) => ty = inner,
+            _ => return None,
+        }
+    }
+    if matches!(ty, syn::Type::Tuple(tuple) if tuple.elems.is_empty()) {
+        return None;
+    }
+    Some(quote! {
+        fn reply_type(&self) -> ::core::option::Option<&'static str> {
+            ::core::option::Option::Some(::core::any::type_name::<#ty>())
+        }
+    })
 }
 
 /// The `Handler` methods of the options that tune the runtime per handler.

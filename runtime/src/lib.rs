@@ -250,6 +250,18 @@
 //! any caller of the trait still works. Prefer a handler of one message unless a hot
 //! path can write multi-row statements (README, "Batch handlers: when to choose them").
 //!
+//! **Several message types on one queue** each go to the handler of their type: a type
+//! named with `#[message(type = "...")]` ([`MessageType`]) is routed by the delivery's
+//! AMQP `type` (else its routing key) when a queue has several handlers; each keeps
+//! its own dedup scope. The session gives such a queue one channel and a router in
+//! front of one intake per handler (`engine/session/intake.rs`); a type no handler
+//! takes goes to an intake whose only outcome is an `unroutable-type` dead letter. A
+//! **versioned** type (`#[message(version = 2, previous = V1)]`, [`Versioned`]) is
+//! decoded as the version its `x-idemq-version` header says and upcast before the
+//! handler, and fingerprinted after, so old and new encodings of one message are
+//! duplicates. The attribute finds out at compile time which of the two the message
+//! type is (`handler/wire.rs`).
+//!
 //! The stored key ([`Key`]) is the key as written — integers in decimal, uuids
 //! hyphenated — when it has at most [`key::MAX_STORED_KEY_BYTES`] (256) UTF-8 bytes and
 //! does not start with `sha256:`; any other key is stored as `sha256:` and the hex
@@ -286,6 +298,12 @@
 //! - `cli`: `idemq::cli`, the application's command line (`run`, `migrate`, `declare`,
 //!   `status`, `gc`, `dlq`); turns on `metrics`.
 //! - `metrics`: Prometheus metrics and health endpoints (`RuntimeBuilder::http_addr`).
+//! - `otel`: `idemq::otel`, OpenTelemetry: each handler's span continues its delivery's
+//!   W3C trace (`traceparent`) and spans go over OTLP/HTTP to
+//!   `OTEL_EXPORTER_OTLP_ENDPOINT`. Without it the trace headers are propagated all the
+//!   same.
+//! - `schemars`: JSON Schemas of the payloads in the AsyncAPI document, for message
+//!   types that derive `schemars::JsonSchema` (schemars 1.x).
 //! - `testing`: `idemq::testing::TestKit`, `idemq::testing::NetworkProxy` (network faults),
 //!   `TestCertificates` and `PostgresServer` (TLS servers), and the test-only fault hooks
 //!   (`idemq::testing::fault`, `RuntimeBuilder::fault_hook`); for dev-dependencies only,
@@ -327,6 +345,7 @@ pub use error::{Dependency, Error};
 pub use handler::batch::Batch;
 pub use handler::context::{Context, HandlerOutput};
 pub use handler::key::{Key, Metadata};
+pub use handler::wire::{MessageType, Versioned};
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::{idempotent_handler, Message};
 pub use store::migrate::migrate;
@@ -342,6 +361,8 @@ pub use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "cli")]
 pub use app::cli;
+#[cfg(feature = "otel")]
+pub use app::otel;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub use app::testing;
 pub use base::headers;
@@ -401,6 +422,14 @@ struct ReadmeDoctests;
 pub mod __private {
     pub use diesel_async::AsyncPgConnection;
     pub use serde::Serialize;
+    pub use serde_json;
+
+    /// What a handler's message type declares on the wire (see `handler::wire`).
+    pub use crate::handler::wire::{
+        NamedProbe as __IdemqNamedProbe, NoSchemaProbe as __IdemqNoSchemaProbe, Probe as __IdemqProbe,
+        SchemaFn, SchemaProbe as __IdemqSchemaProbe, UnnamedProbe as __IdemqUnnamedProbe,
+        UnversionedProbe as __IdemqUnversionedProbe, VersionedProbe as __IdemqVersionedProbe, Versions, Wire,
+    };
 
     #[diagnostic::on_unimplemented(
         message = "a handler's first argument is the transaction's connection, not `{Self}`",

@@ -99,3 +99,75 @@ fn the_cli_prints_the_document_as_json_or_yaml() {
     assert!(yaml.starts_with("asyncapi: \"3.0.0\"\n"), "{yaml}");
     assert!(yaml.contains("\n  queue.payments.stream:\n"), "{yaml}");
 }
+
+/// Two message types on one queue: each is named on the wire by its AMQP message
+/// binding's `messageType`, a versioned one carries its newest version, one that
+/// derives `JsonSchema` has its payload's schema (nested types inlined), and the
+/// document stays valid.
+#[test]
+fn message_types_and_versions_are_in_the_document() {
+    use diesel_async::AsyncPgConnection;
+    use idemq::{idempotent_handler, HandlerError, Message, Queue, Topology};
+    use serde::{Deserialize, Serialize};
+
+    #[derive(Serialize, Deserialize, Message, schemars::JsonSchema)]
+    #[message(type = "order.placed", version = 1, exchange = "orders", routing_key = "order.placed")]
+    struct OrderPlaced {
+        order_id: String,
+        lines: Vec<Line>,
+        note: Option<String>,
+    }
+    #[derive(Serialize, Deserialize, schemars::JsonSchema)]
+    struct Line {
+        sku: String,
+        quantity: u32,
+    }
+    #[derive(Serialize, Deserialize, Message)]
+    #[message(type = "order.cancelled")]
+    struct OrderCancelled {
+        order_id: String,
+    }
+    /// What a request to place an order is answered with.
+    #[derive(Serialize)]
+    struct Receipt {
+        order_id: String,
+    }
+    #[idempotent_handler(key = "order_id")]
+    async fn placed(conn: &mut AsyncPgConnection, msg: OrderPlaced) -> Result<Receipt, HandlerError> {
+        let _ = conn;
+        Ok(Receipt { order_id: msg.order_id })
+    }
+    #[idempotent_handler(key = "order_id")]
+    async fn cancelled(conn: &mut AsyncPgConnection, msg: OrderCancelled) -> Result<(), HandlerError> {
+        let _ = (conn, msg);
+        Ok(())
+    }
+    let document = Runtime::builder()
+        .topology(Topology::new().queue(Queue::new("orders")).message::<OrderPlaced>())
+        .consume("orders", placed)
+        .consume("orders", cancelled)
+        .asyncapi("orders", "1.0.0");
+    assert_eq!(errors(&document), Vec::<String>::new(), "{document:#}");
+    let messages = &document["components"]["messages"];
+    assert_eq!(messages["OrderPlaced"]["bindings"]["amqp"]["messageType"], "order.placed");
+    assert_eq!(messages["OrderPlaced"]["x-idemq-version"], 1);
+    assert_eq!(messages["OrderCancelled"]["bindings"]["amqp"]["messageType"], "order.cancelled");
+    assert_eq!(messages["OrderCancelled"].get("x-idemq-version"), None);
+    let payload = &messages["OrderPlaced"]["payload"];
+    assert_eq!(payload["properties"]["order_id"]["type"], "string", "{payload:#}");
+    assert_eq!(
+        payload["properties"]["lines"]["items"]["properties"]["quantity"]["type"], "integer",
+        "{payload:#}"
+    );
+    assert_eq!(payload["required"], serde_json::json!(["order_id", "lines"]), "{payload:#}");
+    assert!(!payload.to_string().contains("$ref"), "inlined: {payload:#}");
+    assert_eq!(messages["OrderCancelled"]["payload"], serde_json::json!({ "type": "object" }));
+    // A handler with a result answers requests: its operation says with what, and where.
+    let reply = &document["operations"]["placed.orders"]["reply"];
+    assert_eq!(reply["address"]["location"], "$message.header#/reply_to", "{reply:#}");
+    assert_eq!(reply["messages"][0]["$ref"], "#/channels/reply.placed.orders/messages/Receipt");
+    assert!(messages.get("Receipt").is_some());
+    assert_eq!(document["operations"]["cancelled.orders"].get("reply"), None, "`()` answers nothing");
+    let queue = &document["channels"]["queue.orders"]["messages"];
+    assert!(queue.get("OrderPlaced").is_some() && queue.get("OrderCancelled").is_some(), "{queue:#}");
+}

@@ -50,6 +50,23 @@ impl ::idemq::Handler for ship {
     fn batch_size(&self) -> ::core::option::Option<usize> {
         ::core::option::Option::Some(8usize)
     }
+    #[allow(clippy::needless_borrow)]
+    fn wire(&self) -> ::idemq::__private::Wire<<Self as ::idemq::Handler>::Message> {
+        #[allow(unused_imports)]
+        use ::idemq::__private::{
+            __IdemqNamedProbe as _, __IdemqNoSchemaProbe as _, __IdemqSchemaProbe as _,
+            __IdemqUnnamedProbe as _, __IdemqUnversionedProbe as _,
+            __IdemqVersionedProbe as _,
+        };
+        let probe = ::idemq::__private::__IdemqProbe::<
+            <Self as ::idemq::Handler>::Message,
+        >::new();
+        ::idemq::__private::Wire::of(
+            (&probe).__idemq_type_name(),
+            (&probe).__idemq_versions(),
+            (&probe).__idemq_schema(),
+        )
+    }
     fn handle<'__idemq_a>(
         &'__idemq_a self,
         __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,

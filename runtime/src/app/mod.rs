@@ -3,5 +3,7 @@
 
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "otel")]
+pub mod otel;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub mod testing;

@@ -4,6 +4,15 @@
 use lapin::types::AMQPValue;
 use lapin::BasicProperties;
 
+/// The name a delivery is routed by on a queue several handlers consume, one per
+/// message type: its AMQP `type`, else (no `type`, or an empty one) its routing key.
+pub(crate) fn routed_type<'a>(properties: &'a BasicProperties, routing_key: &'a str) -> &'a str {
+    match properties.kind() {
+        Some(kind) if !kind.as_str().is_empty() => kind.as_str(),
+        _ => routing_key,
+    }
+}
+
 /// The header `name` of a delivery, if it has one.
 pub(crate) fn header<'a>(properties: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
     properties.headers().as_ref()?.inner().get(name)

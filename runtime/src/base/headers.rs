@@ -42,3 +42,10 @@ pub const RETRY_OF: &str = "x-idemq-retry-of";
 /// The original's per-message TTL (`expiration` property), which copies do not
 /// carry: a dead letter must not expire in the DLQ.
 pub const ORIGINAL_EXPIRATION: &str = "x-idemq-original-expiration";
+/// On an `unroutable-type` dead letter: the type no handler of its queue takes (its
+/// AMQP `type`, else its routing key; empty if it had neither).
+pub const MESSAGE_TYPE: &str = "x-idemq-message-type";
+/// Which version of its type a message's body is (an integer, as a string or an
+/// AMQP integer; absent: version 1), for a handler whose message type is
+/// [`Versioned`](crate::Versioned). Set by `send` for a versioned type.
+pub const VERSION: &str = "x-idemq-version";

@@ -24,11 +24,18 @@ pub enum FailureKind {
     /// The message's handler started too many times without an outcome (it crashes
     /// or hangs the consumer).
     Poison,
+    /// On a queue consumed by several handlers, one for each message type: no
+    /// handler takes the delivery's type (its AMQP `type`, else its routing key).
+    /// The type is in the dead letter's `x-idemq-message-type` header.
+    UnroutableType,
+    /// The message's version (its `x-idemq-version` header) is not one its
+    /// handler's versioned type reads, or is not a number.
+    UnknownVersion,
 }
 
 impl FailureKind {
     /// Every kind.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 10] = [
         Self::Decode,
         Self::Key,
         Self::Handler,
@@ -37,10 +44,12 @@ impl FailureKind {
         Self::TooLarge,
         Self::ContentType,
         Self::Poison,
+        Self::UnroutableType,
+        Self::UnknownVersion,
     ];
 
     /// The header value: `decode`, `key`, `handler`, `attempts-exhausted`, `conflict`,
-    /// `too-large`, `content-type` or `poison`.
+    /// `too-large`, `content-type`, `poison`, `unroutable-type` or `unknown-version`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Decode => "decode",
@@ -51,6 +60,8 @@ impl FailureKind {
             Self::TooLarge => "too-large",
             Self::ContentType => "content-type",
             Self::Poison => "poison",
+            Self::UnroutableType => "unroutable-type",
+            Self::UnknownVersion => "unknown-version",
         }
     }
 }

@@ -43,6 +43,20 @@ pub trait Message: Serialize {
     const EXCHANGE: &'static str;
     /// Its routing key (on the default exchange: the queue's name).
     const ROUTING_KEY: &'static str;
+    /// Its name on the wire, sent as the AMQP `type` (`#[message(type = "...")]`:
+    /// see [`MessageType`](crate::MessageType)); `None`: untyped.
+    const TYPE: Option<&'static str> = None;
+    /// Its version, sent as the [`x-idemq-version`](crate::headers::VERSION) header
+    /// (`#[message(version = N)]`: see [`Versioned`](crate::Versioned)); `None`:
+    /// unversioned.
+    const VERSION: Option<u32> = None;
+
+    /// Its payload's JSON Schema, for the AsyncAPI document (feature `schemars`,
+    /// for a type deriving `JsonSchema`). Written by `#[derive(Message)]`.
+    #[doc(hidden)]
+    fn payload_schema() -> Option<serde_json::Value> {
+        None
+    }
 
     /// The routing key of this message (default: [`Message::ROUTING_KEY`]).
     fn routing_key(&self) -> &str {
@@ -59,6 +73,8 @@ pub struct Outgoing {
     pub(crate) message_id: Option<String>,
     pub(crate) content_type: Option<String>,
     pub(crate) correlation_id: Option<String>,
+    /// The AMQP `type`.
+    pub(crate) message_type: Option<String>,
     pub(crate) headers: BTreeMap<String, String>,
     /// `false`: best effort (direct reply-to): published once, without `mandatory`.
     pub(crate) mandatory: bool,
@@ -89,6 +105,21 @@ impl Outgoing {
         Self::bytes(exchange, routing_key, body).map(|outgoing| outgoing.content_type("application/json"))
     }
 
+    /// A [`Message`] as JSON, where its type says it goes, with its name on the
+    /// wire (the AMQP `type`) and its version (the `x-idemq-version` header) if it
+    /// declares them: what `send` publishes.
+    ///
+    /// # Errors
+    /// As [`Outgoing::json`].
+    pub fn of<M: Message>(message: &M) -> Result<Self, PublishError> {
+        let mut outgoing = Self::json(M::EXCHANGE, message.routing_key(), message)?;
+        outgoing.message_type = M::TYPE.map(str::to_owned);
+        if let Some(version) = M::VERSION {
+            outgoing.headers.insert(crate::base::headers::VERSION.to_owned(), version.to_string());
+        }
+        Ok(outgoing)
+    }
+
     /// A body as it is, without a content type.
     ///
     /// # Errors
@@ -108,6 +139,7 @@ impl Outgoing {
             message_id: None,
             content_type: None,
             correlation_id: None,
+            message_type: None,
             headers: BTreeMap::new(),
             mandatory: true,
             reply: None,
@@ -126,6 +158,14 @@ impl Outgoing {
     #[must_use]
     pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
         self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Sets the AMQP `type`: the message type's name on the wire, which routes it
+    /// on a queue consumed by several handlers (see [`MessageType`](crate::MessageType)).
+    #[must_use]
+    pub fn message_type(mut self, name: impl Into<String>) -> Self {
+        self.message_type = Some(name.into());
         self
     }
 
@@ -158,6 +198,11 @@ impl Outgoing {
         &self.body
     }
 
+    /// Its AMQP `type`, if it has one.
+    pub fn kind(&self) -> Option<&str> {
+        self.message_type.as_deref()
+    }
+
     /// Its AMQP `message_id`: a handler's messages have theirs set when published.
     pub fn id(&self) -> Option<&str> {
         self.message_id.as_deref()
@@ -183,6 +228,7 @@ impl Outgoing {
             message_id: Some(message_id),
             content_type: Some("application/json".to_owned()),
             correlation_id: Some(request.correlation_id.clone()),
+            message_type: None,
             headers,
             mandatory: !request.reply_to.starts_with(DIRECT_REPLY_TO),
             reply: Some(Expiry { within: request.expires_in }),
@@ -195,6 +241,7 @@ pub(crate) fn properties(
     message_id: &str,
     content_type: Option<&str>,
     correlation_id: Option<&str>,
+    message_type: Option<&str>,
     headers: &BTreeMap<String, String>,
 ) -> BasicProperties {
     let mut properties = BasicProperties::default().with_delivery_mode(2).with_message_id(message_id.into());
@@ -203,6 +250,9 @@ pub(crate) fn properties(
     }
     if let Some(correlation_id) = correlation_id {
         properties = properties.with_correlation_id(correlation_id.into());
+    }
+    if let Some(message_type) = message_type {
+        properties = properties.with_type(message_type.into());
     }
     if !headers.is_empty() {
         let mut table = lapin::types::FieldTable::default();
@@ -241,8 +291,12 @@ impl Outgoing {
             ("the message id", self.message_id.as_deref()),
             ("the content type", self.content_type.as_deref()),
             ("the correlation id", self.correlation_id.as_deref()),
+            ("the message type", self.message_type.as_deref()),
         ] {
             no_nul(what, text.unwrap_or_default())?;
+        }
+        if let Some(message_type) = &self.message_type {
+            short("the message type", message_type)?;
         }
         let mut header_bytes = 0;
         for (name, value) in &self.headers {
@@ -411,4 +465,45 @@ impl Request {
 pub(crate) fn error_reply(kind: &str, error: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "error": error, "kind": kind }))
         .unwrap_or_else(|_| b"{}".to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct Typed {
+        id: u32,
+    }
+    impl Message for Typed {
+        const EXCHANGE: &'static str = "events";
+        const ROUTING_KEY: &'static str = "typed";
+        const TYPE: Option<&'static str> = Some("thing.happened");
+        const VERSION: Option<u32> = Some(3);
+    }
+
+    #[derive(Serialize)]
+    struct Plain;
+    impl Message for Plain {
+        const EXCHANGE: &'static str = "";
+        const ROUTING_KEY: &'static str = "q";
+    }
+
+    #[test]
+    fn a_typed_message_is_sent_with_its_type_and_version() {
+        let outgoing = Outgoing::of(&Typed { id: 1 }).unwrap();
+        assert_eq!((outgoing.exchange(), outgoing.routing_key()), ("events", "typed"));
+        assert_eq!(outgoing.kind(), Some("thing.happened"));
+        assert_eq!(outgoing.headers().get(crate::base::headers::VERSION).map(String::as_str), Some("3"));
+        let properties = properties("m", None, None, outgoing.kind(), outgoing.headers());
+        assert_eq!(properties.kind().as_ref().map(|k| k.as_str()), Some("thing.happened"));
+        let plain = Outgoing::of(&Plain).unwrap();
+        assert_eq!((plain.kind(), plain.headers().len()), (None, 0));
+    }
+
+    #[test]
+    fn a_message_type_over_255_bytes_is_refused() {
+        let outgoing = Outgoing::of(&Plain).unwrap().message_type("t".repeat(256));
+        assert!(matches!(outgoing.validate(), Err(PublishError::TooLong { .. })));
+    }
 }

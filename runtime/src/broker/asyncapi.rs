@@ -5,8 +5,10 @@
 //! `components`. What idemq adds is in `x-idemq-*` extensions: a handler's key and
 //! dedup, a queue's type and dead-letter queue, a queue's bindings.
 //!
-//! Payloads are described by their Rust type (`x-idemq-rust-type`) and as JSON
-//! objects: no JSON Schema of their fields yet.
+//! Payloads are described by their Rust type (`x-idemq-rust-type`) and by their JSON
+//! Schema (draft 7, inlined) where the type derives `schemars::JsonSchema` and the
+//! feature `schemars` is on; otherwise as JSON objects. A message type's name on the
+//! wire is its AMQP message binding's `messageType`; its version, `x-idemq-version`.
 
 use serde_json::{json, Map, Value};
 
@@ -18,7 +20,21 @@ pub(crate) struct Receiver<'a> {
     pub(crate) handler: &'a str,
     pub(crate) key: &'a str,
     pub(crate) dedup: bool,
-    pub(crate) message: &'static str,
+    pub(crate) message: Shown,
+    /// The Rust type of its result, the reply to a request (`None`: `()`).
+    pub(crate) reply: Option<&'static str>,
+}
+
+/// A message type as the document shows it.
+#[derive(Debug, Clone)]
+pub(crate) struct Shown {
+    /// Its payload's JSON Schema.
+    pub(crate) schema: Option<Value>,
+    pub(crate) rust_type: &'static str,
+    /// Its name on the wire (AMQP `type`).
+    pub(crate) wire_type: Option<&'static str>,
+    /// Its newest version.
+    pub(crate) version: Option<u32>,
 }
 
 /// The AMQP channel bindings' version (AsyncAPI's AMQP bindings).
@@ -38,30 +54,38 @@ pub(crate) fn document(topology: &Topology, receivers: &[Receiver<'_>], title: &
             Some(queue) => doc.queue(queue),
             None => doc.queue(&Queue::new(receiver.queue)),
         };
-        let message = doc.message(receiver.message, &channel);
+        let message = doc.message(receiver.message.clone(), &channel);
         let id = id(&format!("{}.{}", receiver.handler, receiver.queue));
-        doc.operations.insert(
-            id,
-            json!({
-                "action": "receive",
-                "channel": { "$ref": format!("#/channels/{channel}") },
-                "messages": [{ "$ref": format!("#/channels/{channel}/messages/{message}") }],
-                "summary": format!("handler `{}`", receiver.handler),
-                "x-idemq-handler": receiver.handler,
-                "x-idemq-key": receiver.key,
-                "x-idemq-dedup": receiver.dedup,
-            }),
-        );
+        let mut operation = json!({
+            "action": "receive",
+            "channel": { "$ref": format!("#/channels/{channel}") },
+            "messages": [{ "$ref": format!("#/channels/{channel}/messages/{message}") }],
+            "summary": format!("handler `{}`", receiver.handler),
+            "x-idemq-handler": receiver.handler,
+            "x-idemq-key": receiver.key,
+            "x-idemq-dedup": receiver.dedup,
+        });
+        if let Some(reply) = receiver.reply {
+            operation["reply"] = doc.reply(&id, reply);
+        }
+        doc.operations.insert(id, operation);
     }
-    for &(rust_type, exchange, routing_key) in topology.message_types() {
-        let channel = match exchange {
+    for kind in topology.message_types() {
+        let channel = match kind.exchange {
             // The default exchange routes to the queue of that name.
-            "" => doc.queue(&Queue::new(routing_key)),
+            "" => doc.queue(&Queue::new(kind.routing_key)),
             exchange => doc.exchange(exchange, "topic"),
         };
-        let message = doc.message(rust_type, &channel);
+        let shown = Shown {
+            rust_type: kind.rust_type,
+            wire_type: kind.wire_type,
+            version: kind.version,
+            schema: (kind.schema)(),
+        };
+        let message = doc.message(shown, &channel);
+        let routing_key = kind.routing_key;
         doc.operations.insert(
-            id(&format!("send.{}", short(rust_type))),
+            id(&format!("send.{}", short(kind.rust_type))),
             json!({
                 "action": "send",
                 "channel": { "$ref": format!("#/channels/{channel}") },
@@ -141,17 +165,49 @@ impl Document {
         channel
     }
 
-    /// The message of the Rust type `rust_type`, in `components` and on `channel`;
-    /// its id.
-    fn message(&mut self, rust_type: &str, channel: &str) -> String {
+    /// The reply of the operation `operation` to a request, of the Rust type
+    /// `rust_type`: to the request's `reply_to` (direct reply-to or a queue), on a
+    /// channel of its own whose address is that property (unknown in advance).
+    fn reply(&mut self, operation: &str, rust_type: &'static str) -> Value {
+        let channel = id(&format!("reply.{operation}"));
+        self.channels.insert(
+            channel.clone(),
+            json!({
+                "address": null,
+                "messages": {},
+                "description": "The requester's `reply_to` queue (RabbitMQ's direct reply-to, or a queue of its \
+                                own), on the default exchange; the reply carries the request's `correlation_id` \
+                                and `x-idemq-status: ok | error`.",
+            }),
+        );
+        let shown = Shown { rust_type, wire_type: None, version: None, schema: None };
+        let message = self.message(shown, &channel);
+        json!({
+            "address": { "location": "$message.header#/reply_to" },
+            "channel": { "$ref": format!("#/channels/{channel}") },
+            "messages": [{ "$ref": format!("#/channels/{channel}/messages/{message}") }],
+        })
+    }
+
+    /// The message `shown`, in `components` and on `channel`; its id.
+    fn message(&mut self, shown: Shown, channel: &str) -> String {
+        let rust_type = shown.rust_type;
         let message = id(short(rust_type));
         self.messages.entry(message.clone()).or_insert_with(|| {
-            json!({
+            let mut described = json!({
                 "name": short(rust_type),
                 "contentType": "application/json",
-                "payload": { "type": "object" },
+                "payload": shown.schema.clone().unwrap_or_else(|| json!({ "type": "object" })),
                 "x-idemq-rust-type": rust_type,
-            })
+            });
+            if let Some(wire_type) = shown.wire_type {
+                described["bindings"] =
+                    json!({ "amqp": { "messageType": wire_type, "bindingVersion": BINDING_VERSION } });
+            }
+            if let Some(version) = shown.version {
+                described["x-idemq-version"] = json!(version);
+            }
+            described
         });
         if let Some(Value::Object(messages)) =
             self.channels.get_mut(channel).and_then(|c| c.get_mut("messages"))

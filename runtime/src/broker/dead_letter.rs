@@ -107,6 +107,11 @@ fn annotate(delivery: &Delivery, letter: &Letter<'_>, frame_max: u32) -> BasicPr
     set(&mut headers, headers::ERROR, truncate_utf8(letter.error, MAX_ERROR_HEADER_BYTES));
     if let Some(kind) = letter.kind {
         set(&mut headers, headers::ERROR_KIND, kind.as_str());
+        if kind == FailureKind::UnroutableType {
+            let routed =
+                crate::base::amqp_value::routed_type(&delivery.properties, delivery.routing_key.as_str());
+            set(&mut headers, headers::MESSAGE_TYPE, routed);
+        }
     }
     set(&mut headers, headers::HANDLER, letter.handler);
     set(&mut headers, headers::QUEUE, letter.queue);

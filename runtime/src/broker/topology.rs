@@ -31,8 +31,23 @@ pub struct Topology {
     exchanges: Vec<Exchange>,
     queues: Vec<Queue>,
     /// The message types named with [`Topology::message`], for the AsyncAPI
-    /// document: (Rust type, exchange, routing key).
-    messages: Vec<(&'static str, &'static str, &'static str)>,
+    /// document.
+    messages: Vec<MessageKind>,
+}
+
+/// A message type named with [`Topology::message`]: where it is published and
+/// what it says of itself on the wire.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MessageKind {
+    pub(crate) rust_type: &'static str,
+    pub(crate) exchange: &'static str,
+    pub(crate) routing_key: &'static str,
+    /// Its AMQP `type` ([`crate::Message::TYPE`]).
+    pub(crate) wire_type: Option<&'static str>,
+    /// Its version ([`crate::Message::VERSION`]).
+    pub(crate) version: Option<u32>,
+    /// Its payload's JSON Schema, if it has one (feature `schemars`).
+    pub(crate) schema: fn() -> Option<serde_json::Value>,
 }
 
 impl Topology {
@@ -52,8 +67,15 @@ impl Topology {
     /// the default exchange `""`). Registration is explicit: a type is declared where
     /// you name it here, never through a hidden global registry.
     pub fn message<M: crate::Message>(mut self) -> Self {
-        let kind = (std::any::type_name::<M>(), M::EXCHANGE, M::ROUTING_KEY);
-        if !self.messages.contains(&kind) {
+        let kind = MessageKind {
+            rust_type: std::any::type_name::<M>(),
+            exchange: M::EXCHANGE,
+            routing_key: M::ROUTING_KEY,
+            wire_type: M::TYPE,
+            version: M::VERSION,
+            schema: M::payload_schema,
+        };
+        if !self.messages.iter().any(|known| known.rust_type == kind.rust_type) {
             self.messages.push(kind);
         }
         if M::EXCHANGE.is_empty() || self.exchanges.iter().any(|e| e.name == M::EXCHANGE) {
@@ -116,7 +138,7 @@ impl Topology {
 
     /// The message types named with [`Topology::message`]: (Rust type, exchange,
     /// routing key).
-    pub(crate) fn message_types(&self) -> &[(&'static str, &'static str, &'static str)] {
+    pub(crate) fn message_types(&self) -> &[MessageKind] {
         &self.messages
     }
 

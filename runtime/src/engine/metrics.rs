@@ -87,7 +87,9 @@ pub(crate) struct Metrics {
     /// At start-up, what the runtime waits for and why (until it is connected).
     waiting: std::sync::Mutex<Option<String>>,
     /// The handler consuming each queue: the `handler` label of its series.
-    handlers: HashMap<String, &'static str>,
+    /// The `handler` label of each queue's series: its handler's name, or the
+    /// names of a queue's handlers (one per message type), joined by commas.
+    handlers: HashMap<String, String>,
 }
 
 const OUTCOMES: [&str; 6] = ["applied", "duplicate", "already_copied", "retried", "requeued", "abandoned"];
@@ -116,8 +118,15 @@ impl Metrics {
             dedup_deleted: Counter::default(),
             database_ok: AtomicBool::new(false),
             waiting: std::sync::Mutex::new(None),
-            handlers: consumers.iter().cloned().collect(),
+            handlers: HashMap::new(),
         };
+        for (queue, handler) in consumers {
+            let label = metrics.handlers.entry(queue.clone()).or_default();
+            if !label.is_empty() {
+                label.push(',');
+            }
+            label.push_str(handler);
+        }
         metrics.register();
         for (queue, _) in consumers {
             metrics.zero(queue);
@@ -252,8 +261,8 @@ impl Metrics {
 impl Metrics {
     /// The labels of `queue`'s series: the queue and its handler.
     fn consumer(&self, queue: &str) -> Labels {
-        let handler = self.handlers.get(queue).copied().unwrap_or_default();
-        vec![("queue", queue.to_owned()), ("handler", handler.to_owned())]
+        let handler = self.handlers.get(queue).cloned().unwrap_or_default();
+        vec![("queue", queue.to_owned()), ("handler", handler)]
     }
 
     /// The labels of a settled delivery: the consumer's, its outcome and failure kind.

@@ -115,21 +115,31 @@ impl Context {
     /// # Errors
     /// As [`Context::publish`].
     pub fn send<M: Message>(&mut self, message: &M) -> Result<String, PublishError> {
-        self.publish(M::EXCHANGE, message.routing_key(), message)
+        self.publish_outgoing(Outgoing::of(message)?)
     }
 
     /// Publishes a message built by hand (headers, a body that is not JSON); its
     /// message id is the handler's deterministic one, whatever it set. Like every
     /// message published here, it carries the delivery's trace (`traceparent`:
     /// the same trace id, a span id of its own; `tracestate` as it came) unless it
-    /// sets a `traceparent` itself.
+    /// sets a `traceparent` itself. With the feature `otel`, a delivery without a
+    /// trace is handled in a span that starts one, and what it publishes carries it.
     ///
     /// # Errors
     /// None today; kept fallible like [`Context::publish`].
     pub fn publish_outgoing(&mut self, mut outgoing: Outgoing) -> Result<String, PublishError> {
         outgoing.validate()?;
-        if let Some(trace) = self.trace.as_ref().filter(|_| !outgoing.headers.contains_key(TRACEPARENT)) {
-            outgoing.headers.extend(trace.child_headers());
+        if !outgoing.headers.contains_key(TRACEPARENT) {
+            match &self.trace {
+                Some(trace) => outgoing.headers.extend(trace.child_headers()),
+                // An untraced delivery: with `otel`, the handler's span started a
+                // trace, which what it publishes continues.
+                None => {
+                    if let Some(parent) = crate::base::trace::current_traceparent() {
+                        outgoing.headers.insert(TRACEPARENT.to_owned(), parent);
+                    }
+                }
+            }
         }
         let id = if self.random_ids {
             crate::base::random_id()
@@ -172,6 +182,12 @@ impl Context {
     /// it carried a valid one: what the handler publishes continues that trace.
     pub fn trace_id(&self) -> Option<&str> {
         self.trace.as_ref().map(Trace::trace_id)
+    }
+
+    /// The delivery's W3C trace, if it carried a valid `traceparent`: the handler's
+    /// span continues it.
+    pub(crate) fn trace(&self) -> Option<&Trace> {
+        self.trace.as_ref()
     }
 
     /// The handler's dedup scope (its name, or `<namespace>/<name>`).

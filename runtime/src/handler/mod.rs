@@ -9,6 +9,7 @@ pub(crate) mod context;
 pub(crate) mod identity;
 pub(crate) mod key;
 pub(crate) mod prepare;
+pub(crate) mod wire;
 
 use std::fmt;
 use std::future::Future;
@@ -108,6 +109,21 @@ pub trait Handler: Send + Sync + 'static {
     /// `build()` warns when the handler's retry horizon is longer.
     fn idempotency_key_lifetime(&self) -> Option<std::time::Duration> {
         None
+    }
+
+    /// The Rust type of the handler's result — what a request is answered with —
+    /// for the AsyncAPI document; `None` for `()` (the attribute writes it).
+    fn reply_type(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// How the message type is read from a delivery: its name on the wire (the
+    /// AMQP `type`, [`MessageType`](crate::MessageType)) and its versions
+    /// ([`Versioned`](crate::Versioned)). The attribute writes it from what the
+    /// message type implements; not meant to be written by hand.
+    #[doc(hidden)]
+    fn wire(&self) -> crate::handler::wire::Wire<Self::Message> {
+        crate::handler::wire::Wire::plain()
     }
 
     /// Applies the message's effect on `conn`, inside the runtime's transaction.

@@ -10,9 +10,10 @@ use crate::base::outcome::FailureKind;
 use crate::handler::batch::Batch;
 use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::key::{Key, KeyError, Metadata};
+use crate::handler::wire::VersionError;
 use crate::handler::{BoxFuture, Handler, HandlerError};
 
-mod fingerprint;
+pub(crate) mod fingerprint;
 pub(crate) use fingerprint::Fingerprint;
 
 /// The effect of one message, ready to run inside the transaction.
@@ -82,6 +83,16 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn message_type(&self) -> &'static str;
     /// Where its key comes from (`Handler::key_path`).
     fn key_path(&self) -> &'static str;
+    /// The name of its message type on the wire (`#[message(type = "...")]`): what
+    /// routes a delivery to it on a queue several handlers consume.
+    fn amqp_type(&self) -> Option<&'static str>;
+    /// Its message type's version chain (newest first), if the type is versioned;
+    /// an error names a gap in the chain.
+    fn versions(&self) -> Option<Result<Vec<(u32, &'static str)>, String>>;
+    /// Its message type's JSON Schema (feature `schemars`), for the AsyncAPI document.
+    fn payload_schema(&self) -> Option<serde_json::Value>;
+    /// Its result's Rust type (the reply to a request), if not `()`.
+    fn reply_type(&self) -> Option<&'static str>;
     /// Whether its messages run together, as a [`Batch`] ([`Payload::Message`]).
     fn batched(&self) -> bool;
     /// Runs the batch handler on `messages` (each a [`Payload::Message`] this handler
@@ -154,6 +165,22 @@ impl<H: Handler> ErasedHandler for Arc<H> {
         H::key_path(self)
     }
 
+    fn amqp_type(&self) -> Option<&'static str> {
+        H::wire(self).type_name
+    }
+
+    fn versions(&self) -> Option<Result<Vec<(u32, &'static str)>, String>> {
+        H::wire(self).versions.map(|versions| versions.chain())
+    }
+
+    fn payload_schema(&self) -> Option<serde_json::Value> {
+        H::wire(self).schema.map(|schema| schema())
+    }
+
+    fn reply_type(&self) -> Option<&'static str> {
+        H::reply_type(self)
+    }
+
     fn batched(&self) -> bool {
         H::batched(self)
     }
@@ -215,8 +242,24 @@ impl<H: Handler> ErasedHandler for Arc<H> {
                 message: format!("the body nests deeper than {MAX_NESTING} levels (reached {depth}); refused before decoding"),
             });
         }
-        let (message, fingerprint) =
-            fingerprint::decode::<H::Message>(body).map_err(|err| decode_rejection::<H>(self, body, &err))?;
+        let (message, fingerprint) = match H::wire(self).versions {
+            None => fingerprint::decode::<H::Message>(body)
+                .map_err(|err| decode_rejection::<H>(self, body, &err))?,
+            Some(versions) => {
+                versions.decode(properties, body).map(|(m, f, _)| (m, f)).map_err(|err| match err {
+                    VersionError::Header(_) | VersionError::Unknown { .. } => {
+                        Rejection { kind: FailureKind::UnknownVersion, message: err.to_string() }
+                    }
+                    // The newest version's own errors read as any message's (a missing key is `key`).
+                    VersionError::Decode { ref source, newest: true, .. } => {
+                        decode_rejection::<H>(self, body, source)
+                    }
+                    VersionError::Decode { .. } | VersionError::Serialize(_) => {
+                        Rejection { kind: FailureKind::Decode, message: err.to_string() }
+                    }
+                })?
+            }
+        };
         let metadata = Metadata::new(properties, fingerprint.as_slice());
         let key = self.key(&message, &metadata).map_err(|err| key_rejection(self.key_path(), &err))?;
         let lane = match self.lane(&message) {

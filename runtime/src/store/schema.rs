@@ -73,5 +73,7 @@ diesel::table! {
         /// When a reply's requester stops waiting, from the request's `expiration`
         /// (`None`: it had none). The relay's reply TTL, from `created_at`, applies too.
         expires_at -> Nullable<Timestamptz>,
+        /// The AMQP `type` (a message type's name on the wire), if it has one.
+        message_type -> Nullable<Text>,
     }
 }

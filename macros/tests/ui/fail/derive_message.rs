@@ -26,4 +26,41 @@ struct Nothing {
     payment_id: String,
 }
 
+#[derive(Serialize, serde::Deserialize, Message)]
+#[message(previous = Nothing)]
+struct PreviousWithoutVersion {
+    payment_id: String,
+}
+
+#[derive(Serialize, serde::Deserialize, Message)]
+#[message(version = 0)]
+struct VersionZero {
+    payment_id: String,
+}
+
+#[derive(Serialize, serde::Deserialize, Message)]
+#[message(version = 1, previous = Nothing)]
+struct FirstWithPrevious {
+    payment_id: String,
+}
+
+#[derive(Serialize, serde::Deserialize, Message)]
+#[message(version = 1)]
+struct V1 {
+    payment_id: String,
+}
+
+/// No `From<V1>`: underlined at `previous`.
+#[derive(Serialize, serde::Deserialize, Message)]
+#[message(version = 2, previous = V1)]
+struct V2WithoutFrom {
+    payment_id: String,
+}
+
+#[derive(Serialize, Message)]
+#[message(type = "")]
+struct EmptyType {
+    payment_id: String,
+}
+
 fn main() {}

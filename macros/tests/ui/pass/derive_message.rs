@@ -26,7 +26,32 @@ async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested, ctx:
     Ok(())
 }
 
+/// Named on the wire, versioned, with a route: `send` sets the type and version.
+#[derive(Serialize, Deserialize, Message)]
+#[message(type = "payment.refunded", version = 2, previous = RefundV1, exchange = "payments", routing_key = "refund")]
+struct Refund {
+    payment_id: String,
+    cents: i64,
+}
+
+#[derive(Serialize, Deserialize, Message)]
+#[message(version = 1)]
+struct RefundV1 {
+    payment_id: String,
+}
+
+impl From<RefundV1> for Refund {
+    fn from(old: RefundV1) -> Self {
+        Self { payment_id: old.payment_id, cents: 0 }
+    }
+}
+
 fn main() {
+    assert_eq!(<Refund as idemq::MessageType>::TYPE, "payment.refunded");
+    assert_eq!(<Refund as idemq::Versioned>::VERSION, 2);
+    assert_eq!(<Refund as idemq::Message>::TYPE, Some("payment.refunded"));
+    assert_eq!(<Refund as idemq::Message>::VERSION, Some(2));
+    assert_eq!(<RefundV1 as idemq::Versioned>::VERSION, 1);
     assert_eq!(<PaymentRequested as idemq::KeyedMessage>::KEY_PATH, "paymentId");
     assert_eq!(<PaymentApplied as idemq::Message>::ROUTING_KEY, "payment.applied");
     let _ = (apply_payment, Topology::new().message::<PaymentApplied>());

@@ -418,6 +418,7 @@ fn show(browse: &Browse, wanted: usize, index: &mut usize) {
             ("message_id", p.message_id().as_ref().map(|v| v.to_string())),
             ("correlation_id", p.correlation_id().as_ref().map(|v| v.to_string())),
             ("content_type", p.content_type().as_ref().map(|v| v.to_string())),
+            ("type", p.kind().as_ref().map(|v| v.to_string())),
             ("reply_to", p.reply_to().as_ref().map(|v| v.to_string())),
         ] {
             if let Some(value) = value {

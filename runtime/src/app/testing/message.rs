@@ -71,6 +71,14 @@ impl TestMessage {
         self
     }
 
+    /// The AMQP `type`: the message type's name, which routes it on a queue several
+    /// handlers consume.
+    #[must_use]
+    pub fn message_type(mut self, name: &str) -> Self {
+        self.properties = self.properties.with_type(ShortString::from(name));
+        self
+    }
+
     /// The AMQP `reply_to`: with a `correlation_id`, the message is a request.
     #[must_use]
     pub fn reply_to(mut self, queue: &str) -> Self {
@@ -206,6 +214,8 @@ pub(super) struct PublishedRow {
     correlation_id: Option<String>,
     #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
     headers: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    message_type: Option<String>,
     #[diesel(sql_type = diesel::sql_types::Bool)]
     mandatory: bool,
 }
@@ -213,7 +223,7 @@ pub(super) struct PublishedRow {
 /// The columns of [`PublishedRow`], oldest row first.
 pub(super) const PUBLISHED: &str =
     "SELECT message_id, exchange, routing_key, body, content_type, correlation_id, \
-     headers, mandatory FROM idemq_outbox ORDER BY id";
+     headers, message_type, mandatory FROM idemq_outbox ORDER BY id";
 
 impl From<PublishedRow> for Outgoing {
     fn from(row: PublishedRow) -> Self {
@@ -226,6 +236,7 @@ impl From<PublishedRow> for Outgoing {
             message_id: Some(row.message_id),
             content_type: row.content_type,
             correlation_id: row.correlation_id,
+            message_type: row.message_type,
             headers,
             mandatory: row.mandatory,
             reply: None,

@@ -192,7 +192,7 @@ impl Publisher {
     /// # Errors
     /// See [`publish_all`](Self::publish_all).
     pub async fn send<M: Message>(&self, message: &M) -> Result<String, PublishError> {
-        self.publish(M::EXCHANGE, message.routing_key(), message).await
+        self.publish_outgoing(Outgoing::of(message)?).await
     }
 
     /// Publishes `message` as JSON to `exchange` with `routing_key`, and returns its
@@ -358,6 +358,7 @@ fn prepare(outgoing: Outgoing) -> Result<Prepared, PublishError> {
         &id,
         outgoing.content_type.as_deref(),
         outgoing.correlation_id.as_deref(),
+        outgoing.message_type.as_deref(),
         &outgoing.headers,
     );
     Ok(Prepared {

@@ -25,6 +25,7 @@ use super::{Consumer, Delivered};
 use crate::base::duration::human;
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{self, Outgoing, Request};
+use crate::base::trace::Trace;
 use crate::base::verdict;
 use crate::handler::batch::length_mismatch;
 use crate::handler::context::Context;
@@ -116,7 +117,7 @@ impl Consumer {
             }
         };
         let mut ctx = self.context(tx, index, &key);
-        let span = handler_span(self.handler.name(), key.as_str(), ctx.trace_id());
+        let span = handler_span(self.handler.name(), key.as_str(), ctx.trace());
         let mark = conn.mark();
         let (ran, took) = self.guarded(effect(conn, &mut ctx).instrument(span)).await;
         let unfinished = match ran {
@@ -155,7 +156,7 @@ impl Consumer {
             heads.push((index, key, fingerprint));
         }
         let mark = conn.mark();
-        let span = tracing::info_span!("handler", handler = self.handler.name(), messages = count);
+        let span = batch_span(self.handler.name(), &contexts);
         let (ran, took) =
             self.guarded(self.handler.run_batch(conn, messages, contexts).instrument(span)).await;
         let unfinished = match ran {
@@ -404,6 +405,25 @@ fn batch_messages(new: Vec<(usize, Prepared)>) -> Result<Vec<Waiting>, Vec<(usiz
 
 /// The span a handler of one message runs in: its name, the message's key and the
 /// W3C trace id it came with (empty without one), so what it logs is found by any.
-pub(crate) fn handler_span(handler: &str, key: &str, trace_id: Option<&str>) -> tracing::Span {
-    tracing::info_span!("handler", handler, key, trace_id = trace_id.unwrap_or_default())
+/// With the feature `otel`, its parent is the delivery's sender (`traceparent`).
+pub(crate) fn handler_span(handler: &str, key: &str, trace: Option<&Trace>) -> tracing::Span {
+    let trace_id = trace.map(Trace::trace_id).unwrap_or_default();
+    let span = tracing::info_span!("handler", handler, key, trace_id);
+    #[cfg(feature = "otel")]
+    if let Some(trace) = trace {
+        trace.adopt(&span);
+    }
+    span
+}
+
+/// The span a batch handler runs in: its name and the number of messages. With the
+/// feature `otel`, linked to each traced delivery's sender (one span, many parents:
+/// OpenTelemetry's messaging conventions link rather than choose one).
+pub(crate) fn batch_span(handler: &str, contexts: &[Context]) -> tracing::Span {
+    let span = tracing::info_span!("handler", handler, messages = contexts.len());
+    #[cfg(feature = "otel")]
+    for trace in contexts.iter().filter_map(Context::trace) {
+        trace.link(&span);
+    }
+    span
 }

@@ -144,7 +144,7 @@ use crate::store::db;
 
 use counts::Counts;
 pub(crate) use faults::{cancel_statement, panic_message};
-pub(crate) use handlers::handler_span;
+pub(crate) use handlers::{batch_span, handler_span};
 pub(crate) use settle::Unsent;
 use settle::Unsettled;
 

@@ -272,6 +272,7 @@ fn properties(row: &OutboxRow) -> lapin::BasicProperties {
         &row.message_id,
         row.content_type.as_deref(),
         row.correlation_id.as_deref(),
+        row.message_type.as_deref(),
         &headers,
     )
 }

@@ -53,6 +53,7 @@ impl RuntimeBuilder {
         };
         crate::broker::consumer_timeout::check(holding, self.consumer_timeout)?;
         self.check_unique_queues()?;
+        self.check_version_chains()?;
         for warning in self.short_idempotency_keys() {
             tracing::warn!("{warning}");
         }
@@ -147,13 +148,57 @@ impl RuntimeBuilder {
         Ok(())
     }
 
-    /// One handler per queue.
+    /// One handler per queue — or several, one per message type: each handler's
+    /// message type has a name on the wire (`#[message(type = "...")]`), a name of
+    /// its own on that queue, and the queue is not a stream.
     pub(super) fn check_unique_queues(&self) -> Result<(), Error> {
-        let mut seen = std::collections::HashSet::new();
-        for Registration { queue, .. } in &self.consumers {
-            if !seen.insert(queue.as_str()) {
+        let mut queues: Vec<(&str, Vec<&Registration>)> = Vec::new();
+        for registration in &self.consumers {
+            match queues.iter_mut().find(|(queue, _)| *queue == registration.queue) {
+                Some((_, handlers)) => handlers.push(registration),
+                None => queues.push((registration.queue.as_str(), vec![registration])),
+            }
+        }
+        for (queue, handlers) in queues.iter().filter(|(_, handlers)| handlers.len() > 1) {
+            if self.is_stream(queue) {
                 return Err(Error::Config(format!(
-                    "queue '{queue}' has two consumers; give each queue one handler"
+                    "stream '{queue}' has {} handlers; a stream is consumed by one handler (routing by message \
+                     type is for queues): give each message type a stream of its own",
+                    handlers.len()
+                )));
+            }
+            let mut types: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+            for Registration { handler, .. } in handlers {
+                let Some(name) = handler.amqp_type() else {
+                    return Err(Error::Config(format!(
+                        "queue '{queue}' has {} handlers, so each delivery goes to the handler of its message \
+                         type, but `{}` takes `{}`, which has no name on the wire: add \
+                         `#[message(type = \"...\")]` beside its `#[derive(idemq::Message)]`, or give each queue \
+                         one handler",
+                        handlers.len(),
+                        handler.type_path(),
+                        handler.message_type(),
+                    )));
+                };
+                if let Some(other) = types.insert(name, handler.type_path()) {
+                    return Err(Error::Config(format!(
+                        "queue '{queue}': handlers `{other}` and `{}` both take message type '{name}'; a type goes \
+                         to one handler: give one queue to each, or one type to each",
+                        handler.type_path()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Each versioned message type's chain goes down one version per step.
+    pub(super) fn check_version_chains(&self) -> Result<(), Error> {
+        for Registration { handler, .. } in &self.consumers {
+            if let Some(Err(gap)) = handler.versions() {
+                return Err(Error::Config(format!(
+                    "handler `{}`: the versions of its message type have a gap: {gap}",
+                    handler.type_path()
                 )));
             }
         }

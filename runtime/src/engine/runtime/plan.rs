@@ -131,7 +131,16 @@ impl RuntimeBuilder {
                 handler: registration.handler.name(),
                 key: registration.handler.key_path(),
                 dedup: registration.handler.dedup(),
-                message: registration.handler.message_type(),
+                reply: registration.handler.reply_type(),
+                message: crate::broker::asyncapi::Shown {
+                    schema: registration.handler.payload_schema(),
+                    rust_type: registration.handler.message_type(),
+                    wire_type: registration.handler.amqp_type(),
+                    version: registration
+                        .handler
+                        .versions()
+                        .and_then(|chain| chain.ok()?.first().map(|step| step.0)),
+                },
             })
             .collect();
         crate::broker::asyncapi::document(&self.topology, &receivers, title, version)

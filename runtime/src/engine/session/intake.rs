@@ -1,8 +1,10 @@
 //! A consumer's intake: its stream of deliveries into batches, each run as a task
 //! ([`consume`]), or, for a handler with a lane, into the lane pipelines
 //! ([`consume_in_lanes`]) — until the stream ends ([`Loss`]) or the session stops.
+//! A queue consumed by several handlers, one per message type, has one stream and
+//! a router in front of its handlers' intakes ([`consume_routed`]).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,6 +12,7 @@ use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::BasicCancelOptions;
 use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -18,6 +21,7 @@ use super::{bounded, closed};
 use crate::engine::delivery::{Consumer, Item};
 
 /// What an intake loop needs from the session's context.
+#[derive(Clone)]
 pub(super) struct Intake {
     pub(super) permits: Arc<Semaphore>,
     pub(super) tracker: TaskTracker,
@@ -37,7 +41,7 @@ pub(super) struct Intake {
 /// [`consume_in_lanes`].
 pub(super) async fn consume(
     consumer: Arc<Consumer>,
-    mut stream: lapin::Consumer,
+    mut stream: Source,
     tag: String,
     intake: Intake,
     stop: CancellationToken,
@@ -53,7 +57,7 @@ pub(super) async fn consume(
             }
             tokio::select! {
                 () = stop.cancelled() => break None,
-                next = stream.next() => match registered(&consumer, next).await {
+                next = stream.next(&consumer) => match next {
                     Next::Delivery(delivery) => taken.pending.push_back(delivery),
                     Next::Ended(loss) => break Some(loss),
                 },
@@ -83,7 +87,29 @@ pub(super) async fn consume(
     for delivery in taken.pending {
         let _ = consumer.acks.requeue(&delivery).await;
     }
-    intake_ended(&consumer, &tag, loss).await
+    intake_ended(&consumer, &stream, &tag, loss).await
+}
+
+/// Where an intake's deliveries come from.
+pub(super) enum Source {
+    /// The consumer's own stream on its channel: each delivery is registered with
+    /// the channel's acks as it is taken.
+    Broker(lapin::Consumer),
+    /// Its share of a queue several handlers consume ([`consume_routed`]): the
+    /// router took them from the channel's stream and registered them.
+    Routed(mpsc::UnboundedReceiver<Delivery>),
+}
+
+impl Source {
+    async fn next(&mut self, consumer: &Consumer) -> Next {
+        match self {
+            Self::Broker(stream) => registered(consumer, stream.next().await),
+            // The router is gone: it reports why the stream ended.
+            Self::Routed(deliveries) => {
+                deliveries.recv().await.map_or(Next::Ended(Loss::Stopped), Next::Delivery)
+            }
+        }
+    }
 }
 
 /// What an intake has taken from its stream and not yet put in a batch, and why the
@@ -95,7 +121,7 @@ struct Taken {
 
 impl Taken {
     /// Takes whatever has arrived meanwhile, without waiting.
-    async fn arrived(&mut self, consumer: &Consumer, stream: &mut lapin::Consumer) {
+    async fn arrived(&mut self, consumer: &Consumer, stream: &mut Source) {
         while self.ended.is_none() {
             match next_within(consumer, stream, Duration::ZERO).await {
                 None => break,
@@ -128,7 +154,7 @@ impl Taken {
 
     /// With a linger, and nothing else waiting, fills `batch` with what arrives
     /// within it; a redelivered message is kept for a batch of its own.
-    async fn linger(&mut self, consumer: &Consumer, stream: &mut lapin::Consumer, batch: &mut Vec<Item>) {
+    async fn linger(&mut self, consumer: &Consumer, stream: &mut Source, batch: &mut Vec<Item>) {
         let limits = consumer.batch;
         if limits.linger.is_zero()
             || self.ended.is_some()
@@ -164,7 +190,7 @@ impl Taken {
 /// cannot be decoded (it will be dead-lettered) goes to any pipeline.
 async fn consume_in_lanes(
     consumer: Arc<Consumer>,
-    mut stream: lapin::Consumer,
+    mut stream: Source,
     tag: String,
     intake: Intake,
     stop: CancellationToken,
@@ -185,7 +211,7 @@ async fn consume_in_lanes(
     let loss = loop {
         let delivery = tokio::select! {
             () = stop.cancelled() => break None,
-            next = stream.next() => match registered(&consumer, next).await {
+            next = stream.next(&consumer) => match next {
                 Next::Delivery(delivery) => delivery,
                 Next::Ended(loss) => break Some(loss),
             },
@@ -203,7 +229,53 @@ async fn consume_in_lanes(
     };
     // The pipelines finish what they hold (in flight, within the shutdown deadline).
     drop(pipelines);
-    intake_ended(&consumer, &tag, loss).await
+    intake_ended(&consumer, &stream, &tag, loss).await
+}
+
+/// The intake of a queue several handlers consume, one per message type: one
+/// stream, registered with the channel's acks in delivery order (as [`Acks`]
+/// requires), each delivery sent to the intake of the handler of its type — its
+/// AMQP `type`, else its routing key — and one no handler takes to `unroutable`,
+/// whose only outcome is a dead letter. Each handler keeps everything of its own
+/// (dedup scope, batches, lanes, retries); they share the channel and its acks.
+///
+/// [`Acks`]: crate::broker::acks::Acks
+pub(super) async fn consume_routed(
+    routes: Vec<(&'static str, Arc<Consumer>)>,
+    unroutable: Arc<Consumer>,
+    mut stream: lapin::Consumer,
+    tag: String,
+    intake: Intake,
+    stop: CancellationToken,
+) -> Loss {
+    let mut intakes = JoinSet::new();
+    let mut spawn = |consumer: &Arc<Consumer>| {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let source = Source::Routed(receiver);
+        intakes.spawn(consume(Arc::clone(consumer), source, tag.clone(), intake.clone(), stop.clone()));
+        sender
+    };
+    let senders: HashMap<&'static str, mpsc::UnboundedSender<Delivery>> =
+        routes.iter().map(|(name, consumer)| (*name, spawn(consumer))).collect();
+    let unroutable_sender = spawn(&unroutable);
+    let loss = loop {
+        tokio::select! {
+            () = stop.cancelled() => break None,
+            next = stream.next() => match registered(&unroutable, next) {
+                Next::Delivery(delivery) => {
+                    let name = crate::base::amqp_value::routed_type(&delivery.properties, delivery.routing_key.as_str());
+                    // A handler's intake ends only after the senders are dropped (below).
+                    let _ = senders.get(name).unwrap_or(&unroutable_sender).send(delivery);
+                }
+                Next::Ended(loss) => break Some(loss),
+            },
+            // A handler's intake ends on its own only when it finds the channel closed.
+            Some(ended) = intakes.join_next() => break Some(ended.unwrap_or_else(Loss::ConsumerTask)),
+        }
+    };
+    drop((senders, unroutable_sender));
+    while intakes.join_next().await.is_some() {}
+    intake_ended(&unroutable, &Source::Broker(stream), &tag, loss).await
 }
 
 /// The next delivery of a consumer's stream, registered with its channel's acks.
@@ -215,16 +287,14 @@ enum Next {
 }
 
 /// Takes the next delivery, if it is there now (`wait` zero) or arrives within `wait`.
-async fn next_within(consumer: &Consumer, stream: &mut lapin::Consumer, wait: Duration) -> Option<Next> {
-    let next = match stream.next().now_or_never() {
-        Some(next) => next,
-        None if wait.is_zero() => return None,
-        None => tokio::time::timeout(wait, stream.next()).await.ok()?,
-    };
-    Some(registered(consumer, next).await)
+async fn next_within(consumer: &Consumer, stream: &mut Source, wait: Duration) -> Option<Next> {
+    if wait.is_zero() {
+        return stream.next(consumer).now_or_never();
+    }
+    tokio::time::timeout(wait, stream.next(consumer)).await.ok()
 }
 
-async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) -> Next {
+fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) -> Next {
     match next {
         Some(Ok(delivery)) => {
             consumer.acks.received(&delivery);
@@ -237,8 +307,12 @@ async fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) 
 
 /// Why `consumer`'s channel closed, from its stream: lapin hands the broker's close
 /// to the consumer after the deliveries still buffered (dropped here: the broker
-/// requeues them). Waits a moment for it; else a plain "the channel closed".
-async fn closing_reason(consumer: &Consumer, stream: &mut lapin::Consumer) -> Loss {
+/// requeues them). Waits a moment for it; else a plain "the channel closed". (A
+/// routed intake has no stream: its router hears the close.)
+async fn closing_reason(consumer: &Consumer, stream: &mut Source) -> Loss {
+    let Source::Broker(stream) = stream else {
+        return Loss::ChannelClosed { queue: consumer.queue.clone() };
+    };
     let told = async {
         loop {
             match stream.next().await {
@@ -255,11 +329,12 @@ async fn closing_reason(consumer: &Consumer, stream: &mut lapin::Consumer) -> Lo
 }
 
 /// Why an intake loop ended: `loss` if the stream did; after `stop` (`None`) it
-/// cancels the consumer — prefetched deliveries not yet taken return when the channel
-/// closes — and says [`Loss::Stopped`].
-async fn intake_ended(consumer: &Consumer, tag: &str, loss: Option<Loss>) -> Loss {
+/// cancels the consumer (a routed intake leaves that to its router) — prefetched
+/// deliveries not yet taken return when the channel closes — and says [`Loss::Stopped`].
+async fn intake_ended(consumer: &Consumer, source: &Source, tag: &str, loss: Option<Loss>) -> Loss {
     match loss {
         Some(loss) => loss,
+        None if matches!(source, Source::Routed(_)) => Loss::Stopped,
         None => {
             bounded(consumer.channel.basic_cancel(tag.into(), BasicCancelOptions::default())).await;
             Loss::Stopped

@@ -16,6 +16,7 @@
 
 mod intake;
 mod loss;
+mod route;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -300,65 +301,124 @@ async fn begin(
     let session_stop = CancellationToken::new();
     let mut loops = JoinSet::new();
     let mut channels = vec![publisher.clone()];
-    let frame_max = publishing.configuration().frame_max();
-    for (index, spec) in ctx.consumers.iter().enumerate() {
-        let tag = format!("idemq-{}-{}-{session}-{index}", spec.handler.name(), std::process::id());
-        let (consumer, stream) =
-            start_consumer(ctx, spec, session, &tag, consuming, &publisher, frame_max).await?;
-        channels.push(consumer.channel.clone());
-        loops.spawn(intake::consume(consumer, stream, tag, ctx.intake(), session_stop.clone()));
+    let on = On { ctx, session, publisher: &publisher, frame_max: publishing.configuration().frame_max() };
+    for (index, specs) in by_queue(&ctx.consumers).into_iter().enumerate() {
+        let tag = format!("idemq-{}-{}-{session}-{index}", specs[0].handler.name(), std::process::id());
+        // Per-consumer QoS: global QoS on a quorum queue is a connection error. A
+        // queue several handlers consume has room for each one's batches.
+        let prefetch = specs.iter().fold(0_u16, |sum, spec| sum.saturating_add(spec.prefetch));
+        let (channel, stream) = open_consumer(consuming, &specs[0].queue, prefetch, &tag).await?;
+        channels.push(channel.clone());
+        let acks = Arc::new(Acks::default());
+        if let [spec] = specs[..] {
+            tracing::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
+            let consumer = on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel, acks);
+            let source = intake::Source::Broker(stream);
+            loops.spawn(intake::consume(consumer, source, tag, ctx.intake(), session_stop.clone()));
+            continue;
+        }
+        let mut routes = Vec::with_capacity(specs.len());
+        for spec in &specs {
+            // Checked at build(): every handler of a shared queue has a type of its own.
+            let name = spec.handler.amqp_type().unwrap_or_default();
+            tracing::info!(queue = %spec.queue, handler = spec.handler.name(), message_type = name, session, "consuming");
+            routes.push((
+                name,
+                on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel.clone(), Arc::clone(&acks)),
+            ));
+        }
+        let unroutable: Arc<dyn ErasedHandler> = Arc::new(route::Unroutable {
+            queue: specs[0].queue.clone(),
+            types: routes.iter().map(|(name, _)| *name).collect(),
+        });
+        let unroutable = on.consumer(specs[0], unroutable, route::UNROUTABLE, channel, acks);
+        loops.spawn(intake::consume_routed(
+            routes,
+            unroutable,
+            stream,
+            tag,
+            ctx.intake(),
+            session_stop.clone(),
+        ));
     }
     Ok((loops, session_stop, channels))
 }
 
-/// Opens `spec`'s channel on `consuming` (its own prefetch) and consumes its queue
-/// as `tag`: the consumer and its stream of deliveries.
-async fn start_consumer(
-    ctx: &SessionContext,
-    spec: &ConsumerSpec,
-    session: u64,
-    tag: &str,
+/// The consumers of each consumed queue, in registration order: one, or several
+/// (one per message type: see `intake::consume_routed`).
+fn by_queue(consumers: &[ConsumerSpec]) -> Vec<Vec<&ConsumerSpec>> {
+    let mut queues: Vec<Vec<&ConsumerSpec>> = Vec::new();
+    for spec in consumers {
+        match queues.iter_mut().find(|specs| specs[0].queue == spec.queue) {
+            Some(specs) => specs.push(spec),
+            None => queues.push(vec![spec]),
+        }
+    }
+    queues
+}
+
+/// Opens a channel on `consuming` with `prefetch` and consumes `queue` as `tag`:
+/// the channel and its stream of deliveries.
+async fn open_consumer(
     consuming: &Connection,
-    publisher: &Channel,
-    frame_max: u32,
-) -> Result<(Arc<Consumer>, lapin::Consumer), Error> {
+    queue: &str,
+    prefetch: u16,
+    tag: &str,
+) -> Result<(Channel, lapin::Consumer), Error> {
     let channel = consuming.create_channel().await.map_err(amqp("open a consumer channel"))?;
-    // Per-consumer QoS: global QoS on a quorum queue is a connection error.
-    channel
-        .basic_qos(spec.prefetch, BasicQosOptions { global: false })
-        .await
-        .map_err(amqp("set the prefetch"))?;
+    channel.basic_qos(prefetch, BasicQosOptions { global: false }).await.map_err(amqp("set the prefetch"))?;
     let stream = channel
         .basic_consume(
-            spec.queue.as_str().into(),
+            queue.into(),
             tag.into(),
             BasicConsumeOptions { no_ack: false, ..Default::default() },
             FieldTable::default(),
         )
         .await
-        .map_err(amqp(&format!("consume queue '{}'", spec.queue)))?;
-    tracing::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
-    let consumer = Arc::new(Consumer {
-        queue: spec.queue.clone(),
-        dead_letter_queue: spec.declared.dead_letter.clone(),
-        delivery_limit: spec.declared.delivery_limit,
-        retry: spec.retry.clone(),
-        handler: Arc::clone(&spec.handler),
-        scope: spec.scope.clone(),
-        channel,
-        acks: Arc::new(Acks::default()),
-        publisher: publisher.clone(),
-        tracker: ctx.tracker.clone(),
-        frame_max,
-        session,
-        width: Width::new(spec.batch.pipelines),
-        collisions: Default::default(),
-        unsent: Unsent::new(&spec.queue, session),
-        batch: spec.batch,
-        on_conflict: spec.on_conflict,
-        shared: Arc::clone(&ctx.shared),
-    });
-    Ok((consumer, stream))
+        .map_err(amqp(&format!("consume queue '{queue}'")))?;
+    Ok((channel, stream))
+}
+
+/// What a session's consumers are made on.
+struct On<'a> {
+    ctx: &'a SessionContext,
+    session: u64,
+    publisher: &'a Channel,
+    frame_max: u32,
+}
+
+impl On<'_> {
+    /// `spec`'s consumer, running `handler` under `scope`, on `channel`, settling
+    /// through `acks` (one per channel).
+    fn consumer(
+        &self,
+        spec: &ConsumerSpec,
+        handler: Arc<dyn ErasedHandler>,
+        scope: &str,
+        channel: Channel,
+        acks: Arc<Acks>,
+    ) -> Arc<Consumer> {
+        Arc::new(Consumer {
+            queue: spec.queue.clone(),
+            dead_letter_queue: spec.declared.dead_letter.clone(),
+            delivery_limit: spec.declared.delivery_limit,
+            retry: spec.retry.clone(),
+            handler,
+            scope: scope.to_owned(),
+            channel,
+            acks,
+            publisher: self.publisher.clone(),
+            tracker: self.ctx.tracker.clone(),
+            frame_max: self.frame_max,
+            session: self.session,
+            width: Width::new(spec.batch.pipelines),
+            collisions: Default::default(),
+            unsent: Unsent::new(&spec.queue, self.session),
+            batch: spec.batch,
+            on_conflict: spec.on_conflict,
+            shared: Arc::clone(&self.ctx.shared),
+        })
+    }
 }
 
 /// An [`Error::Amqp`] of `action`, the client's error its source.

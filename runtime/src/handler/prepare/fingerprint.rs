@@ -73,6 +73,14 @@ fn decode_removing_ignored<M: DeserializeOwned>(
     Ok(message)
 }
 
+/// The fingerprint of a value as it is (a versioned message's upcast form,
+/// serialized: see `handler::wire`).
+pub(crate) fn of_value(value: &Value) -> Fingerprint {
+    let mut canonical = Vec::new();
+    write_canonical(value, &mut canonical);
+    Sha256::digest(&canonical).into()
+}
+
 /// The fingerprint of the bytes themselves (the fallback, and what idemq stored
 /// before fingerprints were canonical).
 pub(crate) fn raw(body: &[u8]) -> Fingerprint {

@@ -26,6 +26,7 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     let bodies: Vec<&[u8]> = rows.iter().map(|row| row.body.as_slice()).collect();
     let content_types: Vec<Option<&str>> = rows.iter().map(|row| row.content_type.as_deref()).collect();
     let correlation_ids: Vec<Option<&str>> = rows.iter().map(|row| row.correlation_id.as_deref()).collect();
+    let message_types: Vec<Option<&str>> = rows.iter().map(|row| row.message_type.as_deref()).collect();
     let headers: Vec<Option<String>> = rows
         .iter()
         .map(|row| (!row.headers.is_empty()).then(|| serde_json::to_string(&row.headers).unwrap_or_default()))
@@ -41,10 +42,10 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     diesel::sql_query(
         "INSERT INTO idemq_outbox \
          (message_id, exchange, routing_key, body, content_type, correlation_id, headers, mandatory, reply, \
-          expires_at) \
-         SELECT m, e, r, b, c, k, h, y, p, now() + w * interval '1 millisecond' \
+          expires_at, message_type) \
+         SELECT m, e, r, b, c, k, h, y, p, now() + w * interval '1 millisecond', t \
          FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], $7::text[], \
-                     $8::bool[], $9::bool[], $10::bigint[]) AS u(m, e, r, b, c, k, h, y, p, w)",
+                     $8::bool[], $9::bool[], $10::bigint[], $11::text[]) AS u(m, e, r, b, c, k, h, y, p, w, t)",
     )
     .bind::<Array<Text>, _>(ids)
     .bind::<Array<Text>, _>(exchanges)
@@ -56,6 +57,7 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     .bind::<Array<Bool>, _>(mandatory)
     .bind::<Array<Bool>, _>(replies)
     .bind::<Array<Nullable<BigInt>>, _>(windows)
+    .bind::<Array<Nullable<Text>>, _>(message_types)
     .execute(conn)
     .await
     .map(drop)
@@ -89,6 +91,8 @@ pub(crate) struct OutboxRow {
     pub(crate) correlation_id: Option<String>,
     #[diesel(sql_type = Nullable<Text>)]
     pub(crate) headers: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) message_type: Option<String>,
     #[diesel(sql_type = Bool)]
     pub(crate) mandatory: bool,
     #[diesel(sql_type = diesel::sql_types::Integer)]
@@ -117,8 +121,8 @@ pub(crate) async fn claim_outbox(
     reply_ttl: Duration,
 ) -> QueryResult<Vec<OutboxRow>> {
     diesel::sql_query(format!(
-        "SELECT id, message_id, exchange, routing_key, body, content_type, correlation_id, headers, mandatory, \
-                attempts, last_error, coalesce({} <= now(), false) AS expired \
+        "SELECT id, message_id, exchange, routing_key, body, content_type, correlation_id, headers, message_type, \
+                mandatory, attempts, last_error, coalesce({} <= now(), false) AS expired \
          FROM idemq_outbox WHERE available_at <= now() ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
         reply_expiry("$2")
     ))

@@ -15,7 +15,7 @@ use tracing::Instrument;
 use super::{Item, Runner};
 use crate::base::outcome::{FailureKind, Outcome};
 use crate::base::outgoing::{self, Outgoing, Request};
-use crate::engine::delivery::{cancel_statement, handler_span, panic_message};
+use crate::engine::delivery::{batch_span, cancel_statement, handler_span, panic_message};
 use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::prepare::{Erased, Payload, Prepared};
 use crate::handler::HandlerError;
@@ -118,7 +118,7 @@ impl Runner {
                 }
             };
             let mut ctx = self.context(&items[index], &key, attempt);
-            let span = handler_span(self.handler.name(), key.as_str(), ctx.trace_id());
+            let span = handler_span(self.handler.name(), key.as_str(), ctx.trace());
             let guarded = self
                 .guarded(conn, async |conn| {
                     effect(conn, &mut ctx).instrument(span).await.map(|output| output.0)
@@ -291,7 +291,7 @@ impl Runner {
             contexts.push(ctx);
         }
         let handler = Arc::clone(&self.handler);
-        let span = tracing::info_span!("handler", handler = handler.name(), messages = count);
+        let span = batch_span(handler.name(), &contexts);
         let ((outputs, contexts), took) = self
             .guarded(conn, async |conn| handler.run_batch(conn, messages, contexts).instrument(span).await)
             .await

@@ -1,0 +1,1 @@
+ALTER TABLE idemq_outbox DROP COLUMN message_type;
