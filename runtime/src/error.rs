@@ -199,6 +199,19 @@ pub enum Error {
     /// what to write instead.
     #[error("invalid idemq configuration: {0}")]
     Config(String),
+    /// At start-up, the database's durability could lose COMMITs it acknowledged
+    /// (asynchronous standbys, `synchronous_commit = off`), and the runtime was told
+    /// to refuse that ([`ReplicationCheck::Refuse`](crate::ReplicationCheck)).
+    #[error(
+        "the database could lose COMMITs it acknowledged, and with them messages idemq acked: {}. \
+         Fix the server's settings, or start anyway with `replication_check = \"warn\"` \
+         (`--replication-check`, IDEMQ_REPLICATION_CHECK)",
+        concerns.join("; ")
+    )]
+    Replication {
+        /// What the check found, each with its fix.
+        concerns: Vec<String>,
+    },
     /// A setting could not be used because an I/O operation on it failed: a file it
     /// names cannot be read (`AMQP_URL_FILE`, `DATABASE_URL_FILE`, their CLI flags and
     /// config-file keys, the CLI's `--config` file), or the metrics address cannot
@@ -336,6 +349,9 @@ impl fmt::Debug for Error {
                 .field("source", &Redacted(source))
                 .finish(),
             Self::Config(message) => f.debug_tuple("Config").field(message).finish(),
+            Self::Replication { concerns } => {
+                f.debug_struct("Replication").field("concerns", concerns).finish()
+            }
             Self::ConfigIo { message, source } => {
                 f.debug_struct("ConfigIo").field("message", message).field("source", source).finish()
             }

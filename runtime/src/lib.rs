@@ -349,6 +349,7 @@ pub use handler::wire::{MessageType, Versioned};
 pub use handler::{BoxFuture, ErrorClass, Handler, HandlerError, Permanent};
 pub use idemq_macros::{idempotent_handler, Message};
 pub use store::migrate::migrate;
+pub use store::replication::ReplicationCheck;
 
 // The crates whose types appear in idemq's signatures, at the versions idemq is
 // built with: a handler's connection (`diesel_async::AsyncPgConnection`, queried with

@@ -543,6 +543,15 @@ impl Broker {
 
     /// A passive declare of `queue`, on a throwaway channel (a failed passive
     /// declare closes its channel).
+    /// Whether `queue` exists (a passive declare on a channel of its own).
+    pub async fn queue_exists(&self, queue: &str) -> bool {
+        let channel = self.fresh_channel().await;
+        let options = QueueDeclareOptions::default().passive();
+        let exists = channel.queue_declare(queue.into(), options, FieldTable::default()).await.is_ok();
+        close_channel(&channel).await;
+        exists
+    }
+
     async fn inspect(&self, queue: &str) -> lapin::Queue {
         let channel = self.fresh_channel().await;
         let declared = channel

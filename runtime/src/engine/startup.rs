@@ -30,6 +30,7 @@ use crate::base::observe::ConnectionEvent;
 use crate::base::observe::Observers;
 use crate::error::{redact, Dependency, Error};
 use crate::store::db;
+use crate::store::replication::ReplicationCheck;
 
 /// The first wait between attempts (then doubling, with jitter, up to the
 /// reconnect backoff's maximum).
@@ -360,6 +361,55 @@ fn error_chain(err: &tokio_postgres::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+/// The replication check (see `store/replication.rs`), once the database answers:
+/// whether a COMMIT it acknowledges could be lost, warned about or refused as
+/// `check` says. A check that cannot be made (the query refused) is said and
+/// skipped: it must not stop a runtime that would run.
+///
+/// # Errors
+/// [`Error::Replication`] with [`ReplicationCheck::Refuse`] and a concern.
+pub(crate) async fn replication(pool: &db::Pool, check: ReplicationCheck) -> Result<(), Error> {
+    if check == ReplicationCheck::Off {
+        return Ok(());
+    }
+    let read = async {
+        let mut conn = pool.get().await.map_err(|err| err.to_string())?;
+        crate::store::replication::read(&mut conn).await.map_err(|err| err.to_string())
+    };
+    let state = match tokio::time::timeout(DATABASE_ATTEMPT, read).await {
+        Ok(Ok(state)) => state,
+        Ok(Err(error)) => {
+            tracing::warn!(error = %redact(&error), "could not read the database's replication state; not checked");
+            return Ok(());
+        }
+        Err(_) => {
+            tracing::warn!("reading the database's replication state took too long; not checked");
+            return Ok(());
+        }
+    };
+    let concerns = state.concerns();
+    if concerns.is_empty() {
+        tracing::info!(
+            standbys = state.standbys,
+            synchronous_standby_names = %state.standby_names,
+            synchronous_commit = %state.synchronous_commit,
+            "replication: an acknowledged COMMIT survives the loss of the server"
+        );
+        return Ok(());
+    }
+    if check == ReplicationCheck::Refuse {
+        return Err(Error::Replication { concerns });
+    }
+    for concern in &concerns {
+        tracing::warn!(
+            standbys = state.standbys,
+            "the database could lose COMMITs it acknowledged: {concern} (replication_check = \"refuse\" \
+             makes this an error; \"off\" silences it)"
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 
 pub(crate) mod db;
 pub(crate) mod migrate;
+pub(crate) mod replication;
 pub(crate) mod retention;
 pub mod schema;
 

@@ -108,6 +108,8 @@ pub(super) struct Settings {
     max_body_bytes: Option<usize>,
     #[serde(default, deserialize_with = "on_conflict")]
     on_conflict: Option<OnConflict>,
+    #[serde(default, deserialize_with = "replication_check")]
+    replication_check: Option<crate::ReplicationCheck>,
     namespace: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     shutdown_deadline: Option<Duration>,
@@ -126,8 +128,15 @@ pub(super) struct Settings {
 /// Every key of the TOML file, for the error that names them.
 const KEYS: &str = "amqp_url, amqp_url_file, database_url, database_url_file, concurrency, batch_size, prefetch, \
                     http_addr, retention, replay_window, startup_timeout, consumer_timeout, linger, handler_timeout, \
-                    max_body_bytes, on_conflict, namespace, shutdown_deadline, heartbeat, reconnect_max_backoff, \
+                    max_body_bytes, on_conflict, replication_check, namespace, shutdown_deadline, heartbeat, reconnect_max_backoff, \
                     database_retry_limit, relay, relay_poll_interval";
+
+fn replication_check<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<crate::ReplicationCheck>, D::Error> {
+    let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
+    text.map(|text| crate::ReplicationCheck::parse(&text).map_err(serde::de::Error::custom)).transpose()
+}
 
 fn on_conflict<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<OnConflict>, D::Error> {
     let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
@@ -245,6 +254,10 @@ impl Settings {
         }
         if let Some(on_conflict) = setting::<OnConflict>(sub, "on-conflict").or(self.on_conflict) {
             builder = builder.on_conflict(on_conflict);
+        }
+        let check = setting::<crate::ReplicationCheck>(sub, "replication-check").or(self.replication_check);
+        if let Some(check) = check {
+            builder = builder.replication_check(check);
         }
         if let Some(namespace) = setting::<String>(sub, "namespace").or_else(|| self.namespace.clone()) {
             builder = builder.namespace(namespace);

@@ -22,13 +22,13 @@
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
 //! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`,
 //! `IDEMQ_LINGER`, `IDEMQ_HANDLER_TIMEOUT`, `IDEMQ_MAX_BODY_BYTES`, `IDEMQ_ON_CONFLICT`,
-//! `IDEMQ_NAMESPACE`, `IDEMQ_SHUTDOWN_DEADLINE`, `IDEMQ_HEARTBEAT`,
+//! `IDEMQ_REPLICATION_CHECK`, `IDEMQ_NAMESPACE`, `IDEMQ_SHUTDOWN_DEADLINE`, `IDEMQ_HEARTBEAT`,
 //! `IDEMQ_RECONNECT_MAX_BACKOFF`, `IDEMQ_DATABASE_RETRY_LIMIT`, `IDEMQ_RELAY` (`on` or
 //! `off`), `IDEMQ_RELAY_POLL_INTERVAL`), then a TOML file (`--config`, or
 //! `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`, `database_url`,
 //! `concurrency`, `batch_size`, `prefetch`, `http_addr`, `retention`, `replay_window`,
 //! `startup_timeout`, `consumer_timeout`, `linger`, `handler_timeout`,
-//! `max_body_bytes`, `on_conflict`, `namespace`, `shutdown_deadline`, `heartbeat`,
+//! `max_body_bytes`, `on_conflict`, `replication_check`, `namespace`, `shutdown_deadline`, `heartbeat`,
 //! `reconnect_max_backoff`, `database_retry_limit`, `relay`, `relay_poll_interval`),
 //! then the code's builder (the README's Configuration table lists them all). They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
@@ -475,6 +475,18 @@ fn run_command() -> Command {
                 .value_name("WHAT")
                 .value_parser(parse_on_conflict)
                 .help("a known key with another payload: dead-letter (the default) or ignore (ack, log)"),
+        )
+        .arg(
+            Arg::new("replication-check")
+                .long("replication-check")
+                .env("IDEMQ_REPLICATION_CHECK")
+                .hide_env_values(true)
+                .value_name("WHAT")
+                .value_parser(crate::ReplicationCheck::parse)
+                .help(
+                    "when the database could lose acknowledged COMMITs (asynchronous standbys, \
+                     synchronous_commit = off): warn (the default), refuse to start, or off",
+                ),
         )
         .arg(
             Arg::new("namespace")

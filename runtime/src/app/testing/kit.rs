@@ -385,12 +385,34 @@ fn lose_the_ack_when(lose: Arc<AtomicBool>) -> FaultHook {
 
 /// `url` with its database name replaced by `database`.
 fn with_database(url: &str, database: &str) -> Result<String, Error> {
-    let mut parsed = url::Url::parse(url).map_err(|err| {
-        Error::Config(format!(
-            "the test kit needs DATABASE_URL as a URL (postgres://…), not {}: {err}",
-            redact(url)
-        ))
-    })?;
-    parsed.set_path(&format!("/{database}"));
-    Ok(parsed.into())
+    // Not `url::Url`: libpq's multi-host form (`postgres://u@h1:5432,h2:5432/db`) is
+    // not a URL it parses. The path is what follows the authority, up to the query.
+    let refuse = || {
+        Error::Config(format!("the test kit needs DATABASE_URL as a URL (postgres://…), not {}", redact(url)))
+    };
+    let scheme_end = url.find("://").ok_or_else(refuse)? + 3;
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, after) = rest.split_at(authority_end);
+    let query = after.find('?').map_or("", |at| &after[at..]);
+    Ok(format!("{}{authority}/{database}{query}", &url[..scheme_end]))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_kit_names_its_database_in_single_and_multi_host_urls() {
+        let with = |url| super::with_database(url, "kit_1").unwrap();
+        assert_eq!(
+            with("postgres://postgres@127.0.0.1:5432/postgres"),
+            "postgres://postgres@127.0.0.1:5432/kit_1"
+        );
+        assert_eq!(with("postgres://u:p@h"), "postgres://u:p@h/kit_1");
+        assert_eq!(
+            with("postgres://u@h1:5442,h2:5443/db?target_session_attrs=read-write"),
+            "postgres://u@h1:5442,h2:5443/kit_1?target_session_attrs=read-write"
+        );
+        assert_eq!(with("postgresql://u@h?sslmode=require"), "postgresql://u@h/kit_1?sslmode=require");
+        assert!(super::with_database("not a url", "x").is_err());
+    }
 }

@@ -36,6 +36,10 @@
 //! accepted; client certificates required if asked); [`ClusterBuilder::tls`] gives
 //! private RabbitMQ nodes a TLS listener. Together they test what crosses the wire.
 //!
+//! [`PostgresPair`] (feature `testing`) starts a private PostgreSQL primary and a
+//! standby streaming from it, with synchronous or asynchronous [`Replication`], and
+//! kills the primary and promotes the standby, for what a database failover costs.
+//!
 //! [`Cluster`] (feature `test-cluster`, which `testing` includes; no fault hooks,
 //! so a benchmark may use it) starts a private RabbitMQ cluster on this host, for
 //! what happens when a broker node is lost.
@@ -54,6 +58,8 @@ mod kit;
 #[cfg(feature = "testing")]
 mod message;
 #[cfg(feature = "testing")]
+mod pg_pair;
+#[cfg(feature = "testing")]
 mod postgres;
 #[cfg(feature = "testing")]
 mod proxy;
@@ -67,6 +73,8 @@ pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};
 pub use kit::TestKit;
 #[cfg(feature = "testing")]
 pub use message::{HeaderValue, Reply, TestMessage};
+#[cfg(feature = "testing")]
+pub use pg_pair::{PostgresPair, PostgresPairBuilder, Replication};
 #[cfg(feature = "testing")]
 pub use postgres::{PostgresServer, PostgresServerBuilder};
 #[cfg(feature = "testing")]

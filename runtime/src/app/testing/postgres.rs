@@ -242,7 +242,7 @@ impl Drop for PostgresServer {
 
 /// `args` (a program and its arguments) as a command run as `postgres` when we are
 /// root (the server refuses to run as root), as ourselves otherwise.
-fn as_postgres(args: &[&str]) -> std::process::Command {
+pub(super) fn as_postgres(args: &[&str]) -> std::process::Command {
     if is_root() {
         let mut command = std::process::Command::new("runuser");
         command.args(["-u", "postgres", "--"]).args(args);
@@ -263,7 +263,7 @@ fn watchdog(dir: &Path, bin: &Path) -> Result<std::process::Child, ClusterError>
 }
 
 /// The newest PostgreSQL's binaries (`/usr/lib/postgresql/<version>/bin`).
-fn binaries() -> Result<PathBuf, ClusterError> {
+pub(super) fn binaries() -> Result<PathBuf, ClusterError> {
     let versions = std::fs::read_dir("/usr/lib/postgresql")
         .map_err(|source| io("find PostgreSQL's binaries under /usr/lib/postgresql", source))?;
     versions
@@ -295,7 +295,7 @@ fn copy(from: &Path, to: &Path, mode: u32) -> Result<(), ClusterError> {
         .map_err(|source| io(&format!("chmod {}", to.display()), source))
 }
 
-fn append(path: &Path, text: &str) -> Result<(), ClusterError> {
+pub(super) fn append(path: &Path, text: &str) -> Result<(), ClusterError> {
     use std::io::Write;
     std::fs::OpenOptions::new()
         .append(true)
@@ -305,7 +305,7 @@ fn append(path: &Path, text: &str) -> Result<(), ClusterError> {
 }
 
 /// Gives `dir` to `postgres` (when we are root: the server refuses to run as root).
-fn chown(dir: &Path) -> Result<(), ClusterError> {
+pub(super) fn chown(dir: &Path) -> Result<(), ClusterError> {
     if !is_root() {
         return Ok(());
     }

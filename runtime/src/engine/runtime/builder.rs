@@ -71,6 +71,7 @@ pub struct RuntimeBuilder {
     pub(super) database_retry_limit: Duration,
     pub(super) max_body_bytes: usize,
     pub(super) on_conflict: OnConflict,
+    pub(super) replication_check: crate::ReplicationCheck,
     pub(super) namespace: Option<String>,
     pub(super) shutdown_deadline: Duration,
     pub(super) heartbeat: Duration,
@@ -127,6 +128,7 @@ impl RuntimeBuilder {
             database_retry_limit: Duration::from_secs(25 * 60),
             max_body_bytes: 1024 * 1024,
             on_conflict: OnConflict::default(),
+            replication_check: crate::ReplicationCheck::default(),
             namespace: None,
             shutdown_deadline: Duration::from_secs(10),
             heartbeat: Duration::from_secs(20),
@@ -286,6 +288,16 @@ impl RuntimeBuilder {
     /// What to do with a known key arriving with a different payload. Default: dead-letter.
     pub fn on_conflict(mut self, on_conflict: OnConflict) -> Self {
         self.on_conflict = on_conflict;
+        self
+    }
+
+    /// What to do at start-up when the database could lose COMMITs it acknowledged
+    /// — standbys replicated asynchronously (a failover loses what they had not
+    /// received), `synchronous_commit = off` — and with them messages idemq acked:
+    /// warn (the default), refuse to start, or not check. See the README, *Database
+    /// high availability*.
+    pub fn replication_check(mut self, check: crate::ReplicationCheck) -> Self {
+        self.replication_check = check;
         self
     }
 

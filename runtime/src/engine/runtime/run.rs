@@ -161,6 +161,7 @@ impl Assembly {
         if !startup.database(&pool, &b.database_url, shutdown).await? {
             return Ok(None);
         }
+        crate::engine::startup::replication(&pool, b.replication_check).await?;
         let relay_wake = b.relay.map(|_| Arc::new(Notify::new()));
         let shared = Arc::new(Shared {
             pool,

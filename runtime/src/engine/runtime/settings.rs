@@ -50,6 +50,7 @@ pub(crate) const SETTINGS: &[Setting] = &[
     cli("handler_timeout", "--handler-timeout", "IDEMQ_HANDLER_TIMEOUT", "60s"),
     cli("max_body_bytes", "--max-body-bytes", "IDEMQ_MAX_BODY_BYTES", "1048576"),
     cli("on_conflict", "--on-conflict", "IDEMQ_ON_CONFLICT", "ignore"),
+    cli("replication_check", "--replication-check", "IDEMQ_REPLICATION_CHECK", "refuse"),
     cli("namespace", "--namespace", "IDEMQ_NAMESPACE", "billing"),
     cli("shutdown_deadline", "--shutdown-deadline", "IDEMQ_SHUTDOWN_DEADLINE", "10s"),
     cli("heartbeat", "--heartbeat", "IDEMQ_HEARTBEAT", "20s"),

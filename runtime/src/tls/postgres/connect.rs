@@ -207,6 +207,10 @@ async fn check_session(
     }
 }
 
+/// Each host's `connect_timeout` when a URL lists several and sets none (libpq
+/// applies `connect_timeout` per host, as here).
+const MULTI_HOST_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What every address of one URL is reached with.
 struct Settings {
     /// The URL, for refusals (redacted when shown).
@@ -251,7 +255,13 @@ impl Settings {
             mode: target.mode,
             negotiation: config.get_ssl_negotiation(),
             tls: target.tls.clone(),
-            connect_timeout: config.get_connect_timeout().copied(),
+            // Several hosts and no `connect_timeout`: one that swallows packets (a
+            // primary gone with its machine) would hold the attempt in TCP's SYN
+            // retries (minutes) and the pool would give up before the next host.
+            connect_timeout: config.get_connect_timeout().copied().or_else(|| {
+                let hosts = config.get_hosts().len().max(config.get_hostaddrs().len());
+                (hosts > 1).then_some(MULTI_HOST_CONNECT_TIMEOUT)
+            }),
             tcp_user_timeout: config.get_tcp_user_timeout().copied(),
             keepalive,
         }
