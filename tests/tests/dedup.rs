@@ -55,8 +55,13 @@ async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
     let bed = Bed::new().await;
     let a = Running::start(bed.runtime().consume(&bed.queue, slow_payment));
     let b = Running::start(bed.runtime().consume(&bed.queue, slow_payment));
-    // Let both subscribe before the burst, so deliveries alternate between them.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Both subscribed before the burst, so deliveries alternate between them (a
+    // fixed pause was not always enough on a loaded machine: one consumer took the
+    // whole burst and nothing raced).
+    idemq_tests::eventually("both consumers subscribed", Duration::from_secs(30), || async {
+        bed.broker.consumer_count(&bed.queue).await == 2
+    })
+    .await;
 
     let payments: Vec<_> = (0..KEYS).map(|i| payment(100 + i as i64)).collect();
     for p in &payments {
