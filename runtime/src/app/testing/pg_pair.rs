@@ -27,7 +27,7 @@ use tokio::process::Command;
 
 use super::cluster::ClusterError;
 use super::host::{self, io};
-use super::postgres::{append, as_postgres, binaries, chown};
+use super::postgres::{append, binaries, chown, run_as_postgres};
 use super::proxy::NetworkProxy;
 
 /// Every pair's directory is `<BASE>-<pid>-<n>`.
@@ -559,25 +559,7 @@ impl PostgresPair {
 
     /// Runs a PostgreSQL program as `postgres` (when we are root).
     async fn run(&self, args: &[&str]) -> Result<(), ClusterError> {
-        let output = Command::from(as_postgres(args))
-            .current_dir(&self.dir)
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .output()
-            .await
-            .map_err(|source| io(&format!("run {}", args[0]), source))?;
-        if output.status.success() {
-            Ok(())
-        } else {
-            Err(ClusterError::Command {
-                command: args.join(" "),
-                output: format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&output.stdout),
-                    String::from_utf8_lossy(&output.stderr)
-                ),
-            })
-        }
+        run_as_postgres(&self.dir, args).await
     }
 
     fn program(&self, name: &str) -> String {

@@ -202,24 +202,7 @@ impl PostgresServer {
 
     /// Runs a PostgreSQL program as `postgres` (when we are root).
     async fn run(&self, args: &[&str]) -> Result<(), ClusterError> {
-        let output = Command::from(as_postgres(args))
-            .current_dir(&self.dir)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .map_err(|source| io(&format!("run {}", args[0]), source))?;
-        if output.status.success() {
-            Ok(())
-        } else {
-            Err(ClusterError::Command {
-                command: args.join(" "),
-                output: format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&output.stdout),
-                    String::from_utf8_lossy(&output.stderr)
-                ),
-            })
-        }
+        run_as_postgres(&self.dir, args).await
     }
 }
 
@@ -237,6 +220,30 @@ impl Drop for PostgresServer {
             .stderr(std::process::Stdio::null())
             .status();
         let _ = self.watchdog.wait();
+    }
+}
+
+/// Runs `args` (a PostgreSQL program and its arguments) in `dir` as `postgres` (when
+/// we are root), killed if the wait is dropped; its output is the error's.
+pub(super) async fn run_as_postgres(dir: &Path, args: &[&str]) -> Result<(), ClusterError> {
+    let output = Command::from(as_postgres(args))
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(|source| io(&format!("run {}", args[0]), source))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(ClusterError::Command {
+            command: args.join(" "),
+            output: format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        })
     }
 }
 
