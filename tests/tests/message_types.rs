@@ -279,3 +279,215 @@ in_both_modes! {
         assert_eq!(bed.ledger_rows(&fresh.payment_id).await, 0);
     }
 }
+
+// ---------------------------------------------------------------------------
+// Routing that survives copies (issue 34, items 1 and 2): a message routed by the
+// key it was published with (no AMQP `type`) comes back from a wait queue, and is
+// replayed from the DLQ, with the queue's name as routing key; it must still reach
+// its handler, whatever the handler's shape (one message, a batch, a lane).
+
+/// A dispute of a payment: the third type of the routed queue, for a handler with a lane.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(type = "payment.disputed")]
+struct Dispute {
+    payment_id: String,
+    account: String,
+    amount_cents: i64,
+}
+
+/// Keys whose handler fails permanently (until the test takes them out).
+static BROKEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+/// Keys whose handler fails transiently at attempt 1.
+static FLAKY: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// The failure the test staged for `key` at `attempt`, if any.
+fn staged_failure(key: &str, attempt: u32) -> Option<HandlerError> {
+    if BROKEN.lock().expect("broken keys").iter().any(|k| k == key) {
+        return Some(HandlerError::permanent("the ledger refuses it (staged)"));
+    }
+    let flaky = FLAKY.lock().expect("flaky keys").iter().any(|k| k == key);
+    (flaky && attempt == 1).then(|| HandlerError::transient("the ledger is busy (staged, attempt 1)"))
+}
+
+fn ledger_entry(prefix: &str, payment_id: &str, account: &str, amount_cents: i64) -> PaymentRequested {
+    PaymentRequested {
+        payment_id: format!("{prefix}{payment_id}"),
+        account: account.to_owned(),
+        amount_cents,
+    }
+}
+
+#[idempotent_handler(key = "payment_id", name = "routed_pay")]
+async fn routed_pay(
+    conn: &mut AsyncPgConnection,
+    msg: Pay,
+    ctx: &idemq::Context,
+) -> Result<(), HandlerError> {
+    if let Some(err) = staged_failure(&msg.payment_id, ctx.attempt()) {
+        return Err(err);
+    }
+    record_payment(conn, &ledger_entry("", &msg.payment_id, &msg.account, msg.amount_cents)).await?;
+    Ok(())
+}
+
+#[idempotent_handler(key = "payment_id", name = "routed_refunds")]
+async fn routed_refunds(
+    conn: &mut AsyncPgConnection,
+    batch: &mut idemq::Batch<Refund>,
+) -> Result<(), HandlerError> {
+    for (msg, ctx) in batch.iter() {
+        if let Some(err) = staged_failure(&msg.payment_id, ctx.attempt()) {
+            return Err(err);
+        }
+    }
+    for msg in batch.messages() {
+        record_payment(conn, &ledger_entry("refund:", &msg.payment_id, &msg.account, -msg.amount_cents))
+            .await?;
+    }
+    Ok(())
+}
+
+#[idempotent_handler(key = "payment_id", name = "routed_disputes", lane = "account")]
+async fn routed_disputes(
+    conn: &mut AsyncPgConnection,
+    msg: Dispute,
+    ctx: &idemq::Context,
+) -> Result<(), HandlerError> {
+    if let Some(err) = staged_failure(&msg.payment_id, ctx.attempt()) {
+        return Err(err);
+    }
+    record_payment(conn, &ledger_entry("dispute:", &msg.payment_id, &msg.account, msg.amount_cents)).await?;
+    Ok(())
+}
+
+/// A runtime consuming the bed's queue with the three routed handlers.
+fn routed(bed: &Bed) -> idemq::RuntimeBuilder {
+    bed.runtime()
+        .consume(&bed.queue, routed_pay)
+        .consume(&bed.queue, routed_refunds)
+        .consume(&bed.queue, routed_disputes)
+}
+
+/// The bed's queue bound to a topic exchange with `#`, and a confirming channel on it.
+async fn topic_exchange(bed: &Bed) -> lapin::Channel {
+    let channel = bed.broker.connection().create_channel().await.expect("a channel");
+    channel.confirm_select(lapin::options::ConfirmSelectOptions::default()).await.expect("confirms");
+    let (topic, bind) = (ExchangeDeclareOptions::default(), QueueBindOptions::default());
+    channel
+        .exchange_declare(EVENTS.into(), lapin::ExchangeKind::Topic, topic, FieldTable::default())
+        .await
+        .expect("declare");
+    channel
+        .queue_bind(bed.queue.as_str().into(), EVENTS.into(), "#".into(), bind, FieldTable::default())
+        .await
+        .expect("bind");
+    channel
+}
+
+/// Publishes `body` to [`EVENTS`] with `routing_key` and no AMQP `type`.
+async fn publish_untyped(channel: &lapin::Channel, routing_key: &str, body: &[u8]) {
+    let props = BasicProperties::default().with_content_type("application/json".into()).with_delivery_mode(2);
+    let options = BasicPublishOptions { mandatory: true, ..Default::default() };
+    let confirm = channel
+        .basic_publish(EVENTS.into(), routing_key.into(), options, body, props)
+        .await
+        .expect("publish by routing key")
+        .await
+        .expect("confirmed");
+    assert!(matches!(confirm, lapin::Confirmation::Ack(None)), "{confirm:?}");
+}
+
+/// One untyped message of each routed type, published by routing key; returns their keys.
+async fn publish_one_of_each(channel: &lapin::Channel, keys: &[String; 3]) {
+    let account = unique("acct");
+    let pay = Pay { payment_id: keys[0].clone(), account: account.clone(), amount_cents: 500 };
+    let refund = Refund { payment_id: keys[1].clone(), account: account.clone(), amount_cents: 200 };
+    let dispute = Dispute { payment_id: keys[2].clone(), account, amount_cents: 50 };
+    publish_untyped(channel, "payment.requested", &json(&pay)).await;
+    publish_untyped(channel, "payment.refunded", &json(&refund)).await;
+    publish_untyped(channel, "payment.disputed", &json(&dispute)).await;
+}
+
+fn three_keys() -> [String; 3] {
+    [unique("pay"), unique("refund"), unique("dispute")]
+}
+
+/// Each key's ledger row (under the prefix its handler writes) exists exactly once.
+async fn applied_once_each(bed: &Bed, keys: &[String; 3]) {
+    assert_eq!(bed.ledger_rows(&keys[0]).await, 1, "the payment");
+    assert_eq!(bed.ledger_rows(&format!("refund:{}", keys[1])).await, 1, "the refund (batch handler)");
+    assert_eq!(bed.ledger_rows(&format!("dispute:{}", keys[2])).await, 1, "the dispute (lane)");
+}
+
+in_both_modes! {
+    /// Three untyped messages, routed by their routing keys to a plain handler, a
+    /// batch handler and a handler with a lane, each fail once (transiently): their
+    /// retry copies come back from the wait queue with the queue's name as routing
+    /// key, are routed by the key they were published with, and each is applied once
+    /// at attempt 2 — none is dead-lettered `unroutable-type`. An unknown key is
+    /// dead-lettered naming that key, not the queue.
+    async fn an_untyped_message_routed_by_its_key_is_retried_and_applied_once() {
+        let bed = Bed::isolated().await;
+        let channel = topic_exchange(&bed).await;
+        let keys = three_keys();
+        FLAKY.lock().expect("flaky keys").extend(keys.iter().cloned());
+        let running = Running::start(routed(&bed));
+        publish_one_of_each(&channel, &keys).await;
+        for key in &keys {
+            let events = running.wait_for_end(key).await;
+            let outcomes: Vec<(u32, String)> = events.iter().map(|e| (e.attempt, e.outcome.name().to_owned())).collect();
+            assert_eq!(outcomes, [(1, "retried".to_owned()), (2, "applied".to_owned())], "{key}: {events:#?}");
+        }
+        publish_untyped(&channel, "payment.cancelled", br#"{"payment_id":"x"}"#).await;
+        running.wait_until("the unknown key dead-lettered", |events| {
+            events.iter().any(|e| matches!(e.outcome, Outcome::DeadLettered { kind: FailureKind::UnroutableType, .. }))
+        }).await;
+        let events = running.events();
+        running.stop().await.expect("clean shutdown");
+        applied_once_each(&bed, &keys).await;
+        let letters = bed.broker.drain(&bed.dlq).await;
+        assert_eq!(letters.len(), 1, "only the unknown key: {events:#?}");
+        let said = header_str(&letters[0].delivery.properties, idemq::headers::MESSAGE_TYPE);
+        assert_eq!(said.as_deref(), Some("payment.cancelled"));
+    }
+}
+
+in_both_modes! {
+    /// The same three messages fail permanently and are dead-lettered; once the
+    /// cause is fixed, `dlq replay` sends them back to the queue by its name, and
+    /// each reaches its own handler (plain, batch, lane) and is applied once.
+    async fn an_untyped_dead_letter_replayed_reaches_its_handler_and_is_applied_once() {
+        let bed = Bed::isolated().await;
+        let channel = topic_exchange(&bed).await;
+        let keys = three_keys();
+        BROKEN.lock().expect("broken keys").extend(keys.iter().cloned());
+        publish_one_of_each(&channel, &keys).await;
+        let running = Running::start(routed(&bed));
+        running.wait_until("three dead letters", |events| {
+            events.iter().filter(|e| matches!(e.outcome, Outcome::DeadLettered { .. })).count() == 3
+        }).await;
+        let events = running.events();
+        running.stop().await.expect("clean shutdown");
+        assert!(
+            events.iter().all(|e| matches!(e.outcome, Outcome::DeadLettered { kind: FailureKind::Handler, .. })),
+            "each by its own handler, none unroutable: {events:#?}"
+        );
+        BROKEN.lock().expect("broken keys").retain(|k| !keys.contains(k));
+
+        let db = bed.db.url();
+        let argv = ["idemq-test", "--amqp-url", &bed.amqp_url, "--database-url", &db, "dlq", "replay"];
+        let code = idemq::cli::Cli::new("idemq-test", routed(&bed)).run_from(argv).await;
+        assert_eq!(code, std::process::ExitCode::SUCCESS, "dlq replay failed (its error is on stderr)");
+        assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
+
+        let running = Running::start(routed(&bed));
+        for key in &keys {
+            let events = running.wait_for_end(key).await;
+            assert_eq!(events.last().map(|e| e.outcome.clone()), Some(Outcome::Applied), "{key}: {events:#?}");
+        }
+        running.stop().await.expect("clean shutdown");
+        applied_once_each(&bed, &keys).await;
+        assert_eq!(bed.broker.message_count(&bed.dlq).await, 0);
+        assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+    }
+}

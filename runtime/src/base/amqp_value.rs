@@ -4,13 +4,29 @@
 use lapin::types::AMQPValue;
 use lapin::BasicProperties;
 
+use crate::base::headers;
+
 /// The name a delivery is routed by on a queue several handlers consume, one per
-/// message type: its AMQP `type`, else (no `type`, or an empty one) its routing key.
+/// message type: its AMQP `type`, else (no `type`, or an empty one) the routing key
+/// it was first published with.
+///
+/// A copy (a retry coming back from its wait queue, a dead letter, a replay)
+/// arrives with another routing key — the queue's name — so the key it was first
+/// published with is read from [`ORIGINAL_ROUTING_KEY`](headers::ORIGINAL_ROUTING_KEY),
+/// which every copy carries: a message routed by its key is routed the same way
+/// at every attempt and in every generation.
 pub(crate) fn routed_type<'a>(properties: &'a BasicProperties, routing_key: &'a str) -> &'a str {
     match properties.kind() {
         Some(kind) if !kind.as_str().is_empty() => kind.as_str(),
-        _ => routing_key,
+        _ => original_routing_key(properties).unwrap_or(routing_key),
     }
+}
+
+/// The routing key a copy's original was published with
+/// ([`ORIGINAL_ROUTING_KEY`](headers::ORIGINAL_ROUTING_KEY)), if it is a copy.
+fn original_routing_key(properties: &BasicProperties) -> Option<&str> {
+    let value = header(properties, headers::ORIGINAL_ROUTING_KEY)?;
+    std::str::from_utf8(bytes(value)?).ok()
 }
 
 /// The header `name` of a delivery, if it has one.
@@ -50,5 +66,43 @@ pub(crate) fn text(value: &AMQPValue) -> Option<String> {
         AMQPValue::ShortShortInt(v) => Some(v.to_string()),
         AMQPValue::ShortShortUInt(v) => Some(v.to_string()),
         _ => string(value),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+    use lapin::BasicProperties;
+
+    use super::routed_type;
+    use crate::base::headers;
+
+    fn copy_of(original_key: &str) -> BasicProperties {
+        let mut table = FieldTable::default();
+        table.insert(
+            headers::ORIGINAL_ROUTING_KEY.into(),
+            AMQPValue::LongString(LongString::from(original_key)),
+        );
+        BasicProperties::default().with_headers(table)
+    }
+
+    #[test]
+    fn a_delivery_is_routed_by_its_type_first() {
+        let typed = copy_of("payment.refunded").with_type("payment.requested".into());
+        assert_eq!(routed_type(&typed, "payments"), "payment.requested");
+    }
+
+    #[test]
+    fn an_untyped_first_delivery_is_routed_by_its_routing_key() {
+        assert_eq!(routed_type(&BasicProperties::default(), "payment.refunded"), "payment.refunded");
+        let empty = BasicProperties::default().with_type("".into());
+        assert_eq!(routed_type(&empty, "payment.refunded"), "payment.refunded");
+    }
+
+    #[test]
+    fn an_untyped_copy_is_routed_by_the_key_its_original_was_published_with() {
+        // A retry copy comes back from its wait queue, and a replay is published,
+        // with the queue's name as routing key.
+        assert_eq!(routed_type(&copy_of("payment.refunded"), "payments"), "payment.refunded");
     }
 }

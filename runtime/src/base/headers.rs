@@ -13,7 +13,9 @@ pub const ATTEMPTS: &str = "x-idemq-attempts";
 pub const HANDLER: &str = "x-idemq-handler";
 /// The exchange it was first published to.
 pub const ORIGINAL_EXCHANGE: &str = "x-idemq-original-exchange";
-/// The routing key it was first published with.
+/// The routing key it was first published with (set on every copy, kept by a
+/// replay): on a queue several handlers consume, an untyped copy is routed by it,
+/// not by the queue's name it comes back with.
 pub const ORIGINAL_ROUTING_KEY: &str = "x-idemq-original-routing-key";
 /// When it first failed (RFC 3339, UTC).
 pub const FIRST_FAILURE: &str = "x-idemq-first-failure";
@@ -43,7 +45,8 @@ pub const RETRY_OF: &str = "x-idemq-retry-of";
 /// carry: a dead letter must not expire in the DLQ.
 pub const ORIGINAL_EXPIRATION: &str = "x-idemq-original-expiration";
 /// On an `unroutable-type` dead letter: the type no handler of its queue takes (its
-/// AMQP `type`, else its routing key; empty if it had neither).
+/// AMQP `type`, else the routing key it was first published with; empty if it had
+/// neither).
 pub const MESSAGE_TYPE: &str = "x-idemq-message-type";
 /// Which version of its type a message's body is (an integer, as a string or an
 /// AMQP integer; absent: version 1), for a handler whose message type is

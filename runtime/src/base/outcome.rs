@@ -25,7 +25,8 @@ pub enum FailureKind {
     /// or hangs the consumer).
     Poison,
     /// On a queue consumed by several handlers, one for each message type: no
-    /// handler takes the delivery's type (its AMQP `type`, else its routing key).
+    /// handler takes the delivery's type (its AMQP `type`, else the routing key it
+    /// was first published with).
     /// The type is in the dead letter's `x-idemq-message-type` header.
     UnroutableType,
     /// The message's version (its `x-idemq-version` header) is not one its

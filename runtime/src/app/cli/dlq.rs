@@ -362,6 +362,17 @@ fn replays(delivery: &Delivery) -> u32 {
     header(delivery, headers::REPLAY).and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
+/// The routing key the broker's first `x-death` entry names: the one the message
+/// had when the broker first dead-lettered it.
+fn first_death_routing_key(delivery: &Delivery) -> Option<String> {
+    let deaths = delivery.properties.headers().as_ref()?.inner().get("x-death")?;
+    let AMQPValue::FieldArray(deaths) = deaths else { return None };
+    // The broker keeps the most recent death first.
+    let AMQPValue::FieldTable(first) = deaths.as_slice().last()? else { return None };
+    let AMQPValue::FieldArray(keys) = first.inner().get("routing-keys")? else { return None };
+    keys.as_slice().first().and_then(crate::base::amqp_value::string)
+}
+
 fn preview(bytes: &[u8], max: usize) -> String {
     let text = String::from_utf8_lossy(bytes);
     let flat: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
@@ -486,6 +497,15 @@ async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, optio
         // A new generation: a lineage of its own, whose attempt 1 no copy of the
         // letter's first life can settle.
         table.insert(headers::REPLAY.into(), AMQPValue::LongLongInt(i64::from(generation + 1)));
+        // The replay goes to the queue by its name: the key the message was first
+        // published with stays in a header, which routes it on a queue several typed
+        // handlers consume. idemq's letters carry it; one the broker dead-lettered
+        // (its delivery limit) has it only in the `x-death` it drops.
+        if !table.contains_key(headers::ORIGINAL_ROUTING_KEY) {
+            if let Some(key) = first_death_routing_key(d) {
+                table.insert(headers::ORIGINAL_ROUTING_KEY.into(), AMQPValue::LongString(key.into()));
+            }
+        }
         let properties = d.properties.clone().with_headers(table).with_delivery_mode(2);
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
         let confirm =

@@ -103,11 +103,19 @@ impl ErasedHandler for Unroutable {
         properties: &lapin::BasicProperties,
         _limits: InputLimits,
     ) -> Result<Prepared, Rejection> {
-        // The routing key is not at hand here: the router sent the delivery here
-        // because neither its `type` nor its routing key named a handler's type.
+        // The delivery's routing key is not at hand here: the router sent the
+        // delivery here because neither its `type` nor the key it was first
+        // published with named a handler's type (a copy carries that key in a header).
         let said = match properties.kind() {
             Some(kind) if !kind.as_str().is_empty() => format!("message type '{kind}'"),
-            _ => "no message type (no AMQP `type`, and a routing key that names none)".to_owned(),
+            _ => {
+                match crate::base::amqp_value::header(properties, crate::base::headers::ORIGINAL_ROUTING_KEY)
+                    .and_then(crate::base::amqp_value::string)
+                {
+                    Some(key) => format!("no AMQP `type` and the routing key '{key}'"),
+                    None => "no message type (no AMQP `type`, and a routing key that names none)".to_owned(),
+                }
+            }
         };
         Err(Rejection {
             kind: FailureKind::UnroutableType,
