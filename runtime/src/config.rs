@@ -3,7 +3,9 @@
 //! password need not sit in the process's environment.
 //!
 //! Everything that reads `AMQP_URL` or `DATABASE_URL` reads them here: the builders'
-//! defaults, the CLI (through the same [`resolve`]) and the test kit.
+//! defaults, the CLI (through the same [`resolve`]) and the test kit. So does a
+//! builder for the one switch it reads from the environment itself
+//! (`IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER`: [`env_switch`], with the CLI's words).
 
 use std::path::Path;
 
@@ -38,6 +40,27 @@ pub fn env_url(name: &str, default: &str) -> Result<String, Error> {
     let file = std::env::var_os(&file_name);
     Ok(resolve((name, value), (&file_name, file.as_deref().map(Path::new)))?
         .unwrap_or_else(|| default.to_owned()))
+}
+
+/// The switch in the environment variable `name` (`1`, `on`, `true`, `yes` or
+/// their opposites, as the CLI's switches take them), `None` when it is not set.
+///
+/// # Errors
+/// [`Error::Config`] naming the variable when its value is neither on nor off.
+pub(crate) fn env_switch(name: &str) -> Result<Option<bool>, Error> {
+    let Some(value) = std::env::var_os(name) else { return Ok(None) };
+    parse_switch(&value.to_string_lossy())
+        .map(Some)
+        .map_err(|problem| Error::Config(format!("{name}: {problem}")))
+}
+
+/// `on` or `off` (also `true`/`false`, `yes`/`no`, `1`/`0`).
+pub(crate) fn parse_switch(text: &str) -> Result<bool, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(format!("`{text}` is neither on nor off")),
+    }
 }
 
 /// A URL given either as a value or as a file holding it, each with the name it was
@@ -236,6 +259,15 @@ mod tests {
         // A name no test sets: reading it does not race with other tests.
         let url = env_url("IDEMQ_CONFIG_ENV_TEST_UNSET_URL", "amqp://default").expect("default");
         assert_eq!(url, "amqp://default");
+    }
+
+    #[test]
+    fn a_switch_in_the_environment_reads_as_the_clis_and_an_unset_one_is_none() {
+        // A name no test sets: reading it does not race with other tests.
+        assert_eq!(env_switch("IDEMQ_CONFIG_ENV_TEST_UNSET_SWITCH").expect("unset"), None);
+        assert_eq!(parse_switch(" 1 "), Ok(true));
+        assert_eq!(parse_switch("Off"), Ok(false));
+        assert!(parse_switch("maybe").unwrap_err().contains("neither on nor off"));
     }
 
     #[test]

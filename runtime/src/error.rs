@@ -212,6 +212,27 @@ pub enum Error {
         /// What the check found, each with its fix.
         concerns: Vec<String>,
     },
+    /// The AMQP parser this program was built with (lapin's `amq-protocol-types`) is
+    /// not idemq's patched one: upstream fails a whole frame on a short string that is
+    /// not UTF-8 (a `message_id` a pika publisher sent as bytes), which closes the
+    /// connection on every delivery of that message, for ever. An application's own
+    /// workspace builds the upstream crate unless its `Cargo.toml` patches it (cargo
+    /// does not apply idemq's `[patch]`): `fix` holds the two lines to add. Refused by
+    /// [`RuntimeBuilder::build`](crate::RuntimeBuilder::build) unless
+    /// [`allow_unpatched_amqp_parser`](crate::RuntimeBuilder::allow_unpatched_amqp_parser)
+    /// or `IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER=1` accepts the risk.
+    #[error(
+        "the AMQP parser this program was built with (amq-protocol-types, as lapin uses it) {found}. \
+         Fix: {fix}or start anyway, accepting that risk, with {}",
+        crate::broker::parser::OPT_OUT
+    )]
+    UnpatchedAmqpParser {
+        /// What the parser does with a `message_id` that is not UTF-8, and what follows.
+        found: String,
+        /// What to do, with the two lines of `Cargo.toml` (`[patch.crates-io]` and
+        /// `amq-protocol-types = { path = ... }`), each on its own line.
+        fix: String,
+    },
     /// A setting could not be used because an I/O operation on it failed: a file it
     /// names cannot be read (`AMQP_URL_FILE`, `DATABASE_URL_FILE`, their CLI flags and
     /// config-file keys, the CLI's `--config` file), or the metrics address cannot
@@ -351,6 +372,9 @@ impl fmt::Debug for Error {
             Self::Config(message) => f.debug_tuple("Config").field(message).finish(),
             Self::Replication { concerns } => {
                 f.debug_struct("Replication").field("concerns", concerns).finish()
+            }
+            Self::UnpatchedAmqpParser { found, fix } => {
+                f.debug_struct("UnpatchedAmqpParser").field("found", found).field("fix", fix).finish()
             }
             Self::ConfigIo { message, source } => {
                 f.debug_struct("ConfigIo").field("message", message).field("source", source).finish()

@@ -72,14 +72,9 @@ pub(super) fn parse_on_conflict(text: &str) -> Result<OnConflict, String> {
     }
 }
 
-/// `on` or `off` (also `true`/`false`, `yes`/`no`, `1`/`0`).
-pub(super) fn parse_switch(text: &str) -> Result<bool, String> {
-    match text.trim().to_ascii_lowercase().as_str() {
-        "on" | "true" | "yes" | "1" => Ok(true),
-        "off" | "false" | "no" | "0" => Ok(false),
-        _ => Err(format!("`{text}` is neither on nor off")),
-    }
-}
+/// `on` or `off` (also `true`/`false`, `yes`/`no`, `1`/`0`): the words of every
+/// switch, the builder's environment variables' too.
+pub(super) use crate::config::parse_switch;
 
 /// The TOML file's settings.
 #[derive(Debug, Default, serde::Deserialize)]

@@ -86,6 +86,9 @@ pub struct RuntimeBuilder {
     pub(super) reply_ttl: Option<Duration>,
     pub(super) retention: Option<crate::store::retention::Retention>,
     pub(super) prefetch: Option<u16>,
+    /// Set by `allow_unpatched_amqp_parser` (`IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER` too,
+    /// read by `build`).
+    pub(super) allow_unpatched_amqp_parser: bool,
     #[cfg(feature = "metrics")]
     pub(super) http_addr: Option<std::net::SocketAddr>,
     #[cfg(feature = "testing")]
@@ -141,6 +144,7 @@ impl RuntimeBuilder {
             reply_ttl: None,
             retention: None,
             prefetch: None,
+            allow_unpatched_amqp_parser: false,
             #[cfg(feature = "metrics")]
             http_addr: None,
             #[cfg(feature = "testing")]
@@ -472,6 +476,23 @@ impl RuntimeBuilder {
     /// one at a time runs (a transaction-scoped advisory lock per batch).
     pub fn retention(mut self, retention: crate::store::retention::Retention) -> Self {
         self.retention = Some(retention);
+        self
+    }
+
+    /// Starts even when lapin's AMQP parser is upstream `amq-protocol-types`, which
+    /// fails a whole frame on a short string that is not UTF-8 (as does
+    /// `IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER=1`). Without it, [`build`](Self::build)
+    /// refuses such a parser with
+    /// [`Error::UnpatchedAmqpParser`](crate::Error::UnpatchedAmqpParser), naming the two
+    /// lines of `Cargo.toml` that patch it (idemq's workspace has them; an
+    /// application's own workspace needs them too: cargo does not apply a
+    /// dependency's `[patch]`). With it, `build` logs a warning and the risk stays:
+    /// a publisher that sends a `message_id` (or another short-string property, or a
+    /// header name) that is not UTF-8 makes lapin close the connection each time
+    /// that message is delivered, and its queue stops until the broker's delivery
+    /// limit dead-letters it and the messages delivered beside it.
+    pub fn allow_unpatched_amqp_parser(mut self) -> Self {
+        self.allow_unpatched_amqp_parser = true;
         self
     }
 

@@ -15,7 +15,9 @@ impl RuntimeBuilder {
     /// # Errors
     /// [`Error::Config`] naming the setting to fix, including a URL the environment
     /// gave twice (`DATABASE_URL` and `DATABASE_URL_FILE`); [`Error::ConfigIo`] for a
-    /// URL in a file that cannot be read.
+    /// URL in a file that cannot be read; [`Error::UnpatchedAmqpParser`] for a program
+    /// built with upstream's AMQP parser (see
+    /// [`allow_unpatched_amqp_parser`](Self::allow_unpatched_amqp_parser)).
     pub fn build(self) -> Result<Runtime, Error> {
         self.env_urls.check()?;
         if self.consumers.is_empty() {
@@ -77,6 +79,14 @@ impl RuntimeBuilder {
                  take theirs (RelayBuilder::reply_ttl); drop one of the two"
                     .into(),
             ));
+        }
+        // Last, once the settings are right: the program itself. Cheap (five bytes
+        // parsed); the variable is read only for a parser that needs it.
+        let parser = crate::broker::parser::parser();
+        if parser != crate::broker::parser::Parser::Patched {
+            let allowed = self.allow_unpatched_amqp_parser
+                || crate::config::env_switch("IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER")?.unwrap_or(false);
+            crate::broker::parser::check(&parser, allowed)?;
         }
         Ok(Runtime { builder: self, stats: Arc::default() })
     }

@@ -64,6 +64,14 @@ pub(crate) const SETTINGS: &[Setting] = &[
     cli("retention", "--retention", "IDEMQ_RETENTION", "30d"),
     code("observe"),
     cli("http_addr", "--http-addr", "IDEMQ_HTTP_ADDR", "127.0.0.1:9464"),
+    // Read by `build` itself, so that an application's own `main` heeds it too.
+    Setting {
+        method: "allow_unpatched_amqp_parser",
+        flag: None,
+        env: Some("IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER"),
+        toml: None,
+        example: "1",
+    },
 ];
 
 /// Public setters of `builder.rs` that are no settings of their own: deprecated
