@@ -45,7 +45,7 @@ pub(super) async fn start(
     let connection = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
     let prefetch = u16::try_from(concurrency).unwrap_or(u16::MAX);
-    channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
+    channel.basic_qos(prefetch, BasicQosOptions { global: false }).await?;
     let mut config = ManagerConfig::default();
     config.recycling_method = RecyclingMethod::Fast;
     // The same transport as idemq's: TLS as the URL's `sslmode` says (`prefer` by

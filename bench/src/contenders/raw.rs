@@ -24,7 +24,7 @@ pub(super) const PREFETCH: u16 = 1_000;
 pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> Result<Consumer, BenchError> {
     let connection = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
-    channel.basic_qos(PREFETCH, BasicQosOptions::default()).await?;
+    channel.basic_qos(PREFETCH, BasicQosOptions { global: false }).await?;
     let deliveries = super::subscribe(&channel, queue, "idemq-bench-raw").await?;
     let stop = CancellationToken::new();
     let task = tokio::spawn({

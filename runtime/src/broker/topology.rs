@@ -4,7 +4,10 @@
 //! Queues are **quorum** queues by default: they count deliveries
 //! (`x-delivery-count`), which is what bounds poison messages. Each queue gets a
 //! dead-letter queue (`<name>.dlq` unless renamed) and the broker-side backstop
-//! arguments for at-least-once dead-lettering.
+//! arguments for at-least-once dead-lettering. Every quorum queue idemq consumes or
+//! browses has an explicit `x-delivery-limit` (RabbitMQ 4.0 defaults it to 20), and
+//! every queue declared here is durable (RabbitMQ 4.3 refuses transient non-exclusive
+//! ones).
 
 use std::time::Duration;
 
@@ -23,6 +26,14 @@ pub(crate) const BROKER_LIMIT_MARGIN: u32 = 5;
 /// The default [`Queue::delivery_limit`]: the handler starts without an outcome
 /// after which a message is poison.
 pub(crate) const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+
+/// A quorum dead-letter queue's `x-delivery-limit`: none in practice. RabbitMQ 4.0
+/// gives every quorum queue without one a limit of 20, and a DLQ has no dead-letter
+/// exchange: its letters would be *dropped* after 20 returns — and each `idemq dlq
+/// list` (a browse closes its channel) or a crash of any consumer of it is one.
+/// Not RabbitMQ 4's `-1` ("no limit"): 3.x accepts `-1` and drops a message at its
+/// first return (checked on 3.10).
+pub(crate) const DEAD_LETTER_DELIVERY_LIMIT: i64 = i32::MAX as i64;
 
 /// Everything the application declares: exchanges, then queues with their bindings.
 #[derive(Debug, Clone, Default)]
@@ -201,7 +212,7 @@ impl Topology {
         let waits = waits.iter().map(|(queue, name, delay)| (*queue, Some((name.as_str(), *delay))));
         for (queue, wait) in queues.chain(waits) {
             let declared = match wait {
-                None => queue.declare(&channel).await,
+                None => queue.declare_keeping_old_dead_letter_queue(connection, &mut channel).await,
                 Some((name, delay)) => queue.declare_wait_queue(&channel, name, delay).await,
             };
             match declared {
@@ -500,8 +511,32 @@ impl Queue {
         args
     }
 
+    /// Arguments of its dead-letter queue: of its type (a stream's is a quorum queue)
+    /// and, on a quorum queue, [`DEAD_LETTER_DELIVERY_LIMIT`] unless `limit` is
+    /// `false` (a DLQ declared before idemq set one: see
+    /// [`declare_keeping_old_dead_letter_queue`](Self::declare_keeping_old_dead_letter_queue)).
+    fn dead_letter_queue_arguments(&self, limit: bool) -> FieldTable {
+        let mut args = FieldTable::default();
+        match self.queue_type {
+            QueueType::Stream => {
+                args.insert("x-queue-type".into(), long_string("quorum"));
+            }
+            QueueType::Quorum | QueueType::Classic => self.type_arguments(&mut args),
+        }
+        let quorum = matches!(self.queue_type, QueueType::Quorum | QueueType::Stream);
+        if quorum && limit {
+            args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DEAD_LETTER_DELIVERY_LIMIT));
+        }
+        args
+    }
+
     /// Declares the wait queue that holds retries of this queue for `delay`, then
     /// dead-letters them back here.
+    ///
+    /// A quorum wait queue gets no `x-delivery-limit`, and needs none on RabbitMQ 4
+    /// (whose default is 20): nothing consumes it — its messages leave by their TTL,
+    /// dead-lettered back to the queue — and only deliveries to a consumer count.
+    /// (Adding the argument would also make every existing wait queue a 406.)
     pub(crate) async fn declare_wait_queue(
         &self,
         channel: &Channel,
@@ -514,7 +549,66 @@ impl Queue {
         declare_queue(channel, name, args).await
     }
 
+    /// Declares the queue (or stream), its dead-letter queue and its bindings.
+    ///
+    /// Every quorum queue declared here has its `x-delivery-limit` set (RabbitMQ 4.0
+    /// gives one without a default of 20): the queue [`BROKER_LIMIT_MARGIN`] above
+    /// idemq's own [`delivery_limit`](Self::delivery_limit), its dead-letter queue
+    /// [`DEAD_LETTER_DELIVERY_LIMIT`]. Wait queues need none (see
+    /// [`declare_wait_queue`](Self::declare_wait_queue)); a stream has no delivery
+    /// count. A dead-letter queue that exists without the limit (declared before idemq
+    /// set one) is a [`Error::QueueMismatch`] here: `run` keeps it as it is, with a
+    /// warning ([`declare_keeping_old_dead_letter_queue`](Self::declare_keeping_old_dead_letter_queue)).
     pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), Error> {
+        self.declare_itself(channel).await?;
+        declare_queue(channel, &self.dead_letter, self.dead_letter_queue_arguments(true)).await.map_err(
+            |err| match err {
+                Error::QueueMismatch { queue, detail, declared } if lacks_delivery_limit(&detail) => {
+                    let detail = format!(
+                        "{detail} (a dead-letter queue declared by an idemq that set no delivery limit on \
+                         them; `run` and `declare --apply` keep it as it is, with a warning)"
+                    );
+                    Error::QueueMismatch { queue, detail, declared }
+                }
+                other => other,
+            },
+        )?;
+        self.bind_all(channel).await
+    }
+
+    /// [`declare`](Self::declare), but a dead-letter queue that exists without an
+    /// `x-delivery-limit` — declared by an idemq that set none — is kept as it is,
+    /// with a warning, rather than refused: its letters are all there is of some
+    /// messages, and RabbitMQ cannot add an argument to a queue (a 406, which closed
+    /// `channel`: it is replaced by one opened on `connection`).
+    pub(crate) async fn declare_keeping_old_dead_letter_queue(
+        &self,
+        connection: &lapin::Connection,
+        channel: &mut Channel,
+    ) -> Result<(), Error> {
+        self.declare_itself(channel).await?;
+        match declare_queue(channel, &self.dead_letter, self.dead_letter_queue_arguments(true)).await {
+            Err(Error::QueueMismatch { detail, .. }) if lacks_delivery_limit(&detail) => {
+                tracing::warn!(
+                    dlq = %self.dead_letter,
+                    "dead-letter queue declared without x-delivery-limit (by an earlier idemq): kept as it is. \
+                     On RabbitMQ 4.0 and later it gets the default limit of 20, and a letter returned 20 times \
+                     (each `dlq list` returns every letter once) is dropped. Lift it with a policy \
+                     (`delivery-limit`), or move its letters and delete it so that idemq declares it again"
+                );
+                *channel = connection
+                    .create_channel()
+                    .await
+                    .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
+                declare_queue(channel, &self.dead_letter, self.dead_letter_queue_arguments(false)).await?;
+            }
+            other => other?,
+        }
+        self.bind_all(channel).await
+    }
+
+    /// The queue (or stream) alone: no dead-letter queue, no bindings.
+    async fn declare_itself(&self, channel: &Channel) -> Result<(), Error> {
         if self.is_stream() {
             return self.declare_stream(channel).await;
         }
@@ -524,15 +618,11 @@ impl Queue {
             args.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
         }
         // The queue first: a mismatch there is the one the user is asking about.
-        declare_queue(channel, &self.name, args).await?;
-        let mut dlq_args = FieldTable::default();
-        self.type_arguments(&mut dlq_args);
-        declare_queue(channel, &self.dead_letter, dlq_args).await?;
-        self.bind_all(channel).await
+        declare_queue(channel, &self.name, args).await
     }
 
-    /// A stream, with its retention, and its dead-letter queue (quorum: a stream
-    /// cannot dead-letter, idemq publishes the letters there).
+    /// A stream, with its retention. Its dead-letter queue is a quorum queue (a
+    /// stream cannot dead-letter; idemq publishes the letters there).
     async fn declare_stream(&self, channel: &Channel) -> Result<(), Error> {
         let mut args = FieldTable::default();
         args.insert("x-queue-type".into(), long_string("stream"));
@@ -545,11 +635,7 @@ impl Queue {
                 AMQPValue::LongLongInt(i64::try_from(bytes).unwrap_or(i64::MAX)),
             );
         }
-        declare_queue(channel, &self.name, args).await?;
-        let mut dlq_args = FieldTable::default();
-        dlq_args.insert("x-queue-type".into(), long_string("quorum"));
-        declare_queue(channel, &self.dead_letter, dlq_args).await?;
-        self.bind_all(channel).await
+        declare_queue(channel, &self.name, args).await
     }
 
     async fn bind_all(&self, channel: &Channel) -> Result<(), Error> {
@@ -587,6 +673,11 @@ async fn declare_queue(channel: &Channel, name: &str, args: FieldTable) -> Resul
             None => Error::Amqp { action: format!("declare queue '{name}'"), source },
         }
     })
+}
+
+/// Whether a 406's words say the queue exists without the `x-delivery-limit` declared.
+fn lacks_delivery_limit(detail: &str) -> bool {
+    detail.contains("'x-delivery-limit'") && detail.contains("current is none")
 }
 
 /// `durable, x-queue-type=quorum, ...`: what a declaration asks for, for error messages.

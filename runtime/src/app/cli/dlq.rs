@@ -2,11 +2,14 @@
 //!
 //! Browsing takes the dead letters with manual acks on a channel of its own and
 //! closes it, which returns every one it did not ack to the queue, in order. On a
-//! quorum queue each such return counts a delivery (`x-delivery-count`): idemq
-//! declares dead-letter queues without a delivery limit, so browsing can never drop
-//! one on RabbitMQ 3.x. (RabbitMQ 4 gives quorum queues a default limit of 20: there,
-//! declare the DLQ with a policy that lifts it before browsing it often.) A browse
-//! holds the dead letters unacked for at most [`BROWSE_FOR`].
+//! quorum queue each such return counts a delivery (`x-delivery-count`), on RabbitMQ
+//! 3.x and 4.x alike: idemq declares quorum dead-letter queues with an
+//! `x-delivery-limit` no browsing reaches (RabbitMQ 4.0 would otherwise give them a
+//! limit of 20, and drop a letter at it). A DLQ declared by an earlier idemq has none:
+//! on RabbitMQ 4, lift its default with a policy before browsing it often (`run` warns
+//! of it). A browse holds the dead letters unacked for at most [`BROWSE_FOR`], with a
+//! per-consumer prefetch (`basic.qos` with `global = false`: RabbitMQ 4.3 refuses
+//! global QoS).
 //!
 //! Replay publishes each chosen dead letter to its queue (default exchange,
 //! persistent, `mandatory`, confirmed) without `x-delivery-count`, `x-death`,
@@ -198,7 +201,7 @@ impl Browse {
         let want = u16::try_from(count).unwrap_or(MAX_BROWSE).min(MAX_BROWSE);
         let mut letters: Vec<Letter> = Vec::new();
         if want > 0 {
-            channel.basic_qos(want, BasicQosOptions::default()).await?;
+            channel.basic_qos(want, BasicQosOptions { global: false }).await?;
             let mut consumer = channel
                 .basic_consume(
                     dlq.into(),

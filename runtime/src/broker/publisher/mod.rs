@@ -70,7 +70,12 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// correlation id its reply comes back with. A request whose connection is lost
 /// before its reply came is published again, same message id and correlation id, on
 /// the next connection: the handler sees a duplicate and answers it with its stored
-/// reply, byte for byte the first.
+/// reply, byte for byte the first. The reply to the first copy, addressed to the
+/// channel that is gone, is never published: the relay asks the broker whether a
+/// direct reply-to requester is still there (no `basic.return` says so, on any
+/// RabbitMQ version) and keeps a reply to one that is gone until it expires.
+/// No reply queue is declared: nothing here depends on RabbitMQ 4.3 refusing
+/// transient non-exclusive queues.
 ///
 /// ```no_run
 /// # #[derive(serde::Serialize, idemq::Message)]

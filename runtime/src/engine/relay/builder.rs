@@ -88,9 +88,10 @@ impl RelayBuilder {
     /// stopped waiting. Events never expire.
     ///
     /// A reply that cannot be delivered — its `reply_to` queue is gone, as auto-delete
-    /// and exclusive reply queues go with their client — would otherwise stay in the
-    /// outbox for ever, retried every [`max_backoff`](Self::max_backoff) with a
-    /// warning each time. The default outlasts the timeouts requesters wait with
+    /// and exclusive reply queues go with their client, or its direct reply-to
+    /// requester is (checked before publishing: the broker would confirm and drop it)
+    /// — would otherwise stay in the outbox for ever, retried every
+    /// [`max_backoff`](Self::max_backoff) with a warning each time. The default outlasts the timeouts requesters wait with
     /// (seconds to minutes) and a broker outage or relay restart a reply should ride
     /// out, and bounds a stuck reply to about 70 tries (the backoff doubles from
     /// 100 ms to 60 s). Each expired reply is counted ([`RelayPass::expired`](crate::base::observe::RelayPass::expired), the

@@ -103,6 +103,14 @@ pub(crate) enum Refusal {
         /// The row's routing key.
         routing_key: String,
     },
+    /// A reply to a direct reply-to address whose requester is gone (its channel
+    /// closed): never published (the broker would confirm and drop it), kept until it
+    /// expires, like a reply returned unroutable.
+    #[error("the requester is gone: no one consumes its direct reply-to address '{reply_to}' (kept until the reply expires)")]
+    RequesterGone {
+        /// The row's routing key: the requester's direct reply-to address.
+        reply_to: String,
+    },
     /// The broker refused it.
     #[error("the broker refused it (nack)")]
     Nacked,

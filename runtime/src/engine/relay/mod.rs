@@ -7,6 +7,9 @@
 //!        ├─ an expired reply?  → DELETE, never published (counted, one warning per pass)
 //!        ├─ exchange missing?  → postponed with backoff (never published: a publish to a
 //!        │                        missing exchange would close the channel)
+//!        ├─ a reply to a direct reply-to requester that is gone (a passive declare of
+//!        │    its address: 404)? → postponed with backoff (never published: the broker
+//!        │                        would confirm and drop it), until it expires
 //!        ├─ publish all, pipelined (mandatory unless best effort), await the confirms
 //!        │    ├─ confirmed and routed → DELETE
 //!        │    ├─ returned (unroutable) / nacked → postponed with backoff, error kept
@@ -19,7 +22,10 @@
 //! A reply expires ([`RelayBuilder::reply_ttl`]); an event never does. A reply to a
 //! `reply_to` queue that is gone — auto-delete and exclusive reply queues go away with
 //! their client — is returned (312 NO_ROUTE) on every publish and would otherwise be
-//! retried for ever, every `max_backoff`, with a warning each time.
+//! retried for ever, every `max_backoff`, with a warning each time. A reply to a
+//! direct reply-to requester that is gone ends the same way, though the broker says
+//! nothing of it (it confirms and drops such a reply; `mandatory` does not help: 3.x
+//! returns every direct reply, 4.2 and later none): the relay asks before publishing.
 //!
 //! A crash after the broker confirmed and before COMMIT publishes the row again: the
 //! downstream dedup (keyed on the message id, or on the body's key) absorbs it.

@@ -1,6 +1,7 @@
 //! One relay pass, in one transaction: claim the due rows, publish them pipelined,
 //! await the confirms, then delete, postpone or expire each (the module docs' diagram).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use diesel::QueryResult;
@@ -129,8 +130,9 @@ async fn record(
     for (row, result) in rows.iter().zip(results) {
         match result {
             Some(Ok(())) => recorded.sent.push(row.id),
-            Some(Err(error)) if !row.mandatory => {
-                // Best effort (direct reply-to): never retried.
+            // Best effort (direct reply-to): never retried — but for a requester
+            // that is gone, kept to end as every reply nobody can take ends: expired.
+            Some(Err(error)) if !row.mandatory && !matches!(error, Refusal::RequesterGone { .. }) => {
                 tracing::warn!(message_id = %row.message_id, routing_key = %row.routing_key, %error, "outbox relay: a best-effort reply could not be published; dropped");
                 recorded.sent.push(row.id);
             }
@@ -177,8 +179,21 @@ async fn publish_all(link: &mut Link, rows: &[OutboxRow]) -> (Vec<Published>, Op
     (results, lost)
 }
 
-/// Publishes each row whose exchange exists (the others are refused at once), until
+/// The prefix of the addresses RabbitMQ gives direct reply-to requesters
+/// (`amq.rabbitmq.reply-to.<channel and key>`), on the default exchange.
+const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to.";
+
+/// Publishes each row whose exchange exists and, for a reply to a direct reply-to
+/// address, whose requester is still there (the others are refused at once), until
 /// the connection fails. The confirms to await, by row index, and the fault.
+///
+/// A requester that is gone is asked of the broker ([`Link::requester_present`],
+/// once per address and pass), never left to the publish: the broker confirms a
+/// reply to one and drops it, or (with `mandatory`) returns it on 3.x whether the
+/// requester is there or not, and on 4.2 and later never. So such a reply is
+/// postponed like one returned unroutable, and ends the same way: deleted
+/// unpublished once it expires (`idemq_outbox_replies_expired_total`), without
+/// holding up the rows behind it.
 ///
 /// The exchanges are checked first (once per connection each), then every publish
 /// is handed to lapin at once: each `basic_publish` queues its frames (and takes its
@@ -192,15 +207,36 @@ async fn publish(
 ) -> (Vec<(usize, PublisherConfirm)>, Option<RelayError>) {
     let mut publishable = Vec::with_capacity(rows.len());
     let mut lost = None;
+    let mut requesters: HashMap<&str, bool> = HashMap::new();
     for (index, row) in rows.iter().enumerate() {
         match link.exchange_exists(&row.exchange).await {
-            Ok(true) => publishable.push(index),
-            Ok(false) => results[index] = Some(Err(Refusal::NoExchange { exchange: row.exchange.clone() })),
+            Ok(true) => {}
+            Ok(false) => {
+                results[index] = Some(Err(Refusal::NoExchange { exchange: row.exchange.clone() }));
+                continue;
+            }
             Err(reason) => {
                 lost = Some(reason);
                 break;
             }
         }
+        if row.exchange.is_empty() && row.routing_key.starts_with(DIRECT_REPLY_TO) {
+            let present = match requesters.get(row.routing_key.as_str()) {
+                Some(&present) => present,
+                None => match link.requester_present(&row.routing_key).await {
+                    Ok(present) => *requesters.entry(row.routing_key.as_str()).or_insert(present),
+                    Err(reason) => {
+                        lost = Some(reason);
+                        break;
+                    }
+                },
+            };
+            if !present {
+                results[index] = Some(Err(Refusal::RequesterGone { reply_to: row.routing_key.clone() }));
+                continue;
+            }
+        }
+        publishable.push(index);
     }
     let channel = &link.channel;
     let publishes = publishable.iter().map(|&index| {
