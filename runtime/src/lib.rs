@@ -125,7 +125,9 @@
 //!   from the value this consumer read (a fence against a zombie). After any failure
 //!   the consumer subscribes again after the stored offset; one process per
 //!   (handler, stream) consumes, holding a PostgreSQL advisory lock, and another
-//!   takes over when it goes. No dedup row is needed (`dedup = false`), a new
+//!   takes over when it goes — or when it has not reached the broker for
+//!   [`RuntimeBuilder::release_streams_after`]: a lock is held only by a process
+//!   that can consume. No dedup row is needed (`dedup = false`), a new
 //!   handler name replays the stream from its start, and a failing message holds the
 //!   stream (retried in place) until it is applied or dead-lettered. [`Partitions`]
 //!   split a stream by key over N streams that N processes share fairly (advisory
@@ -382,6 +384,7 @@ pub mod observe {
     pub use crate::base::observe::Sweep;
     pub use crate::base::observe::{
         on_connection, on_settled, Batch, Commit, ConnectionEvent, InfrastructureRetry, Observe, RelayPass,
+        StreamEvent, StreamState,
     };
     pub use crate::base::outcome::{Settled, Stats, StatsSnapshot};
 }

@@ -272,9 +272,6 @@ fn group(text: &str, open: usize) -> &str {
 /// examples too.)
 #[test]
 fn no_source_asks_for_global_qos_or_a_transient_shared_queue() {
-    // A transient auto-delete queue declared on the TLS tests' private broker; its
-    // owner was told (RabbitMQ 4.3 would refuse it). Remove once fixed.
-    const KNOWN: &[&str] = &["tests/tests/tls.rs"];
     let this = file!().rsplit('/').next().expect("a file name");
     let mut qos_calls = 0;
     let mut wrong = Vec::new();
@@ -310,7 +307,7 @@ fn no_source_asks_for_global_qos_or_a_transient_shared_queue() {
             };
             let fine =
                 ["passive: true", "durable: true", "exclusive: true"].iter().any(|f| options.contains(f));
-            if !fine && !KNOWN.contains(&path.as_str()) {
+            if !fine {
                 wrong.push(format!("{path}: QueueDeclareOptions {options}"));
             }
         }

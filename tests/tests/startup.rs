@@ -405,3 +405,44 @@ async fn shutdown_during_the_start_up_wait_returns_ok_promptly() {
         .expect("task");
     assert!(result.is_ok(), "{result:?}");
 }
+
+/// Stages a runtime consuming a queue and a stream whose broker stays unreachable
+/// (a black hole) past a 1 s `startup_timeout`, with a 60 s shutdown deadline and
+/// nothing in flight: `run` must fail with `Error::StartupTimeout` at once, not after
+/// the shutdown deadline (the stream consumer kept trying, and the drain waited for
+/// it), and every task must stop with it: no connection attempt reaches the broker's
+/// address after `run` returned.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_startup_timeout_stops_everything_at_once_with_nothing_in_flight() {
+    let bed = Bed::new().await;
+    let gate = Gate::black_hole().await;
+    let stream = unique("stream");
+    let topology = Topology::new().queue(Queue::stream(&stream));
+    let runtime = bed
+        .runtime()
+        .amqp_url(via(&bed.amqp_url, &gate.address()))
+        .topology(topology)
+        .startup_timeout(Duration::from_secs(1))
+        .shutdown_deadline(Duration::from_secs(60))
+        .reconnect_max_backoff(Duration::from_millis(200))
+        .consume(&bed.queue, ledger_payment)
+        .consume(&stream, ledger_payment)
+        .build()
+        .expect("build");
+    let result = with_timeout(
+        "run gives up well before the 60 s shutdown deadline",
+        Duration::from_secs(20),
+        runtime.run(CancellationToken::new()),
+    )
+    .await;
+    assert!(
+        matches!(result, Err(Error::StartupTimeout { dependency: Dependency::Broker, .. })),
+        "{result:?}"
+    );
+    let attempts = gate.accepted.load(Ordering::Relaxed);
+    assert!(attempts >= 1, "the broker was tried");
+    // Two seconds is several of the 200 ms reconnect waits: a task still trying
+    // would be seen.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(gate.accepted.load(Ordering::Relaxed), attempts, "a task kept trying after run returned");
+}

@@ -594,3 +594,173 @@ async fn two_processes_share_two_partitioned_streams_and_one_takes_both_when_the
         "no dedup rows: the offsets did it"
     );
 }
+
+// ---------------------------------------------------------------------------
+// Stream ownership follows the broker (issue 34, item 3): a process that reaches
+// PostgreSQL but not RabbitMQ must not hold a stream's lock, or the stream stalls
+// behind it while a healthy process waits.
+
+/// The release bound of these tests: short, so that a take-over is quick.
+const RELEASE: Duration = Duration::from_secs(2);
+
+/// `/readyz` of a runtime serving on `addr`.
+async fn readyz(addr: std::net::SocketAddr) -> String {
+    tokio::task::spawn_blocking(move || idemq_tests::http_get(addr, "/readyz")).await.expect("GET /readyz")
+}
+
+/// Stages the owner of a stream cut from the broker only (its broker link
+/// black-holed by a proxy; its database link untouched) while a standby that reaches
+/// both waits: the owner must give the stream up after the release bound and say so
+/// on `/readyz` (503, waiting for the broker); the standby takes over at the stored
+/// offset and applies what follows. Every payment is applied once, in order, though
+/// no dedup row exists; once the link heals the former owner stays a standby.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_owner_cut_from_the_broker_gives_the_stream_up_and_a_standby_takes_over() {
+    let (bed, stream) = stream_bed().await;
+    let proxy = idemq::testing::NetworkProxy::in_front_of(&bed.amqp_url).await.expect("a proxy");
+    let addr = idemq_tests::free_addr();
+    let owner = Running::start(
+        runtime(&bed, &stream)
+            .amqp_url(proxy.url_for(&bed.amqp_url))
+            .release_streams_after(RELEASE)
+            .http_addr(addr),
+    );
+    let first: Vec<_> = (0..50).map(|i| payment(7000 + i)).collect();
+    publish(&bed, &stream, &first).await;
+    owner.wait_settled(first.len()).await;
+    idemq_tests::eventually(
+        "the owner's /readyz says it owns the stream",
+        Duration::from_secs(20),
+        || async { readyz(addr).await.contains(&format!("stream {stream} (stream_ledger): owned")) },
+    )
+    .await;
+    let standby = Running::start(runtime(&bed, &stream).release_streams_after(RELEASE));
+
+    proxy.black_hole();
+    let second: Vec<_> = (0..50).map(|i| payment(8000 + i)).collect();
+    publish(&bed, &stream, &second).await;
+    with_timeout("the standby takes over", Duration::from_secs(60), standby.wait_settled(second.len())).await;
+    let ready = readyz(addr).await;
+    assert!(
+        ready.contains(" 503")
+            && ready.contains(&format!("stream {stream} (stream_ledger): waiting for the broker")),
+        "the cut-off owner is not ready: {ready}"
+    );
+
+    proxy.restore();
+    let third: Vec<_> = (0..50).map(|i| payment(9000 + i)).collect();
+    publish(&bed, &stream, &third).await;
+    with_timeout(
+        "the standby goes on",
+        Duration::from_secs(30),
+        standby.wait_settled(second.len() + third.len()),
+    )
+    .await;
+    assert_eq!(owner.events().len(), first.len(), "the former owner applied nothing after it was cut off");
+    standby.stop().await.expect("clean shutdown");
+    owner.stop().await.expect("clean shutdown");
+    let all: Vec<String> = [first, second, third].iter().flat_map(|p| ids(p)).collect();
+    assert_eq!(applied(&bed).await, all, "each once, in order, across the take-over");
+}
+
+/// Stages a process started while its broker link is black-holed, beside nothing
+/// yet: it must not take the stream's lock (it could not consume). A healthy process
+/// started after it owns the stream and applies every payment; the first one's
+/// `/readyz` says it waits for the broker.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_started_during_a_broker_outage_never_holds_the_stream() {
+    let (bed, stream) = stream_bed().await;
+    let proxy = idemq::testing::NetworkProxy::in_front_of(&bed.amqp_url).await.expect("a proxy");
+    proxy.black_hole();
+    let addr = idemq_tests::free_addr();
+    let stuck = Running::start(
+        runtime(&bed, &stream)
+            .amqp_url(proxy.url_for(&bed.amqp_url))
+            .release_streams_after(RELEASE)
+            .http_addr(addr),
+    );
+    idemq_tests::eventually("the stuck process waits for the broker", Duration::from_secs(20), || async {
+        readyz(addr).await.contains(" 503")
+    })
+    .await;
+    let payments: Vec<_> = (0..200).map(|i| payment(10_000 + i)).collect();
+    publish(&bed, &stream, &payments).await;
+    let healthy = Running::start(runtime(&bed, &stream).release_streams_after(RELEASE));
+    with_timeout(
+        "the healthy process applies the stream",
+        Duration::from_secs(60),
+        healthy.wait_settled(payments.len()),
+    )
+    .await;
+    let ready = readyz(addr).await;
+    assert!(ready.contains(&format!("stream {stream} (stream_ledger): waiting for the broker")), "{ready}");
+    assert!(stuck.events().is_empty());
+    healthy.stop().await.expect("clean shutdown");
+    proxy.restore();
+    stuck.stop().await.expect("clean shutdown");
+    assert_eq!(applied(&bed).await, ids(&payments), "each once, in order");
+}
+
+/// Partitions: two processes share two partitioned streams, one each; one of them
+/// is cut from the broker only. It must give its stream up *and* stop counting
+/// among the processes sharing them, so that the other's share grows to both and it
+/// takes the stream over. Every payment is applied once, each stream's in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partition_owner_cut_from_the_broker_gives_its_stream_to_the_other_process() {
+    let bed = Bed::isolated().await;
+    let partitions = Partitions::new(idemq_tests::unique("partitioned").as_str(), 2);
+    let channel = bed.broker.connection().create_channel().await.expect("a channel");
+    Topology::new().partitions(partitions.clone()).declare(&channel).await.expect("declare the partitions");
+    let proxy = idemq::testing::NetworkProxy::in_front_of(&bed.amqp_url).await.expect("a proxy");
+    let partitioned = |bed: &Bed| {
+        bed.runtime()
+            .topology(Topology::new().partitions(partitions.clone()))
+            .batch_size(16)
+            .release_streams_after(RELEASE)
+            .consume_partitions(&partitions, stream_ledger)
+    };
+    // Told apart in `pg_stat_activity` by their connections' application_name.
+    let named = |tag: &str| format!("{}?application_name={tag}", bed.db.url());
+    let cut =
+        Running::start(partitioned(&bed).amqp_url(proxy.url_for(&bed.amqp_url)).database_url(named("cut")));
+    let healthy = Running::start(partitioned(&bed).database_url(named("healthy")));
+    idemq_tests::eventually("each process owns one stream", Duration::from_secs(60), || async {
+        owning_processes(&bed).await == 2
+    })
+    .await;
+    let shared: Vec<_> = (0..100).map(|i| payment(11_000 + i)).collect();
+    publish_partitioned(&bed, &partitions, &shared).await;
+    idemq_tests::eventually("the first wave applied", Duration::from_secs(60), || async {
+        applied(&bed).await.len() >= shared.len()
+    })
+    .await;
+    assert!(!cut.events().is_empty() && !healthy.events().is_empty(), "each applied its stream's share");
+
+    proxy.black_hole();
+    let after: Vec<_> = (0..100).map(|i| payment(12_000 + i)).collect();
+    publish_partitioned(&bed, &partitions, &after).await;
+    let before = healthy.events().len();
+    with_timeout(
+        "the healthy process takes both streams",
+        Duration::from_secs(60),
+        healthy.wait_settled(before + after.len()),
+    )
+    .await;
+    healthy.stop().await.expect("clean shutdown");
+    proxy.restore();
+    cut.stop().await.expect("clean shutdown");
+
+    let all: Vec<PaymentRequested> = shared.into_iter().chain(after).collect();
+    let ledger = applied(&bed).await;
+    assert_eq!(ledger.len(), all.len(), "each payment once");
+    for partition in 0..partitions.count() {
+        let of = |ids: Vec<String>| -> Vec<String> {
+            ids.into_iter().filter(|id| partitions.partition_of(id) == partition).collect()
+        };
+        assert_eq!(
+            of(ledger.clone()),
+            of(ids(&all)),
+            "stream {partition}'s payments once each, in its order"
+        );
+    }
+}

@@ -325,7 +325,7 @@ async fn broker_client_certificates_are_accepted_when_given_and_refused_when_mis
     channel
         .queue_declare(
             queue.as_str().into(),
-            lapin::options::QueueDeclareOptions { auto_delete: true, ..Default::default() },
+            lapin::options::QueueDeclareOptions { exclusive: true, ..Default::default() },
             lapin::types::FieldTable::default(),
         )
         .await

@@ -52,6 +52,50 @@ pub enum ConnectionEvent {
     },
 }
 
+/// Where one stream consumer (a handler on a stream or partition) stands, as
+/// [`StreamEvent`] reports it: what `/readyz` shows per stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StreamState {
+    /// The broker does not answer this process: it takes no stream's lock until it
+    /// does (a process cut from the broker must not hold a stream others could
+    /// consume).
+    WaitingForBroker,
+    /// Another process owns the stream (or this one owns its share of the
+    /// partitions): this one takes over when that changes.
+    Standby,
+    /// This process owns the stream and consumes it.
+    Owned,
+    /// Given up: the broker did not answer for the
+    /// [release bound](crate::RuntimeBuilder::release_streams_after), so another
+    /// process may take it over.
+    Released,
+}
+
+impl StreamState {
+    /// `waiting_for_broker`, `standby`, `owned` or `released`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::WaitingForBroker => "waiting_for_broker",
+            Self::Standby => "standby",
+            Self::Owned => "owned",
+            Self::Released => "released",
+        }
+    }
+}
+
+/// A stream consumer's ownership changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StreamEvent {
+    /// The handler's name.
+    pub handler: &'static str,
+    /// The stream (or partition).
+    pub stream: String,
+    /// Where it stands now.
+    pub state: StreamState,
+}
+
 /// A subscriber to what the runtime does. Every method has a no-op default:
 /// implement the ones you need. Methods run on the runtime's tasks, in line: keep
 /// them quick (count, record, send to a channel), never block.
@@ -90,6 +134,11 @@ pub trait Observe: Send + Sync + 'static {
     /// The connection to the broker changed (or start-up found the broker or the
     /// database unreachable: [`ConnectionEvent::Unreachable`]).
     fn connection(&self, event: &ConnectionEvent) {
+        let _ = event;
+    }
+
+    /// A stream consumer's ownership changed (it took, waits for or gave up a stream).
+    fn stream(&self, event: &StreamEvent) {
         let _ = event;
     }
 
@@ -219,6 +268,10 @@ impl Observers {
         self.0.iter().for_each(|o| o.connection(event));
     }
 
+    pub(crate) fn stream(&self, event: &StreamEvent) {
+        self.0.iter().for_each(|o| o.stream(event));
+    }
+
     pub(crate) fn received(&self, queue: &str) {
         self.0.iter().for_each(|o| o.received(queue));
     }
@@ -252,6 +305,10 @@ impl<T: Observe> Observe for Arc<T> {
 
     fn connection(&self, event: &ConnectionEvent) {
         (**self).connection(event);
+    }
+
+    fn stream(&self, event: &StreamEvent) {
+        (**self).stream(event);
     }
 
     fn batch(&self, batch: &Batch<'_>) {

@@ -4,10 +4,21 @@
 //!
 //! - `GET /metrics`: every series below, registered at zero from start-up (an idle
 //!   process already exposes them);
-//! - `GET /healthz`: 200 while the process is up;
-//! - `GET /readyz`: 200 while connected to the broker (consuming) and the database
-//!   answered within the last refresh, else 503 with the reason — at start-up, while
-//!   the runtime waits for an unreachable broker or database, which one and why.
+//! - `GET /healthz` (liveness): 200 while the process's async runtime runs its
+//!   tasks; 503 once it has not for [`STALLED_AFTER`] (every worker thread blocked:
+//!   a restart is the cure). An unreachable broker or database is *not* a liveness
+//!   failure — a restart does not mend a network — and it is what `/readyz` says.
+//! - `GET /readyz` (readiness): 200 while connected to the broker (consuming), the
+//!   database answered within the last refresh, and no stream waits for the broker;
+//!   else 503 with the first reason — at start-up, while the runtime waits for an
+//!   unreachable broker or database, which one and why. The body has a line per
+//!   check: the broker, the database, each stream consumer (owned, standby, or
+//!   waiting for the broker, and for how long) and the outbox (rows waiting, the
+//!   oldest's age: the relay's lag).
+//!
+//! An orchestrator probes `/healthz` to restart a stuck process and `/readyz` to
+//! hold a rollout (or alert) while a process cannot consume; a standby of a stream
+//! owned elsewhere is ready.
 //!
 //! | series | |
 //! |---|---|
@@ -26,6 +37,8 @@
 //! | `idemq_outbox_published_total`, `idemq_outbox_postponed_total` | relay results |
 //! | `idemq_outbox_replies_expired_total` | replies deleted unpublished: past the reply TTL or their request's `expiration` (the requester stopped waiting; most often its `reply_to` queue is gone) |
 //! | `idemq_outbox_backlog` | rows waiting in the outbox (refreshed every 5 s) |
+//! | `idemq_outbox_oldest_seconds` | the age of the oldest row waiting in the outbox: the relay's lag (refreshed every 5 s) |
+//! | `idemq_stream_owned{stream, handler}` | 1 while this process owns the stream for the handler |
 //! | `idemq_dedup_rows_deleted_total` | rows the retention sweep deleted |
 //!
 //! `handler` is the name of the handler consuming the queue (as in the
@@ -33,11 +46,11 @@
 //!
 //! The hot path knows nothing of this: it is one more [`Observe`] subscriber.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -45,11 +58,21 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::base::observe::ConnectionEvent;
 use crate::base::observe::{Batch, InfrastructureRetry, Observe, RelayPass};
+use crate::base::observe::{ConnectionEvent, StreamEvent, StreamState};
 use crate::base::outcome::{FailureKind, Outcome, Settled};
 
 type Labels = Vec<(&'static str, String)>;
+
+/// Each stream consumer's state and since when, by (stream, handler).
+type StreamStates = BTreeMap<(String, &'static str), (StreamState, Instant)>;
+
+/// How often the liveness beat runs.
+const BEAT_EVERY: Duration = Duration::from_secs(1);
+
+/// How long the async runtime may go without running the beat before `/healthz`
+/// answers 503.
+pub(crate) const STALLED_AFTER: Duration = Duration::from_secs(15);
 
 /// Histograms with the buckets of [`histogram`].
 type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
@@ -82,8 +105,14 @@ pub(crate) struct Metrics {
     outbox_postponed: Counter,
     outbox_replies_expired: Counter,
     outbox_backlog: Gauge,
+    outbox_oldest: Gauge,
+    stream_owned: Family<Labels, Gauge>,
     dedup_deleted: Counter,
     database_ok: AtomicBool,
+    /// Each stream consumer's state and since when: (stream, handler) → …
+    streams: std::sync::Mutex<StreamStates>,
+    /// When the async runtime last ran the beat task (see [`STALLED_AFTER`]).
+    beat: std::sync::Mutex<Instant>,
     /// At start-up, what the runtime waits for and why (until it is connected).
     waiting: std::sync::Mutex<Option<String>>,
     /// The handler consuming each queue: the `handler` label of its series.
@@ -115,8 +144,12 @@ impl Metrics {
             outbox_postponed: Counter::default(),
             outbox_replies_expired: Counter::default(),
             outbox_backlog: Gauge::default(),
+            outbox_oldest: Gauge::default(),
+            stream_owned: Family::default(),
             dedup_deleted: Counter::default(),
             database_ok: AtomicBool::new(false),
+            streams: std::sync::Mutex::default(),
+            beat: std::sync::Mutex::new(Instant::now()),
             waiting: std::sync::Mutex::new(None),
             handlers: HashMap::new(),
         };
@@ -198,6 +231,16 @@ impl Metrics {
         );
         registry.register("idemq_outbox_backlog", "Rows waiting in the outbox", self.outbox_backlog.clone());
         registry.register(
+            "idemq_outbox_oldest_seconds",
+            "Age of the oldest row waiting in the outbox (the relay's lag)",
+            self.outbox_oldest.clone(),
+        );
+        registry.register(
+            "idemq_stream_owned",
+            "1 while this process owns the stream for the handler",
+            self.stream_owned.clone(),
+        );
+        registry.register(
             "idemq_dedup_rows_deleted",
             "Dedup rows deleted by the retention sweep",
             self.dedup_deleted.clone(),
@@ -231,15 +274,63 @@ impl Metrics {
         text
     }
 
-    /// `None` when ready, else why not.
-    pub(crate) fn not_ready(&self) -> Option<String> {
-        if self.connected.get() == 0 {
-            Some(self.waiting().unwrap_or_else(|| "not connected to the broker".to_owned()))
-        } else if !self.database_ok.load(Ordering::Relaxed) {
-            Some("the database did not answer".to_owned())
-        } else {
-            None
+    /// `None` when ready, else why not; and a line per check.
+    pub(crate) fn readiness(&self) -> (Option<String>, String) {
+        let mut report = String::new();
+        let mut not_ready: Option<String> = None;
+        let mut check = |ok: bool, line: String| {
+            if !ok && not_ready.is_none() {
+                not_ready = Some(line.clone());
+            }
+            report.push_str(&line);
+            report.push('\n');
+        };
+        let connected = self.connected.get() != 0;
+        let broker = match connected {
+            true => "broker: connected".to_owned(),
+            false => format!(
+                "broker: {}",
+                self.waiting().unwrap_or_else(|| "not connected to the broker".to_owned())
+            ),
+        };
+        check(connected, broker);
+        let database = self.database_ok.load(Ordering::Relaxed);
+        check(
+            database,
+            match database {
+                true => "database: answered".to_owned(),
+                false => "database: the database did not answer".to_owned(),
+            },
+        );
+        let streams = self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        for ((stream, handler), (state, since)) in streams {
+            let age = crate::base::duration::human(Duration::from_secs(since.elapsed().as_secs()));
+            let (ok, said) = match state {
+                StreamState::Owned => (true, format!("owned for {age}")),
+                StreamState::Standby => (true, format!("standby for {age} (another process owns it)")),
+                StreamState::WaitingForBroker | StreamState::Released => {
+                    (false, format!("waiting for the broker for {age} (this process cannot consume it)"))
+                }
+            };
+            check(ok, format!("stream {stream} ({handler}): {said}"));
         }
+        if database {
+            let (rows, oldest) = (self.outbox_backlog.get(), self.outbox_oldest.get());
+            check(true, format!("outbox: {rows} rows waiting, the oldest {oldest}s old"));
+        }
+        (not_ready, report)
+    }
+
+    /// `None` when the async runtime ran its tasks within [`STALLED_AFTER`], else
+    /// for how long it has not.
+    pub(crate) fn stalled(&self) -> Option<Duration> {
+        let beat = *self.beat.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let since = beat.elapsed();
+        (since >= STALLED_AFTER).then_some(since)
+    }
+
+    fn beat(&self) {
+        *self.beat.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
     }
 
     fn waiting(&self) -> Option<String> {
@@ -250,10 +341,13 @@ impl Metrics {
         *self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = waiting;
     }
 
-    pub(crate) fn set_backlog(&self, backlog: Option<i64>) {
+    /// The outbox's rows and the oldest's age in seconds, or `None` when the
+    /// database did not answer.
+    pub(crate) fn set_backlog(&self, backlog: Option<(i64, i64)>) {
         self.database_ok.store(backlog.is_some(), Ordering::Relaxed);
-        if let Some(backlog) = backlog {
-            self.outbox_backlog.set(backlog);
+        if let Some((rows, oldest)) = backlog {
+            self.outbox_backlog.set(rows);
+            self.outbox_oldest.set(oldest);
         }
     }
 }
@@ -322,6 +416,17 @@ impl Observe for Metrics {
         }
     }
 
+    fn stream(&self, event: &StreamEvent) {
+        let labels = vec![("stream", event.stream.clone()), ("handler", event.handler.to_owned())];
+        self.stream_owned.get_or_create(&labels).set(i64::from(event.state == StreamState::Owned));
+        let mut streams = self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry =
+            streams.entry((event.stream.clone(), event.handler)).or_insert((event.state, Instant::now()));
+        if entry.0 != event.state {
+            *entry = (event.state, Instant::now());
+        }
+    }
+
     fn batch(&self, batch: &Batch<'_>) {
         let queue = self.consumer(batch.queue);
         self.transaction_seconds.get_or_create(&queue).observe(batch.took.as_secs_f64());
@@ -364,6 +469,15 @@ impl Drop for Serving {
 pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, crate::Error> {
     let stop = Arc::new(AtomicBool::new(false));
     let serving = Serving(Arc::clone(&stop));
+    // The liveness beat: a task on the async runtime, so `/healthz` (answered by a
+    // thread of its own) tells whether the runtime still runs its tasks.
+    let (beating, stopped) = (Arc::clone(&metrics), Arc::clone(&stop));
+    tokio::spawn(async move {
+        while !stopped.load(Ordering::Relaxed) {
+            beating.beat();
+            tokio::time::sleep(BEAT_EVERY).await;
+        }
+    });
     let server = tiny_http::Server::http(addr).map_err(|err| crate::Error::ConfigIo {
         message: format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR)"),
         // tiny_http boxes the socket's I/O error.
@@ -376,10 +490,20 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
                 let Ok(Some(request)) = server.recv_timeout(Duration::from_millis(200)) else { continue };
                 let (status, body) = match request.url() {
                     "/metrics" => (200, metrics.render()),
-                    "/healthz" => (200, "ok\n".to_owned()),
-                    "/readyz" => match metrics.not_ready() {
-                        None => (200, "ready\n".to_owned()),
-                        Some(why) => (503, format!("not ready: {why}\n")),
+                    "/healthz" => match metrics.stalled() {
+                        None => (200, "ok\n".to_owned()),
+                        Some(since) => (
+                            503,
+                            format!(
+                                "stalled: the async runtime has not run its tasks for {} (are all its worker \
+                                 threads blocked?)\n",
+                                crate::base::duration::human(since)
+                            ),
+                        ),
+                    },
+                    "/readyz" => match metrics.readiness() {
+                        (None, report) => (200, format!("ready\n{report}")),
+                        (Some(why), report) => (503, format!("not ready: {why}\n{report}")),
                     },
                     _ => (404, "not found: /metrics, /healthz, /readyz\n".to_owned()),
                 };

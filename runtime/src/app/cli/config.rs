@@ -94,6 +94,8 @@ pub(super) struct Settings {
     pub(super) replay_window: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
     startup_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    release_streams_after: Option<Duration>,
     #[serde(default, deserialize_with = "consumer_timeout")]
     consumer_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "duration")]
@@ -122,7 +124,7 @@ pub(super) struct Settings {
 
 /// Every key of the TOML file, for the error that names them.
 const KEYS: &str = "amqp_url, amqp_url_file, database_url, database_url_file, concurrency, batch_size, prefetch, \
-                    http_addr, retention, replay_window, startup_timeout, consumer_timeout, linger, handler_timeout, \
+                    http_addr, retention, replay_window, startup_timeout, release_streams_after, consumer_timeout, linger, handler_timeout, \
                     max_body_bytes, on_conflict, replication_check, namespace, shutdown_deadline, heartbeat, reconnect_max_backoff, \
                     database_retry_limit, relay, relay_poll_interval";
 
@@ -234,6 +236,10 @@ impl Settings {
         }
         if let Some(timeout) = setting::<Duration>(sub, "startup-timeout").or(self.startup_timeout) {
             builder = builder.startup_timeout(timeout);
+        }
+        if let Some(bound) = setting::<Duration>(sub, "release-streams-after").or(self.release_streams_after)
+        {
+            builder = builder.release_streams_after(bound);
         }
         if let Some(timeout) = setting::<Duration>(sub, "consumer-timeout").or(self.consumer_timeout) {
             builder = builder.consumer_timeout(timeout);

@@ -20,14 +20,14 @@
 //! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
-//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_CONSUMER_TIMEOUT`,
+//! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_RELEASE_STREAMS_AFTER`, `IDEMQ_CONSUMER_TIMEOUT`,
 //! `IDEMQ_LINGER`, `IDEMQ_HANDLER_TIMEOUT`, `IDEMQ_MAX_BODY_BYTES`, `IDEMQ_ON_CONFLICT`,
 //! `IDEMQ_REPLICATION_CHECK`, `IDEMQ_NAMESPACE`, `IDEMQ_SHUTDOWN_DEADLINE`, `IDEMQ_HEARTBEAT`,
 //! `IDEMQ_RECONNECT_MAX_BACKOFF`, `IDEMQ_DATABASE_RETRY_LIMIT`, `IDEMQ_RELAY` (`on` or
 //! `off`), `IDEMQ_RELAY_POLL_INTERVAL`), then a TOML file (`--config`, or
 //! `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`, `database_url`,
 //! `concurrency`, `batch_size`, `prefetch`, `http_addr`, `retention`, `replay_window`,
-//! `startup_timeout`, `consumer_timeout`, `linger`, `handler_timeout`,
+//! `startup_timeout`, `release_streams_after`, `consumer_timeout`, `linger`, `handler_timeout`,
 //! `max_body_bytes`, `on_conflict`, `replication_check`, `namespace`, `shutdown_deadline`, `heartbeat`,
 //! `reconnect_max_backoff`, `database_retry_limit`, `relay`, `relay_poll_interval`),
 //! then the code's builder (the README's Configuration table lists them all). They are checked before anything connects; errors name the setting
@@ -420,6 +420,12 @@ fn run_command() -> Command {
             "IDEMQ_STARTUP_TIMEOUT",
             "give up (exit 1) if the broker or the database is still unreachable after this \
                          at start-up (e.g. 2m; default: wait for as long as it takes)",
+        ))
+        .arg(duration(
+            "release-streams-after",
+            "IDEMQ_RELEASE_STREAMS_AFTER",
+            "give up owned streams once the broker has not answered for this long, so a process \
+                         that reaches it takes them over (default 15s)",
         ))
         .arg(
             duration(

@@ -77,6 +77,7 @@ pub struct RuntimeBuilder {
     pub(super) heartbeat: Duration,
     pub(super) reconnect_max: Duration,
     pub(super) startup_timeout: Option<Duration>,
+    pub(super) release_streams_after: Duration,
     pub(super) consumer_timeout: Duration,
     pub(super) observers: Observers,
     pub(super) relay: Option<crate::engine::relay::Settings>,
@@ -137,6 +138,7 @@ impl RuntimeBuilder {
             heartbeat: Duration::from_secs(20),
             reconnect_max: Duration::from_secs(30),
             startup_timeout: None,
+            release_streams_after: crate::engine::stream::DEFAULT_RELEASE_AFTER,
             consumer_timeout: crate::broker::consumer_timeout::DEFAULT,
             observers: Observers::default(),
             relay: Some(crate::engine::relay::Settings::default()),
@@ -357,6 +359,23 @@ impl RuntimeBuilder {
     /// does not parse, idemq's tables missing.
     pub fn startup_timeout(mut self, timeout: Duration) -> Self {
         self.startup_timeout = Some(timeout);
+        self
+    }
+
+    /// How long a process that consumes streams may go without an answer from the
+    /// broker before it gives up the streams it owns (and its place among the
+    /// processes sharing partitions), so that a process that reaches the broker takes
+    /// them over. Default 15 s.
+    ///
+    /// A stream's owner lock is in PostgreSQL: without this bound, a process cut
+    /// from the broker but not from the database would keep it, and the stream would
+    /// stall behind it. The broker is asked for a sign of life every second, on a
+    /// connection of the stream consumers' own; a lock is taken only while it answers.
+    /// Shorter moves streams sooner after a partition and also after a broker restart
+    /// (each then subscribes again after the offset stored in PostgreSQL: nothing is
+    /// applied twice either way). Zero is taken as 1 s.
+    pub fn release_streams_after(mut self, bound: Duration) -> Self {
+        self.release_streams_after = bound.max(Duration::from_secs(1));
         self
     }
 

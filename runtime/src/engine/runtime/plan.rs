@@ -86,7 +86,7 @@ impl RuntimeBuilder {
             plan.push((queue.name().to_owned(), queue.describe()));
             plan.push((
                 queue.dead_letter_name().to_owned(),
-                "its dead-letter queue (no delivery limit)".to_owned(),
+                "its dead-letter queue (a delivery limit no browsing reaches)".to_owned(),
             ));
         }
         for (Registration { queue, .. }, retry) in self.consumers.iter().zip(self.retry_policies()) {

@@ -34,7 +34,7 @@ use crate::engine::delivery::{BatchLimits, Fatal, Shared};
 use crate::engine::relay::{relay_pool, OutboxSignal, Worker};
 use crate::engine::session::{self, Connections, ConsumerSpec, SessionContext, SessionEnd};
 use crate::engine::startup::Startup;
-use crate::engine::stream::{Share, StreamContext, StreamSpec};
+use crate::engine::stream::{BrokerLink, Share, StreamContext, StreamSpec};
 use crate::error::{redact, Dependency, Error};
 use crate::handler::prepare::InputLimits;
 use crate::store::db::{self, SessionLimits};
@@ -229,9 +229,15 @@ impl Assembly {
             (b.amqp_url.clone(), b.reconnect_max, b.shutdown_deadline);
         let StreamConsumers { specs: streams, shares, ctx: stream_ctx } = stream_consumers(&mut b, &shared)?;
         let ctx = session_context(b, shared)?;
+        if !streams.is_empty() {
+            let (link, brokers, stop) =
+                (Arc::clone(&stream_ctx.link), Arc::clone(&stream_ctx.brokers), stop.clone());
+            ctx.tracker.spawn(async move { link.keep(&brokers, stop).await });
+        }
         for share in shares {
-            let (url, stop) = (stream_ctx.database_url.clone(), stop.clone());
-            ctx.tracker.spawn(async move { share.keep(&url, stop).await });
+            let (url, link, stop) =
+                (stream_ctx.database_url.clone(), Arc::clone(&stream_ctx.link), stop.clone());
+            ctx.tracker.spawn(async move { share.keep(&url, &link, stop).await });
         }
         for spec in streams {
             // On the sessions' tracker: the drain gives them the shutdown deadline, as
@@ -328,6 +334,7 @@ fn stream_consumers(b: &mut RuntimeBuilder, shared: &Arc<Shared>) -> Result<Stre
         database_url: b.database_url.clone(),
         shared: Arc::clone(shared),
         reconnect_max: b.reconnect_max,
+        link: Arc::new(BrokerLink::new(b.release_streams_after)),
     };
     Ok(StreamConsumers { specs, shares, ctx })
 }
@@ -439,6 +446,10 @@ impl Running {
         started: bool,
     ) -> Result<(), Error> {
         let Self { ctx, stop, background, relay, relay_stop, shutdown_deadline, .. } = self;
+        // Already cancelled on a shutdown; not when the sessions ended by themselves
+        // (the startup timeout, a fatal fault): then the stream consumers and the
+        // tasks beside them must stop now, not at the shutdown deadline.
+        stop.cancel();
         ctx.tracker.close();
         if tokio::time::timeout(shutdown_deadline, ctx.tracker.wait()).await.is_err() {
             tracing::warn!(deadline = %crate::base::duration::human(shutdown_deadline), "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
@@ -448,9 +459,8 @@ impl Running {
         if let Some(connections) = connections {
             connections.close("shutdown").await;
         }
-        // The sweep and the gauge stop with the consumers (already, unless start-up
-        // failed); a sweep cut off loses nothing: each batch is its own transaction.
-        stop.cancel();
+        // The sweep and the gauge stopped with the consumers; a sweep cut off loses
+        // nothing: each batch is its own transaction.
         #[cfg(feature = "metrics")]
         drop(self.serving);
         relay_stop.cancel();
@@ -485,7 +495,7 @@ async fn watch_backlog(
     loop {
         let backlog = async {
             let mut conn = pool.get().await.ok()?;
-            db::outbox_backlog(&mut conn).await.ok()
+            db::outbox_lag(&mut conn).await.ok()
         };
         let backlog = tokio::select! {
             backlog = tokio::time::timeout(Duration::from_secs(5), backlog) => backlog.ok().flatten(),

@@ -57,6 +57,7 @@ pub(crate) const SETTINGS: &[Setting] = &[
     cli("reconnect_max_backoff", "--reconnect-max-backoff", "IDEMQ_RECONNECT_MAX_BACKOFF", "30s"),
     cli("database_retry_limit", "--database-retry-limit", "IDEMQ_DATABASE_RETRY_LIMIT", "25m"),
     cli("startup_timeout", "--startup-timeout", "IDEMQ_STARTUP_TIMEOUT", "2m"),
+    cli("release_streams_after", "--release-streams-after", "IDEMQ_RELEASE_STREAMS_AFTER", "15s"),
     cli("consumer_timeout", "--consumer-timeout", "IDEMQ_CONSUMER_TIMEOUT", "30m"),
     cli("relay", "--relay", "IDEMQ_RELAY", "off"),
     cli("relay_poll_interval", "--relay-poll-interval", "IDEMQ_RELAY_POLL_INTERVAL", "1s"),

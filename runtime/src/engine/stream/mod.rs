@@ -37,6 +37,12 @@
 //!   holding a PostgreSQL advisory lock on its own connection consumes; the others
 //!   wait and take over within a second when its session ends (a crash, a lost
 //!   connection). The owner checks its lock's connection every few seconds.
+//! - **Ownership follows the broker** ([`BrokerLink`]): a process takes a stream's
+//!   lock only while the broker answers it, and gives it up (at a batch boundary)
+//!   once the broker has been silent for the
+//!   [release bound](crate::RuntimeBuilder::release_streams_after), so a process cut
+//!   from RabbitMQ but not from PostgreSQL never holds a stream the others could
+//!   consume.
 //! - **Sharing partitions** (a handler on several streams, [`Share`]): each process
 //!   counts the processes consuming them (member advisory locks) and owns at most
 //!   `ceil(streams / processes)`; an owner with more gives one up between batches.
@@ -50,6 +56,7 @@
 //!   enough): with them, a message published twice (a publisher's retransmission, at
 //!   two offsets) is applied once.
 
+mod link;
 mod owner;
 mod run;
 mod share;
@@ -64,6 +71,7 @@ use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::backoff::Backoff;
+use crate::base::observe::{StreamEvent, StreamState};
 use crate::base::retry::RetryPolicy;
 use crate::broker::brokers::Brokers;
 use crate::broker::topology::Queue;
@@ -72,6 +80,7 @@ use crate::error::Error;
 use crate::handler::prepare::ErasedHandler;
 use crate::store::db;
 
+pub(crate) use link::{BrokerLink, DEFAULT_RELEASE_AFTER};
 use owner::Owner;
 use run::Runner;
 pub(crate) use share::Share;
@@ -101,6 +110,8 @@ pub(crate) struct StreamContext {
     pub(crate) database_url: String,
     pub(crate) shared: Arc<Shared>,
     pub(crate) reconnect_max: Duration,
+    /// Whether the broker answers this process: see [`BrokerLink`].
+    pub(crate) link: Arc<BrokerLink>,
 }
 
 /// How a subscription ended.
@@ -116,6 +127,9 @@ pub(super) enum End {
     /// This process owns more than its share of the handler's streams: this one
     /// goes to another process.
     GiveWay,
+    /// The broker has not answered for the release bound: the stream goes to a
+    /// process that reaches it.
+    Released,
     /// No retry can fix it: the runtime stops.
     Fatal(Error),
 }
@@ -127,12 +141,32 @@ impl StreamSpec {
 }
 
 /// Consumes `spec`'s stream until `stop`: owns it, subscribes, applies, and after
-/// any loss starts again (a lost lock first waits to own it again).
+/// any loss starts again (a lost lock first waits to own it again). A lock is taken
+/// only while the broker answers, and given up once it has been silent for the
+/// release bound ([`BrokerLink`]).
 pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: CancellationToken) {
     let lock = db::owner_lock(&spec.scope, spec.stream());
+    let tell = |state| {
+        let event = StreamEvent { handler: spec.handler.name(), stream: spec.stream().to_owned(), state };
+        ctx.shared.observers.stream(&event);
+    };
     let mut session = 0_u64;
     'owning: loop {
-        let Some(mut owner) = Owner::acquire(&ctx.database_url, lock, &spec, &stop).await else { return };
+        if ctx.link.silent_since().is_some() {
+            tell(StreamState::WaitingForBroker);
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = ctx.link.reachable() => {}
+            }
+        }
+        tell(StreamState::Standby);
+        let acquired = tokio::select! {
+            owner = Owner::acquire(&ctx.database_url, lock, &spec, &stop) => owner,
+            // Silent while this process waited for the lock: wait for the broker first.
+            () = ctx.link.lost() => continue 'owning,
+        };
+        let Some(mut owner) = acquired else { return };
+        tell(StreamState::Owned);
         let mut backoff = Backoff::new(Duration::from_millis(100), ctx.reconnect_max);
         loop {
             session += 1;
@@ -159,6 +193,11 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
                     );
                     continue 'owning;
                 }
+                End::Released => {
+                    release(&spec, &ctx, owner);
+                    tell(StreamState::Released);
+                    continue 'owning;
+                }
                 End::Fenced => {
                     tracing::warn!(
                         stream = spec.stream(),
@@ -173,12 +212,30 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = backoff.wait() => {}
+                () = ctx.link.lost() => {
+                    release(&spec, &ctx, owner);
+                    tell(StreamState::Released);
+                    continue 'owning;
+                }
             }
             if !owner.alive().await {
                 continue 'owning;
             }
         }
     }
+}
+
+/// Gives the stream's lock up (by dropping its owner) because the broker has been
+/// silent for the release bound: a process that reaches it takes the stream over.
+fn release(spec: &StreamSpec, ctx: &StreamContext, owner: Owner) {
+    tracing::warn!(
+        stream = spec.stream(),
+        handler = spec.handler.name(),
+        silent_for = %crate::base::duration::human(ctx.link.release_after()),
+        "the broker has not answered this process for the release bound: giving the stream up so a process \
+         that reaches it takes over (release_streams_after, IDEMQ_RELEASE_STREAMS_AFTER)"
+    );
+    drop(owner);
 }
 
 /// One subscription: connect, declare, read the offset, consume after it, apply
@@ -190,14 +247,25 @@ async fn subscribe(
     session: u64,
     stop: &CancellationToken,
 ) -> (End, bool) {
-    let (connection, node) = match ctx.brokers.connect("stream consumer").await {
+    // Nothing here holds a transaction: a silent broker or a shutdown may cut it.
+    let connected = tokio::select! {
+        connected = ctx.brokers.connect("stream consumer") => connected,
+        () = ctx.link.lost() => return (End::Released, false),
+        () = stop.cancelled() => return (End::Stopped, false),
+    };
+    let (connection, node) = match connected {
         Ok(connected) => connected,
         Err(err) if crate::broker::brokers::unreachable(&err) => return (End::Lost(err.report()), false),
         Err(err) => return (End::Fatal(err), false),
     };
-    let (end, consumed) = match open(spec, ctx, &connection, session).await {
+    let opened = tokio::select! {
+        opened = open(spec, ctx, &connection, session) => opened,
+        () = ctx.link.lost() => Err(End::Released),
+        () = stop.cancelled() => Err(End::Stopped),
+    };
+    let (end, consumed) = match opened {
         Ok((mut runner, consumer)) => {
-            let end = pump(spec, &mut runner, consumer, owner, stop).await;
+            let end = pump(spec, &mut runner, consumer, owner, &ctx.link, stop).await;
             // The channels first: lapin reports channels still open when their
             // connection closes as errors.
             runner.close_channels().await;
@@ -205,7 +273,7 @@ async fn subscribe(
         }
         Err(end) => (end, false),
     };
-    if matches!(end, End::Lost(_)) {
+    if matches!(end, End::Lost(_) | End::Released) {
         ctx.brokers.lost(node);
     }
     let _ =
@@ -223,14 +291,16 @@ async fn open(
     session: u64,
 ) -> Result<(Runner, lapin::Consumer), End> {
     let lost = |err: lapin::Error| End::Lost(err.to_string());
-    let channel = connection.create_channel().await.map_err(lost)?;
+    let mut channel = connection.create_channel().await.map_err(lost)?;
     if !spec.declared.elsewhere {
-        spec.declared.declare(&channel).await.map_err(|err| {
-            match crate::broker::brokers::unreachable(&err) {
+        // A DLQ an earlier idemq declared without `x-delivery-limit` is kept (with a
+        // warning), as the queue sessions keep it.
+        spec.declared.declare_keeping_old_dead_letter_queue(connection, &mut channel).await.map_err(
+            |err| match crate::broker::brokers::unreachable(&err) {
                 true => End::Lost(err.report()),
                 false => End::Fatal(err),
-            }
-        })?;
+            },
+        )?;
     }
     let publisher = connection.create_channel().await.map_err(lost)?;
     publisher.confirm_select(ConfirmSelectOptions::default()).await.map_err(lost)?;
@@ -268,12 +338,13 @@ async fn open(
 }
 
 /// Batches from `consumer`, each applied in order, until the consumer ends, the
-/// owner's lock goes, or `stop`.
+/// owner's lock goes, the broker is silent for the release bound, or `stop`.
 async fn pump(
     spec: &StreamSpec,
     runner: &mut Runner,
     mut consumer: lapin::Consumer,
     owner: &mut Owner,
+    link: &BrokerLink,
     stop: &CancellationToken,
 ) -> End {
     let mut check = tokio::time::interval(OWNER_CHECK);
@@ -281,6 +352,8 @@ async fn pump(
     loop {
         let first = tokio::select! {
             () = stop.cancelled() => return End::Stopped,
+            // Between batches: nothing is in flight.
+            () = link.lost() => return End::Released,
             _ = check.tick() => {
                 if !owner.alive().await {
                     return End::OwnerLost;

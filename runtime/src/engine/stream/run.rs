@@ -43,6 +43,8 @@ pub(super) struct Runner {
     scope: String,
     retry: RetryPolicy,
     shared: Arc<Shared>,
+    /// Whether the broker answers this process (a dead letter's confirm waits on it).
+    link: Arc<super::BrokerLink>,
     /// Acks (for the stream's credit: they remove nothing).
     channel: Channel,
     /// Confirm mode: dead letters.
@@ -77,6 +79,7 @@ impl Runner {
             scope: spec.scope.clone(),
             retry: spec.retry.clone(),
             shared: Arc::clone(&ctx.shared),
+            link: Arc::clone(&ctx.link),
             channel,
             publisher,
             last,
@@ -285,9 +288,15 @@ impl Runner {
             copy_id: &copy_id,
             retry_of: None,
         };
-        dead_letter::publish(&self.publisher, &self.dead_letter, &item.delivery, &letter, self.frame_max)
-            .await
-            .map_err(|err| End::Lost(crate::error::report(&err)))?;
+        // No transaction is open here: a broker silent past the release bound ends the
+        // wait for the confirm, and the stream goes to a process that reaches it (the
+        // offset has not moved: the message is dead-lettered there, its copy id the same).
+        tokio::select! {
+            published = dead_letter::publish(&self.publisher, &self.dead_letter, &item.delivery, &letter, self.frame_max) => {
+                published.map_err(|err| End::Lost(crate::error::report(&err)))?;
+            }
+            () = self.link.lost() => return Err(End::Released),
+        }
         let mut backoff = database_backoff();
         loop {
             let moved = async {

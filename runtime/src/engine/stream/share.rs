@@ -21,6 +21,7 @@ use diesel_async::AsyncPgConnection;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::BrokerLink;
 use crate::store::db;
 
 /// How often the members are counted (and the member lock's connection checked).
@@ -93,10 +94,22 @@ impl Share {
 
     /// Holds this process's member lock and counts the members, every second, until
     /// `stop`. A lost connection is made again (its lock with it); meanwhile the
-    /// last count stands.
-    pub(crate) async fn keep(&self, url: &str, stop: CancellationToken) {
+    /// last count stands. While the broker is [lost](BrokerLink::is_lost) to this
+    /// process the member lock is let go: a process that cannot consume must not
+    /// count as one that shares the streams (the others' share would stay too small
+    /// to take the streams it gave up).
+    pub(crate) async fn keep(&self, url: &str, link: &BrokerLink, stop: CancellationToken) {
         let mut conn: Option<AsyncPgConnection> = None;
         loop {
+            if link.is_lost() {
+                if conn.take().is_some() {
+                    tracing::info!(scope = %self.scope, "the broker does not answer: this process no longer counts among those sharing the handler's streams");
+                }
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = link.reachable() => {}
+                }
+            }
             match self.count(url, &mut conn).await {
                 Ok(members) => {
                     self.members.send_if_modified(|last| std::mem::replace(last, members) != members);

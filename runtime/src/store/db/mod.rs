@@ -45,6 +45,8 @@ pub(crate) use housekeeping::{applied_migrations, delete_older, try_gc_lock};
 #[cfg(feature = "cli")]
 pub(crate) use housekeeping::{count_rows, limit_statements};
 pub(crate) use marks::{clear_starts, copy_recorded, mark_start, record_copy};
+#[cfg(feature = "metrics")]
+pub(crate) use outbox::outbox_lag;
 pub(crate) use outbox::{
     claim_outbox, delete_outbox, insert_outbox, notify_relays, outbox_backlog, postpone_outbox, OutboxRow,
     CHANNEL,

@@ -168,6 +168,26 @@ pub(crate) async fn outbox_backlog(conn: &mut AsyncPgConnection) -> QueryResult<
     idemq_outbox::table.count().get_result(conn).await
 }
 
+/// Rows waiting in the outbox and the oldest one's age in whole seconds (0 when
+/// there is none): the relay's lag, for `/readyz` and the metrics.
+#[cfg(feature = "metrics")]
+pub(crate) async fn outbox_lag(conn: &mut AsyncPgConnection) -> QueryResult<(i64, i64)> {
+    #[derive(diesel::QueryableByName)]
+    struct Lag {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        rows: i64,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        oldest: i64,
+    }
+    let lag: Lag = diesel::sql_query(
+        "SELECT count(*) AS rows, \
+         COALESCE(floor(EXTRACT(EPOCH FROM now() - min(created_at))), 0)::int8 AS oldest FROM idemq_outbox",
+    )
+    .get_result(conn)
+    .await?;
+    Ok((lag.rows, lag.oldest))
+}
+
 /// Wakes the relays listening on [`CHANNEL`] (outside any transaction).
 pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     conn.batch_execute(&format!("NOTIFY {CHANNEL}")).await
