@@ -1,6 +1,9 @@
 //! The dedup core against real RabbitMQ and PostgreSQL: duplicates are skipped,
 //! racing duplicates apply once, and a lost ack after COMMIT is harmless.
 
+#[path = "support/faults.rs"]
+mod faults;
+
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -117,7 +120,7 @@ async fn commit_then_lost_ack_redelivery_is_skipped_as_duplicate() {
     let p = payment(990);
     bed.publish(&p).await;
 
-    let (hook, fired) = idemq_tests::fixture::lose_the_first_ack();
+    let (hook, fired) = faults::lose_the_first_ack();
     let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment).fault_hook(hook));
     running.wait_settled(2).await;
     let events = running.events();

@@ -5,6 +5,9 @@
 //! global subscriber, to read what was logged; each test reads the lines naming its
 //! own queue.
 
+#[path = "support/faults.rs"]
+mod faults;
+
 use std::collections::HashSet;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -69,7 +72,7 @@ async fn a_lost_channel_logs_one_line_and_a_count_not_one_line_per_unsettled_del
     for i in 0..PAYMENTS {
         bed.publish(&payment(5000 + i as i64)).await;
     }
-    let (hook, fired) = idemq_tests::fixture::lose_the_first_ack();
+    let (hook, fired) = faults::lose_the_first_ack();
     let running =
         Running::start(bed.runtime().batch_size(32).consume(&bed.queue, ledger_payment).fault_hook(hook));
     let events = running
