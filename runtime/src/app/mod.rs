@@ -5,5 +5,7 @@
 pub mod cli;
 #[cfg(feature = "otel")]
 pub mod otel;
+#[cfg(any(feature = "cli", feature = "otel"))]
+pub(crate) mod stderr;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
 pub mod testing;

@@ -167,7 +167,11 @@ pub fn init() -> Result<Guard, Error> {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::registry()
         .with(otel)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(crate::app::stderr::StderrLines::get())
+                .with_ansi(ansi),
+        )
         .with(filter)
         .try_init()
         .map_err(Error::SubscriberSet)?;

@@ -7,7 +7,8 @@
 //!   (the default) or one JSON object per line.
 //! - **Colour:** only when stderr is a terminal (and `NO_COLOR` is unset): a log
 //!   redirected to a file or a pipe holds no escape codes.
-//! - **Where:** stderr; stdout is the commands' output.
+//! - **Where:** stderr, through a thread of its own (`app/stderr.rs`): a closed or
+//!   full stderr never blocks or breaks the service; stdout is the commands' output.
 
 use std::io::IsTerminal;
 
@@ -56,8 +57,12 @@ pub(super) fn install(matches: &ArgMatches, default_filter: &str) -> bool {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default_filter},{QUIET}")));
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let builder =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
+    // Through a thread of its own: a closed or full stderr never blocks or panics
+    // the task that logs (see `app/stderr.rs`).
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(crate::app::stderr::StderrLines::get())
+        .with_ansi(ansi);
     // `try_init` leaves a subscriber set before this one in place (and says so with an
     // error, which only means that).
     if json(matches) {

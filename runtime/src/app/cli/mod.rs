@@ -67,6 +67,7 @@ mod logging;
 
 use std::ffi::OsString;
 use std::future::Future;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -85,6 +86,10 @@ use crate::app::cli::config::{
 };
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::{redact, Error};
+
+/// How long the last log lines may take to reach stderr at exit (a stderr nobody
+/// reads must not hold the exit).
+const EXIT_LOG_FLUSH: Duration = Duration::from_secs(2);
 
 /// The CLI of an idemq application. See the module docs.
 #[must_use = "a CLI does nothing until `.run()`"]
@@ -238,7 +243,7 @@ impl Cli {
     pub async fn run_matches(self, matches: &ArgMatches) -> ExitCode {
         let json_logs = logging::install(matches, logging::DEFAULT_LEVEL);
         let name = self.name;
-        match self.dispatch(matches).await {
+        let code = match self.dispatch(matches).await {
             Ok(()) => ExitCode::SUCCESS,
             // The second signal: out now, as a shell's interrupted job.
             Err(err) if err.is::<Interrupted>() => ExitCode::from(130),
@@ -250,11 +255,16 @@ impl Cli {
                 if json_logs && tracing::enabled!(tracing::Level::ERROR) {
                     tracing::error!("{name}: {report}");
                 } else {
-                    eprintln!("{name}: {report}");
+                    // After the log lines before it; never a panic on a closed stderr.
+                    crate::app::stderr::StderrLines::flush_if_used(EXIT_LOG_FLUSH);
+                    let _ = writeln!(std::io::stderr(), "{name}: {report}");
                 }
                 ExitCode::FAILURE
             }
-        }
+        };
+        // The last log lines, unless nobody reads them.
+        crate::app::stderr::StderrLines::flush_if_used(EXIT_LOG_FLUSH);
+        code
     }
 
     async fn dispatch(self, matches: &ArgMatches) -> CliResult {

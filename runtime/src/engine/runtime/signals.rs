@@ -35,13 +35,15 @@ pub struct ShutdownSignals {
 pub fn shutdown_signals() -> ShutdownSignals {
     let signals = ShutdownSignals { graceful: CancellationToken::new(), immediate: CancellationToken::new() };
     let (graceful, immediate) = (signals.graceful.clone(), signals.immediate.clone());
+    // Each token is cancelled before the line that tells it: whatever becomes of the
+    // log (a closed or full stderr), the signal is heeded.
     tokio::spawn(async move {
         wait_for_signal().await;
-        tracing::info!("shutting down: finishing in-flight deliveries (signal again to exit now)");
         graceful.cancel();
+        tracing::info!("shutting down: finishing in-flight deliveries (signal again to exit now)");
         wait_for_signal().await;
-        tracing::warn!("second signal: exiting now; unacked deliveries will be redelivered");
         immediate.cancel();
+        tracing::warn!("second signal: exiting now; unacked deliveries will be redelivered");
     });
     signals
 }
@@ -59,8 +61,8 @@ pub fn shutdown_signal() -> CancellationToken {
     let cancel = token.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
-        tracing::info!("shutting down: finishing in-flight deliveries");
         cancel.cancel();
+        tracing::info!("shutting down: finishing in-flight deliveries");
     });
     token
 }
