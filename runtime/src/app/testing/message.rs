@@ -1,6 +1,6 @@
 //! What the test kit delivers ([`TestMessage`]: a body with the AMQP properties and
-//! headers a real publisher sets) and what it reads back ([`Reply`], and the
-//! [`Outgoing`] rows a handler published).
+//! headers a real publisher sets; [`IntoTestMessage`]: what each helper takes) and
+//! what it reads back ([`Reply`], and the [`Outgoing`] rows a handler published).
 
 use std::collections::BTreeMap;
 
@@ -9,14 +9,52 @@ use lapin::BasicProperties;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::base::headers::VERSION as VERSION_HEADER;
 use crate::base::outcome::Outcome;
-use crate::base::outgoing::{Outgoing, STATUS_HEADER};
+use crate::base::outgoing::{Message, Outgoing, STATUS_HEADER};
 
 /// A message as a publisher sends it: a body, and the properties and headers that
 /// `@message_id`, `@header:` and `@correlation_id` keys, requests (`reply_to` and
-/// `correlation_id`) and content-type checks read. Delivered by
-/// [`TestKit::deliver_message`](super::TestKit::deliver_message) and
-/// [`TestKit::deliver_batch`](super::TestKit::deliver_batch).
+/// `correlation_id`), content-type checks, message types and versions read. Every
+/// helper of [`TestKit`](super::TestKit) takes one (see [`IntoTestMessage`]).
+///
+/// [`TestMessage::of`] makes one of an [`idemq::Message`](crate::Message) type
+/// exactly as [`Publisher::send`](crate::Publisher::send) publishes it: its AMQP
+/// `type` and its [`x-idemq-version`](crate::headers::VERSION) header set, so a
+/// queue's handlers route it by its type and a versioned handler reads it as the
+/// version it is. [`TestMessage::json`] is the bare body (no type, no version: a
+/// versioned handler reads it as version 1), as an old or foreign publisher sends it.
+///
+/// ```
+/// # use idemq::testing::TestMessage;
+/// #[derive(serde::Serialize, serde::Deserialize, idemq::Message)]
+/// #[message(type = "payment.requested", version = 2, exchange = "payments", routing_key = "requested")]
+/// struct PaymentRequested { payment_id: String, amount_cents: i64 }
+///
+/// let typed = TestMessage::of(&PaymentRequested { payment_id: "p-1".into(), amount_cents: 250 });
+/// assert_eq!(typed.properties().kind().as_ref().map(|t| t.as_str()), Some("payment.requested"));
+/// let headers = typed.properties().headers().clone().unwrap_or_default();
+/// assert!(headers.inner().keys().any(|name| name.as_str() == idemq::headers::VERSION));
+/// ```
+///
+/// A type that names itself without a route (`#[message(type = "...")]` alone is an
+/// [`idemq::MessageType`](crate::MessageType), not a `Message`) is typed by hand,
+/// and so is any version a test wants to send:
+///
+/// ```
+/// # use idemq::testing::TestMessage;
+/// # use idemq::MessageType;
+/// #[derive(serde::Serialize, idemq::Message)]
+/// #[message(type = "payment.refunded")]
+/// struct Refund { payment_id: String }
+///
+/// let refund = TestMessage::json(&Refund { payment_id: "p-1".into() })
+///     .message_type(Refund::TYPE)
+///     .version(1);
+/// # let _ = refund;
+/// ```
+///
+/// Properties and headers, as any publisher may set them:
 ///
 /// ```
 /// # use idemq::testing::TestMessage;
@@ -42,6 +80,36 @@ impl TestMessage {
     pub fn json<M: Serialize + ?Sized>(message: &M) -> Self {
         let body = serde_json::to_vec(message).expect("the test message serializes to JSON");
         Self::bytes(body).content_type("application/json")
+    }
+
+    /// `message` exactly as [`Publisher::send`](crate::Publisher::send) publishes it:
+    /// JSON, `content-type: application/json`, persistent, a fresh random
+    /// `message_id` (32 hex digits; [`message_id`](Self::message_id) replaces it),
+    /// its [`Message::TYPE`] as the AMQP `type` and its [`Message::VERSION`] in the
+    /// [`x-idemq-version`](crate::headers::VERSION) header (a text, as `send` writes
+    /// it). Delivered again (as [`TestKit::deliver_twice`](super::TestKit::deliver_twice)
+    /// does), it keeps its `message_id`: a publisher's retry, not a new message.
+    ///
+    /// The kit publishes to its own queue: the type's exchange and routing key are
+    /// not used.
+    ///
+    /// # Panics
+    /// If `send` would refuse it (it does not serialize to JSON, or its type name is
+    /// longer than AMQP's 255 bytes), saying why.
+    pub fn of<M: Message>(message: &M) -> Self {
+        let outgoing =
+            Outgoing::of(message).and_then(|outgoing| outgoing.validate().map(|()| outgoing)).unwrap_or_else(
+                |err| panic!("Publisher::send would refuse this {}: {err}", std::any::type_name::<M>()),
+            );
+        let id = crate::base::random_id();
+        let properties = crate::base::outgoing::properties(
+            &id,
+            outgoing.content_type.as_deref(),
+            outgoing.correlation_id.as_deref(),
+            outgoing.message_type.as_deref(),
+            &outgoing.headers,
+        );
+        Self { body: outgoing.body, properties }
     }
 
     /// A body as it is, persistent, with no content type (e.g. to test what is not
@@ -79,6 +147,15 @@ impl TestMessage {
         self
     }
 
+    /// The [`x-idemq-version`](crate::headers::VERSION) header, as
+    /// [`Publisher::send`](crate::Publisher::send) writes it (the number as text):
+    /// which version of its [`Versioned`](crate::Versioned) type the body is. Without
+    /// it, a versioned handler reads the body as version 1.
+    #[must_use]
+    pub fn version(self, version: u32) -> Self {
+        self.header(VERSION_HEADER, version.to_string())
+    }
+
     /// The AMQP `reply_to`: with a `correlation_id`, the message is a request.
     #[must_use]
     pub fn reply_to(mut self, queue: &str) -> Self {
@@ -108,6 +185,18 @@ impl TestMessage {
         &self.properties
     }
 
+    /// The body it is published with.
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// Whether it carries neither an AMQP `type` nor a version header: what a
+    /// typed or versioned handler may misread (see [`TestMessage::of`]).
+    pub(super) fn is_bare(&self) -> bool {
+        self.properties.kind().is_none()
+            && crate::base::amqp_value::header(&self.properties, VERSION_HEADER).is_none()
+    }
+
     /// Whether it is a request (`reply_to` and `correlation_id` set).
     pub(super) fn is_request(&self) -> bool {
         self.properties.reply_to().is_some() && self.properties.correlation_id().is_some()
@@ -115,6 +204,52 @@ impl TestMessage {
 
     pub(super) fn correlation(&self) -> Option<&str> {
         self.properties.correlation_id().as_ref().map(ShortString::as_str)
+    }
+}
+
+/// What the helpers of [`TestKit`](super::TestKit) deliver: a [`TestMessage`], or a
+/// reference to any `Serialize` value, sent as bare JSON ([`TestMessage::json`]: no
+/// type, no version). For a message as [`Publisher::send`](crate::Publisher::send)
+/// publishes it, pass [`TestMessage::of`]`(&message)` (or call
+/// [`TestKit::send`](super::TestKit::send)).
+///
+/// ```no_run
+/// # use idemq::testing::{TestKit, TestMessage};
+/// # #[derive(serde::Serialize, idemq::Message)]
+/// # #[message(type = "payment.requested", exchange = "payments", routing_key = "requested")]
+/// # struct PaymentRequested { payment_id: String }
+/// # async fn example(kit: TestKit, payment: PaymentRequested) {
+/// kit.deliver_twice(&payment).await; // bare JSON
+/// kit.deliver_twice(TestMessage::of(&payment)).await; // typed and versioned, as `send` sends it
+/// kit.deliver_twice(TestMessage::json(&payment).message_id("m-1")).await; // a property of the test's own
+/// # }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "the test kit cannot deliver `{Self}`",
+    label = "not a `TestMessage` nor a reference to a `Serialize` value",
+    note = "pass `&message` (bare JSON), `idemq::testing::TestMessage::of(&message)` (an `idemq::Message`, \
+            typed and versioned as `Publisher::send` sends it) or a `TestMessage` built by hand"
+)]
+pub trait IntoTestMessage {
+    /// The message the kit publishes.
+    fn into_test_message(self) -> TestMessage;
+}
+
+impl<M: Serialize + ?Sized> IntoTestMessage for &M {
+    fn into_test_message(self) -> TestMessage {
+        TestMessage::json(self)
+    }
+}
+
+impl IntoTestMessage for TestMessage {
+    fn into_test_message(self) -> TestMessage {
+        self
+    }
+}
+
+impl IntoTestMessage for &TestMessage {
+    fn into_test_message(self) -> TestMessage {
+        self.clone()
     }
 }
 

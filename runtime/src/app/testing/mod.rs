@@ -1,26 +1,39 @@
 //! Test kits.
 //!
 //! [`TestKit`] (feature `testing`, for dev-dependencies only: it holds the
-//! [`fault`] hooks) runs a handler in the real runtime against a real PostgreSQL and
+//! [`fault`] hooks) runs a handler — or several handlers of one queue
+//! ([`TestKit::builder`]) — in the real runtime against a real PostgreSQL and
 //! RabbitMQ, each test in a throwaway database and queue of its own, and delivers a
 //! message once, twice, concurrently, or with the ack lost after COMMIT; a
-//! [`TestMessage`] with the properties and headers a real publisher sets, several at
-//! once (a batch), or a request, whose [`Reply`] it reads back from the outbox with
-//! everything else the handler published ([`TestKit::published`]: the kit runs no
-//! relay).
+//! [`TestMessage`] with the properties and headers a real publisher sets — an
+//! [`idemq::Message`](crate::Message) typed and versioned as `Publisher::send` sends
+//! it ([`TestMessage::of`]) — several at once (a batch), or a request, whose
+//! [`Reply`] it reads back from the outbox with everything else the handler
+//! published ([`TestKit::published`]: the kit runs no relay).
 //!
 //! ```no_run
-//! # use idemq::testing::TestKit;
-//! # #[derive(serde::Serialize)] struct Payment { payment_id: String }
+//! # use idemq::testing::{TestKit, TestMessage};
+//! # #[derive(serde::Serialize, idemq::Message)]
+//! # #[message(type = "payment.requested", exchange = "payments", routing_key = "requested")]
+//! # struct Payment { payment_id: String }
 //! # async fn example(handler: impl idemq::Handler) {
 //! let kit = TestKit::start(handler).await.expect("the services are up");
 //! let payment = Payment { payment_id: "p-1".into() };
-//! let outcomes = kit.deliver_concurrently(&payment, 4).await;
+//! let outcomes = kit.deliver_concurrently(TestMessage::of(&payment), 4).await;
 //! assert_eq!(outcomes.iter().filter(|o| **o == idemq::Outcome::Applied).count(), 1);
 //! // ... and check the effect with `kit.connect().await`.
 //! kit.finish().await;
 //! # }
 //! ```
+//!
+//! Every helper takes a [`TestMessage`] or a `&value` of any `Serialize` type (bare
+//! JSON: no type, no version), see [`IntoTestMessage`]. A helper that cannot go on —
+//! its delivery did not settle within 30 s, ended in a way it cannot go on from, or
+//! the kit's runtime stopped — panics at once with what happened: each delivery
+//! settled since it published, with its handler, outcome and `x-idemq-error`.
+//!
+//! What a kit made (its database, its queues) is removed by [`TestKit::finish`],
+//! and also when the test panics before it (on `Drop`) or `prepare` fails part-way.
 //!
 //! `AMQP_URL` and `DATABASE_URL` say where the services are (the database named
 //! there is only used to create and drop the test's own).
@@ -51,6 +64,8 @@
 
 #[cfg(feature = "testing")]
 mod certs;
+#[cfg(feature = "testing")]
+mod cleanup;
 mod cluster;
 mod host;
 #[cfg(feature = "testing")]
@@ -63,6 +78,8 @@ mod pg_pair;
 mod postgres;
 #[cfg(feature = "testing")]
 mod proxy;
+#[cfg(feature = "testing")]
+mod settle;
 
 #[cfg(feature = "testing")]
 pub use crate::engine::fault;
@@ -70,9 +87,9 @@ pub use crate::engine::fault;
 pub use certs::{CertifiedKey, TestCertificates};
 pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};
 #[cfg(feature = "testing")]
-pub use kit::TestKit;
+pub use kit::{TestKit, TestKitBuilder};
 #[cfg(feature = "testing")]
-pub use message::{HeaderValue, Reply, TestMessage};
+pub use message::{HeaderValue, IntoTestMessage, Reply, TestMessage};
 #[cfg(feature = "testing")]
 pub use pg_pair::{PostgresPair, PostgresPairBuilder, Replication};
 #[cfg(feature = "testing")]
