@@ -31,6 +31,11 @@
 
 use std::fmt;
 
+/// The settings and the variable that start a runtime with an unpatched AMQP parser
+/// ([`Error::UnpatchedAmqpParser`]).
+pub(crate) const UNPATCHED_PARSER_OPT_OUT: &str =
+    "`RuntimeBuilder::allow_unpatched_amqp_parser()` or IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER=1";
+
 /// What stopped the runtime or kept it from starting.
 ///
 /// `Display` and `Debug` show every URL and driver message with its passwords
@@ -224,7 +229,7 @@ pub enum Error {
     #[error(
         "the AMQP parser this program was built with (amq-protocol-types, as lapin uses it) {found}. \
          Fix: {fix}or start anyway, accepting that risk, with {}",
-        crate::broker::parser::OPT_OUT
+        UNPATCHED_PARSER_OPT_OUT
     )]
     UnpatchedAmqpParser {
         /// What the parser does with a `message_id` that is not UTF-8, and what follows.

@@ -23,9 +23,9 @@ const NOT_UTF8_MESSAGE_ID: [u8; 5] = [0x00, 0x80, 2, 0xff, 0x31];
 /// How the patched parser reads that `message_id`: U+FDD0, then the hex of its bytes.
 const PATCHED_READING: &str = "\u{FDD0}ff31";
 
-/// The settings and the variable that start a runtime with an unpatched parser.
-pub(crate) const OPT_OUT: &str =
-    "`RuntimeBuilder::allow_unpatched_amqp_parser()` or IDEMQ_ALLOW_UNPATCHED_AMQP_PARSER=1";
+/// The settings and the variable that start a runtime with an unpatched parser
+/// (kept beside the error that names them: `error` is the lower layer).
+use crate::error::UNPATCHED_PARSER_OPT_OUT as OPT_OUT;
 
 /// What lapin's parser does with a `message_id` that is not UTF-8.
 #[derive(Debug, Clone, PartialEq, Eq)]
