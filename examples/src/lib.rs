@@ -55,7 +55,10 @@ diesel::table! {
 }
 
 /// A payment to apply.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+// `JsonSchema` (with idemq's feature `schemars`): `payments asyncapi` gives its
+// payload's schema, these doc comments as its descriptions; without it, only
+// `{"type": "object"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct PaymentRequested {
     /// The idempotency key.
     pub payment_id: String,
@@ -66,9 +69,9 @@ pub struct PaymentRequested {
 }
 
 /// The event published (through idemq's outbox) for every applied payment, to the
-/// queue [`EVENTS_QUEUE`]. Every copy of one payment's event carries the same AMQP
-/// `message_id`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Message)]
+/// exchange `payments.events`, which the queue `payments.applied` is bound to. Every
+/// copy of one payment's event carries the same AMQP `message_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Message, schemars::JsonSchema)]
 #[message(exchange = "payments.events", routing_key = "payment.applied")]
 pub struct PaymentApplied {
     /// The payment's idempotency key.

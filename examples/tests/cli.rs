@@ -177,6 +177,29 @@ fn help_lists_every_subcommand_and_exits_zero() {
     );
 }
 
+/// `payments asyncapi` as built from this package alone (`cargo test -p
+/// idemq-example-payments`: no other package's features), touching neither the
+/// broker nor the database: each payload with its fields, types and `required`.
+#[test]
+fn asyncapi_gives_each_payload_its_fields_types_and_required() {
+    let output = run_ok(
+        Command::new(env!("CARGO_BIN_EXE_payments"))
+            .arg("asyncapi")
+            .env("AMQP_URL", "amqp://nobody:wrong@127.0.0.1:1/%2f")
+            .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none"),
+    );
+    let document: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    for name in ["PaymentRequested", "PaymentApplied"] {
+        let payload = &document["components"]["messages"][name]["payload"];
+        assert_eq!(payload["properties"]["amount_cents"]["type"], "integer", "{name}: {payload:#}");
+        assert_eq!(
+            payload["required"],
+            serde_json::json!(["payment_id", "account", "amount_cents"]),
+            "{name}: {payload:#}"
+        );
+    }
+}
+
 /// `payments --version` prints the name and the example's version and exits 0.
 #[test]
 fn version_prints_the_name_and_version_and_exits_zero() {

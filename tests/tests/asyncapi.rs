@@ -58,6 +58,31 @@ fn the_document_names_the_queues_handlers_keys_and_what_is_published() {
     );
 }
 
+/// The flagship example shows its contract whole: each of its messages' payloads
+/// has its fields, their types and which are required (its types derive
+/// `JsonSchema`, and the example enables idemq's feature `schemars`), not
+/// `{"type": "object"}`.
+#[test]
+fn the_demos_payloads_have_their_fields_types_and_required() {
+    let document = demo().asyncapi("payments", "0.1.0");
+    let messages = &document["components"]["messages"];
+    for name in ["PaymentRequested", "PaymentApplied"] {
+        let payload = &messages[name]["payload"];
+        let property = |field: &str| payload["properties"][field]["type"].as_str();
+        assert_eq!(payload["type"], "object", "{name}: {payload:#}");
+        assert_eq!(property("payment_id"), Some("string"), "{name}: {payload:#}");
+        assert_eq!(property("account"), Some("string"), "{name}: {payload:#}");
+        assert_eq!(property("amount_cents"), Some("integer"), "{name}: {payload:#}");
+        assert_eq!(
+            payload["required"],
+            serde_json::json!(["payment_id", "account", "amount_cents"]),
+            "{name}: {payload:#}"
+        );
+        assert!(payload["properties"]["payment_id"]["description"].is_string(), "documented: {payload:#}");
+    }
+    assert_eq!(errors(&document), Vec::<String>::new(), "{document:#}");
+}
+
 #[test]
 fn a_topology_alone_gives_a_valid_document() {
     let document = topology().asyncapi("payments", "0.1.0");

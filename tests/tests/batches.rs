@@ -1,15 +1,19 @@
 //! Group commit and lanes: a backlog runs in batches, a failing delivery never sinks
-//! its batch, and one lane's messages are applied one at a time, in arrival order.
+//! its batch, one lane's messages are applied one at a time, in arrival order, and
+//! batches that collide are told apart by where they collided. The binary installs
+//! the process's subscriber, to read what was logged; each test reads the lines
+//! naming its own queue.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, FailureKind, HandlerError, Outcome, Permanent};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{payment, Bed, Running};
-use idemq_tests::unique;
+use idemq_tests::{eventually, unique};
 
 /// The payments handler, except that an amount of 13 is refused (permanently).
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
@@ -26,6 +30,7 @@ async fn refuses_thirteen(conn: &mut AsyncPgConnection, msg: PaymentRequested) -
 /// alone, its batch neighbours are applied, and none of them is charged an attempt.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backlog_runs_in_batches_and_a_failing_delivery_does_not_sink_its_neighbours() {
+    captured(); // before the fixture installs a subscriber of its own
     let bed = Bed::new().await;
     let payments: Vec<_> = (1..=40).map(payment).collect();
     for p in &payments {
@@ -92,6 +97,7 @@ async fn laned(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<()
 /// the order published, while several accounts (pipelines) proceed side by side.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_lanes_messages_are_applied_one_at_a_time_in_arrival_order() {
+    captured(); // before the fixture installs a subscriber of its own
     let bed = Bed::new().await;
     let accounts: Vec<String> = (0..4).map(|_| unique("lane")).collect();
     let per_account = 30;
@@ -124,4 +130,147 @@ async fn one_lanes_messages_are_applied_one_at_a_time_in_arrival_order() {
     }
     assert_eq!(bed.ledger_total().await, total as i64);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
+/// What the test's subscriber wrote.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lock").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The process's subscriber, writing INFO and above of idemq into one buffer:
+/// installed by the first test to ask, so every test asks first (a `Bed` would
+/// otherwise install its own).
+fn captured() -> Captured {
+    static CAPTURED: OnceLock<Captured> = OnceLock::new();
+    CAPTURED
+        .get_or_init(|| {
+            let captured = Captured::default();
+            let writer = captured.clone();
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new("idemq=info"))
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .init();
+            captured
+        })
+        .clone()
+}
+
+impl Captured {
+    /// The lines logged so far that name `queue` and say its batches collided.
+    fn collisions(&self, queue: &str) -> Vec<String> {
+        let log = String::from_utf8_lossy(&self.0.lock().expect("lock")).into_owned();
+        log.lines()
+            .filter(|line| line.contains(queue) && line.contains("batches of this queue's handler"))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// The amount whose handler holds its transaction open (1.5 s) after its writes.
+const HOLDS: i64 = 700;
+
+/// The payments whose handler is holding its transaction open now.
+static HOLDING: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+fn holding(payment_id: &str) -> bool {
+    HOLDING.lock().expect("holding").iter().any(|held| held == payment_id)
+}
+
+/// The payments handler, which holds its transaction (its dedup row, its account's
+/// row) open for a while on a payment of [`HOLDS`].
+#[idempotent_handler(key = "payment_id", name = "holds_its_rows")]
+async fn holds_its_rows(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    if msg.amount_cents == HOLDS {
+        HOLDING.lock().expect("holding").push(msg.payment_id.clone());
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        HOLDING.lock().expect("holding").retain(|held| *held != msg.payment_id);
+    }
+    Ok(())
+}
+
+/// Two batches of two deliveries at once (each full at once): `first`, whose
+/// handler holds its transaction open on `first[0]` (a payment of [`HOLDS`]), then
+/// `second`, published while it does. On a fresh runtime, whose connections are
+/// fresh, the batch limit on lock waits covers the second's dedup insert too.
+async fn while_a_batch_holds_its_rows(
+    bed: &Bed,
+    first: [&PaymentRequested; 2],
+    second: [&PaymentRequested; 2],
+) -> Running {
+    for p in first {
+        bed.publish(p).await;
+    }
+    let runtime = bed.runtime().concurrency(2).batch_size(2).linger(Duration::from_millis(500));
+    let running = Running::start(runtime.consume(&bed.queue, holds_its_rows));
+    let held = &first[0].payment_id;
+    eventually("the first batch holding its rows", Duration::from_secs(20), || async { holding(held) }).await;
+    for p in second {
+        bed.publish(p).await;
+    }
+    running.wait_settled(4).await;
+    running
+}
+
+/// Two copies of one payment in two batches at once: the second batch's dedup
+/// insert waits on the first's dedup row past the batch limit and runs again
+/// smaller. The payment is applied once, its copy settled as a duplicate, and the
+/// log says copies raced, harmlessly — not that the handler needs a lane (it
+/// would not help: nothing but the copies collided).
+#[tokio::test(flavor = "multi_thread")]
+async fn copies_of_one_key_racing_are_called_harmless_without_advising_a_lane() {
+    let captured = captured();
+    let bed = Bed::new().await;
+    let held = payment(HOLDS);
+    let running = while_a_batch_holds_its_rows(&bed, [&held, &payment(1)], [&held, &payment(2)]).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+
+    let outcomes: Vec<&Outcome> =
+        events.iter().filter(|e| e.key.as_deref() == Some(&held.payment_id)).map(|e| &e.outcome).collect();
+    assert_eq!(outcomes.len(), 2, "{events:?}");
+    assert!(outcomes.contains(&&Outcome::Applied) && outcomes.contains(&&Outcome::Duplicate), "{outcomes:?}");
+    assert_eq!(bed.ledger_rows(&held.payment_id).await, 1, "applied once");
+    let lines = captured.collisions(&bed.queue);
+    assert!(!lines.is_empty(), "the second batch's dedup insert collided: {events:?}");
+    for line in &lines {
+        assert!(line.contains("copies of one message") && line.contains("Harmless"), "{line}");
+        assert!(line.contains("INFO"), "nothing to change: not a warning: {line}");
+        assert!(!line.contains("give the handler a lane"), "no lane advised for copies: {line}");
+    }
+}
+
+/// Two payments to one account in two batches at once: the second's handler waits
+/// on the account's row past the batch limit. Both are applied, and the warning
+/// advises a lane on what they share.
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_colliding_on_the_handlers_rows_are_advised_a_lane() {
+    let captured = captured();
+    let bed = Bed::new().await;
+    let held = payment(HOLDS);
+    let same_account = PaymentRequested { account: held.account.clone(), ..payment(3) };
+    let running =
+        while_a_batch_holds_its_rows(&bed, [&held, &payment(1)], [&same_account, &payment(2)]).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+
+    assert_eq!(bed.ledger_rows(&held.payment_id).await, 1);
+    assert_eq!(bed.ledger_rows(&same_account.payment_id).await, 1);
+    let lines = captured.collisions(&bed.queue);
+    assert!(!lines.is_empty(), "the second batch's handler collided on the account's row: {events:?}");
+    for line in &lines {
+        assert!(line.contains("WARN") && line.contains("give the handler a lane"), "{line}");
+        assert!(!line.contains("copies of one message"), "{line}");
+    }
 }

@@ -50,6 +50,73 @@ impl idemq::Message for ToQueue {
     }
 }
 
+/// Version 1 of a quote request: whole euros.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, idemq::Message)]
+#[message(version = 1)]
+struct QuoteV1 {
+    payment_id: String,
+    euros: i64,
+}
+
+/// Version 2, named on the wire: cents. A version-2 body read as version 1 does
+/// not decode (it has no `euros`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, idemq::Message)]
+#[message(type = "quote.requested", version = 2, previous = QuoteV1)]
+struct QuoteV2 {
+    payment_id: String,
+    cents: i64,
+}
+
+impl From<QuoteV1> for QuoteV2 {
+    fn from(v1: QuoteV1) -> Self {
+        Self { payment_id: v1.payment_id, cents: v1.euros * 100 }
+    }
+}
+
+/// What [`quote`] answers: the cents it read.
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+struct Quoted {
+    payment_id: String,
+    cents: i64,
+}
+
+#[idempotent_handler(key = "payment_id", name = "quote_v2")]
+async fn quote(conn: &mut AsyncPgConnection, msg: QuoteV2) -> Result<Quoted, HandlerError> {
+    let _ = conn;
+    Ok(Quoted { payment_id: msg.payment_id, cents: msg.cents })
+}
+
+/// A [`QuoteV2`] addressed to a queue of the test's, with its type and version as
+/// the derive declares them.
+#[derive(serde::Serialize)]
+struct QuoteTo {
+    #[serde(skip)]
+    queue: String,
+    #[serde(flatten)]
+    quote: QuoteV2,
+}
+
+impl idemq::Message for QuoteTo {
+    const EXCHANGE: &'static str = "";
+    const ROUTING_KEY: &'static str = "";
+    const TYPE: Option<&'static str> = Some(<QuoteV2 as idemq::MessageType>::TYPE);
+    const VERSION: Option<u32> = Some(<QuoteV2 as idemq::Versioned>::VERSION);
+
+    fn routing_key(&self) -> &str {
+        &self.queue
+    }
+}
+
+/// A handler keyed on the AMQP `message_id`: `run` tells its runs apart.
+#[idempotent_handler(key = "@message_id", name = "receipt_by_message_id")]
+async fn receipt_by_message_id(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<Receipt, HandlerError> {
+    let _ = conn;
+    Ok(Receipt { payment_id: msg.payment_id, run: idemq_tests::unique("run") })
+}
+
 async fn publisher(bed: &Bed) -> Publisher {
     Publisher::builder()
         .amqp_url(&bed.amqp_url)
@@ -70,6 +137,10 @@ async fn named_publisher(bed: &Bed, name: &str) -> Publisher {
         .connect()
         .await
         .expect("connect")
+}
+
+fn unique_id() -> String {
+    idemq_tests::unique("quote")
 }
 
 fn message_id(message: &lapin::message::BasicGetMessage) -> String {
@@ -286,6 +357,83 @@ async fn a_request_whose_connection_is_lost_is_answered_on_the_next() {
     running.stop().await.expect("clean shutdown");
     assert_eq!(receipt.payment_id, asked.payment_id);
     assert_eq!(bed.ledger_rows(&asked.payment_id).await, 1, "applied once");
+}
+
+/// A request of a versioned, named type goes with its type and version, as `send`
+/// publishes it: its handler reads it as version 2 and answers (a request that
+/// said nothing would be read as version 1 and fail to decode).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_goes_with_its_type_and_version_and_is_read_as_that_version() {
+    let bed = Bed::isolated().await;
+    let running = Running::start(bed.runtime().consume(&bed.queue, quote));
+    let publisher = publisher(&bed).await;
+    let request =
+        QuoteTo { queue: bed.queue.clone(), quote: QuoteV2 { payment_id: unique_id(), cents: 1250 } };
+    let quoted: Result<Quoted, _> = publisher.request(&request, Duration::from_secs(20)).await;
+    running.stop().await.expect("clean shutdown");
+    let quoted = quoted.expect("answered, read as version 2");
+    assert_eq!(quoted, Quoted { payment_id: request.quote.payment_id, cents: 1250 });
+}
+
+/// What a request carries, read off the queue (nobody consumes it): `request` sets
+/// the type and version `send` sets; `request_with` sends what its `Outgoing` holds
+/// — its own message id and headers, the type and version of `Outgoing::of` — with
+/// the request's `reply_to` and a correlation id.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_carries_what_send_sets_and_request_with_its_own_message_id() {
+    let bed = Bed::isolated().await;
+    let publisher = publisher(&bed).await;
+    let message =
+        || QuoteTo { queue: bed.queue.clone(), quote: QuoteV2 { payment_id: unique_id(), cents: 5 } };
+    let wire = |message: &lapin::message::BasicGetMessage| {
+        let props = &message.delivery.properties;
+        (
+            props.kind().as_ref().map(|kind| kind.to_string()),
+            idemq_tests::header_str(props, idemq::headers::VERSION),
+        )
+    };
+    publisher.send(&message()).await.expect("send");
+    let sent = bed.broker.get(&bed.queue).await.expect("the sent message");
+    assert_eq!(wire(&sent), (Some("quote.requested".to_owned()), Some("2".to_owned())));
+
+    let err =
+        publisher.request::<_, Quoted>(&message(), Duration::from_millis(500)).await.expect_err("unanswered");
+    assert!(matches!(err, RequestError::Timeout { .. }), "{err:?}");
+    let requested = bed.broker.get(&bed.queue).await.expect("the request");
+    assert_eq!(wire(&requested), wire(&sent), "a request's type and version are send's");
+
+    let built = Outgoing::of(&message()).expect("outgoing").message_id("order-7").header("x-tenant", "acme");
+    let err =
+        publisher.request_with::<Quoted>(built, Duration::from_millis(500)).await.expect_err("unanswered");
+    assert!(matches!(err, RequestError::Timeout { .. }), "{err:?}");
+    let requested = bed.broker.get(&bed.queue).await.expect("the request");
+    let props = &requested.delivery.properties;
+    assert_eq!(message_id(&requested), "order-7", "the given message id is kept");
+    assert_eq!(wire(&requested), wire(&sent));
+    assert_eq!(idemq_tests::header_str(props, "x-tenant").as_deref(), Some("acme"));
+    let reply_to = props.reply_to().as_ref().map(|to| to.to_string()).unwrap_or_default();
+    assert!(reply_to.starts_with("amq.rabbitmq.reply-to"), "direct reply-to: {reply_to}");
+    assert!(props.correlation_id().is_some(), "a correlation id its reply comes back with");
+}
+
+/// A request's own message id is its key for a handler keyed on `@message_id`:
+/// the same request sent twice under one id is applied once and both get the first
+/// reply; under another id it is applied again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_sent_twice_under_its_own_message_id_is_applied_once() {
+    let bed = Bed::isolated().await;
+    let running = Running::start(bed.runtime().consume(&bed.queue, receipt_by_message_id));
+    let publisher = publisher(&bed).await;
+    let asked = ToQueue { queue: bed.queue.clone(), payment: payment(21) };
+    let under = |id: &str| Outgoing::of(&asked).expect("outgoing").message_id(id);
+    let timeout = Duration::from_secs(20);
+    let first: Result<Receipt, _> = publisher.request_with(under("order-7"), timeout).await;
+    let again: Result<Receipt, _> = publisher.request_with(under("order-7"), timeout).await;
+    let other: Result<Receipt, _> = publisher.request_with(under("order-8"), timeout).await;
+    running.stop().await.expect("clean shutdown");
+    let (first, again, other) = (first.expect("a reply"), again.expect("a reply"), other.expect("a reply"));
+    assert_eq!(again, first, "one message id: applied once, the stored reply");
+    assert_ne!(other.run, first.run, "another message id: another request");
 }
 
 /// The outbox as a sink, with the publisher's calls: what is written in a

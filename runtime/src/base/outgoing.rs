@@ -107,7 +107,9 @@ impl Outgoing {
 
     /// A [`Message`] as JSON, where its type says it goes, with its name on the
     /// wire (the AMQP `type`) and its version (the `x-idemq-version` header) if it
-    /// declares them: what `send` publishes.
+    /// declares them: what `send` publishes, and what `request` sends. Set more on
+    /// it (a message id, headers) and publish it with `publish_outgoing`, or send it
+    /// as a request with [`Publisher::request_with`](crate::Publisher::request_with).
     ///
     /// # Errors
     /// As [`Outgoing::json`].
@@ -146,8 +148,9 @@ impl Outgoing {
         })
     }
 
-    /// Sets the AMQP `message_id` (outside a handler; a handler's messages get
-    /// deterministic ids).
+    /// Sets the AMQP `message_id`: outside a handler (the [`Publisher`](crate::Publisher),
+    /// its requests included, and the outbox) it is kept, on every copy; a
+    /// handler's messages get deterministic ids instead.
     #[must_use]
     pub fn message_id(mut self, id: impl Into<String>) -> Self {
         self.message_id = Some(id.into());

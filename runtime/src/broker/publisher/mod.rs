@@ -65,9 +65,12 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// (`@message_id`) applies it once. Past the timeout the error says the broker may or
 /// may not have it.
 ///
-/// Requests go over RabbitMQ's direct reply-to: the publisher's channel consumes
-/// `amq.rabbitmq.reply-to` and each request names it as its `reply_to`, with a
-/// correlation id its reply comes back with. A request whose connection is lost
+/// [`request`](Self::request) sends a [`Message`] as [`send`](Self::send) publishes
+/// it (its type and version) and waits for the reply;
+/// [`request_with`](Self::request_with) sends one built with [`Outgoing`] (its own
+/// message id, headers). Requests go over RabbitMQ's direct reply-to: the
+/// publisher's channel consumes `amq.rabbitmq.reply-to` and each request names it
+/// as its `reply_to`, with a correlation id its reply comes back with. A request whose connection is lost
 /// before its reply came is published again, same message id and correlation id, on
 /// the next connection: the handler sees a duplicate and answers it with its stored
 /// reply, byte for byte the first. The reply to the first copy, addressed to the

@@ -65,11 +65,19 @@ impl Publisher {
     /// Sends `request` where its type says, and waits at most `timeout` for its
     /// reply, decoded as `Resp`.
     ///
-    /// The request is published as JSON, `mandatory` and confirmed, with a fresh
-    /// message id and correlation id, and `reply_to` RabbitMQ's direct reply-to
-    /// (`amq.rabbitmq.reply-to`, no reply queue needed). Should the connection go
-    /// before the reply comes, it is published again on the next one with the same
-    /// ids: an idempotent handler answers it as a duplicate, with its stored reply.
+    /// The request is published as [`send`](Self::send) publishes it — JSON, with its
+    /// name on the wire (the AMQP `type`) and its version (the
+    /// [`x-idemq-version`](crate::headers::VERSION) header) if its type declares them,
+    /// so a handler of a versioned type reads it as that version — `mandatory` and
+    /// confirmed, with a fresh message id and correlation id, and `reply_to`
+    /// RabbitMQ's direct reply-to (`amq.rabbitmq.reply-to`, no reply queue needed).
+    /// Should the connection go before the reply comes, it is published again on the
+    /// next one with the same ids: an idempotent handler answers it as a duplicate,
+    /// with its stored reply.
+    ///
+    /// To give the request its own message id (the key of a handler keyed on
+    /// `@message_id`), a correlation id or headers, build it with [`Outgoing::of`]
+    /// and send it with [`request_with`](Self::request_with).
     ///
     /// ```no_run
     /// # #[derive(serde::Serialize, idemq::Message)]
@@ -93,8 +101,42 @@ impl Publisher {
         request: &Req,
         timeout: Duration,
     ) -> Result<Resp, RequestError> {
-        let outgoing = Outgoing::json(Req::EXCHANGE, request.routing_key(), request)?;
-        let body = self.request_outgoing(outgoing, timeout).await?;
+        self.request_with(Outgoing::of(request)?, timeout).await
+    }
+
+    /// [`request`](Self::request) with a request built with [`Outgoing`]: whatever
+    /// it sets is sent — its message id, a correlation id (else a fresh one),
+    /// headers — and the reply is decoded as `Resp`. [`Outgoing::of`] makes a
+    /// [`Message`] into one as `send` and `request` publish it (its type and
+    /// version); a message id given there is the request's on every copy, so a
+    /// handler keyed on `@message_id` applies the same request sent twice once, and
+    /// answers the second with the first's reply.
+    ///
+    /// ```no_run
+    /// # #[derive(serde::Serialize, idemq::Message)]
+    /// # #[message(exchange = "", routing_key = "payments")]
+    /// # struct ApplyPayment { payment_id: String }
+    /// # #[derive(serde::Deserialize)]
+    /// # struct Receipt { balance_cents: i64 }
+    /// # async fn example(publisher: idemq::Publisher) -> Result<(), idemq::publisher::RequestError> {
+    /// use std::time::Duration;
+    /// use idemq::outbox::Outgoing;
+    ///
+    /// let request = Outgoing::of(&ApplyPayment { payment_id: "p-1".into() })?
+    ///     .message_id("order-7/payment")
+    ///     .header("x-tenant", "acme");
+    /// let receipt: Receipt = publisher.request_with(request, Duration::from_secs(5)).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`request`](Self::request).
+    pub async fn request_with<Resp: DeserializeOwned>(
+        &self,
+        request: Outgoing,
+        timeout: Duration,
+    ) -> Result<Resp, RequestError> {
+        let body = self.request_outgoing(request, timeout).await?;
         serde_json::from_slice(&body).map_err(|source| RequestError::Decode {
             expected: std::any::type_name::<Resp>(),
             body: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
@@ -102,8 +144,8 @@ impl Publisher {
         })
     }
 
-    /// [`request`](Self::request) with a message built with [`Outgoing`]: its
-    /// correlation id is kept if it has one. Returns the reply's body as it came.
+    /// [`request_with`](Self::request_with), returning the reply's body as it came
+    /// (not decoded: a body that is not JSON, or read later).
     ///
     /// # Errors
     /// As [`request`](Self::request), but for [`RequestError::Decode`].

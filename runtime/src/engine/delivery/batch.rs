@@ -11,7 +11,7 @@ use diesel_async::pooled_connection::PoolableConnection;
 use lapin::message::Delivery;
 
 use super::faults::{panic_message, Fault, InfraFault};
-use super::{Consumer, Decision, Delivered, Ran};
+use super::{Collision, Consumer, Decision, Delivered, Ran};
 use crate::base::backoff::Backoff;
 use crate::base::duration::human;
 use crate::base::observe::{Batch, InfrastructureRetry};
@@ -25,12 +25,14 @@ use crate::store::db::{self, Conn};
 /// deadlock) is run again in-process before it counts as a failed attempt.
 const CONTENTION_RETRIES: u32 = 3;
 
-/// How often at most a consumer warns that its batches collide.
+/// How often at most a consumer warns that its batches collide (for each
+/// [`Collision`]: one cause's warnings never hide another's).
 const COLLISION_WARNING_EVERY: Duration = Duration::from_secs(60);
 
-/// A consumer's batches that collided since it last warned about them.
+/// A consumer's batches that collided since it last warned about them, by where
+/// they collided.
 #[derive(Debug, Default)]
-pub(crate) struct Collisions(std::sync::Mutex<CollisionCount>);
+pub(crate) struct Collisions(std::sync::Mutex<[CollisionCount; 3]>); // one per `Collision`
 
 #[derive(Debug, Default)]
 struct CollisionCount {
@@ -39,10 +41,11 @@ struct CollisionCount {
 }
 
 impl Collisions {
-    /// Counts one collided batch; `Some(n)` when a warning is due, with the
-    /// collisions it reports (this one included).
-    fn note(&self, now: Instant) -> Option<u64> {
-        let mut count = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    /// Counts one batch collided `on`; `Some(n)` when a warning of it is due, with
+    /// the collisions it reports (this one included).
+    fn note(&self, on: Collision, now: Instant) -> Option<u64> {
+        let mut counts = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = &mut counts[on as usize];
         count.since_warning += 1;
         let due = count.warned_at.is_none_or(|at| now.duration_since(at) >= COLLISION_WARNING_EVERY);
         due.then(|| {
@@ -68,14 +71,16 @@ impl Consumer {
         };
         let mut decisions: Vec<Option<Decision>> = items.iter().map(|_| None).collect();
         let mut parts: VecDeque<Vec<usize>> = VecDeque::from([(0..items.len()).collect()]);
-        let (mut splits, mut contended) = (0_u64, false);
+        let (mut splits, mut collided) = (0_u64, Vec::new());
         let started = Instant::now();
         while let Some(part) = parts.pop_front() {
             let ran = self.run_part(items, &part, &mut prepared).await;
             if !ran.next.is_empty() {
                 splits += 1;
             }
-            contended |= ran.contended;
+            if let Some(on) = ran.collided.filter(|on| !collided.contains(on)) {
+                collided.push(on);
+            }
             for (index, decision) in ran.decided {
                 decisions[index] = Some(decision);
             }
@@ -83,9 +88,10 @@ impl Consumer {
                 parts.push_front(next);
             }
         }
+        let contended = !collided.is_empty();
         self.width.adapt(splits > 0, contended);
-        if contended {
-            self.collided();
+        for on in collided {
+            self.collided(on);
         }
         self.shared.observers.batch(&Batch {
             queue: &self.queue,
@@ -107,29 +113,19 @@ impl Consumer {
             .collect()
     }
 
-    /// A batch collided with another transaction (the width has narrowed): says so,
-    /// at most every [`COLLISION_WARNING_EVERY`], with the fix. idemq cannot know
-    /// which rows a handler locks, so it cannot order them for the handler; a lane
-    /// can (the metric `idemq_contended_batches_total` counts every collision).
-    fn collided(&self) {
-        let Some(collisions) = self.collisions.note(Instant::now()) else { return };
-        let width = self.width.current();
-        match self.handler.lane_path() {
-            None => tracing::warn!(
-                queue = %self.queue, collisions, width,
-                "batches of this queue's handler collide on row locks (lock waits past the batch limit, \
-                 deadlocks): each collision rolls a batch back and runs it again smaller, and the consumer \
-                 now runs at most {width} batch(es) at once. If its messages update shared rows (an \
-                 account's balance), give the handler a lane on what they share \
-                 (`#[idempotent_handler(key = \"..\", lane = \"account\")]`): a lane never runs two \
-                 of its messages at once"
-            ),
-            Some(lane) => tracing::warn!(
-                queue = %self.queue, collisions, width, lane,
-                "batches of this queue's handler collide on row locks although it has a lane: its \
-                 messages share rows across lanes (rows that `{lane}` does not identify). Make the lane \
-                 what they share, or lock the rows in one order (sort them) in the handler"
-            ),
+    /// A batch collided with another transaction `on` (the width has narrowed):
+    /// says so, at most every [`COLLISION_WARNING_EVERY`] for each cause, with
+    /// [`advice`] (the metric `idemq_contended_batches_total` counts every collision).
+    fn collided(&self, on: Collision) {
+        let Some(collisions) = self.collisions.note(on, Instant::now()) else { return };
+        let (width, lane) = (self.width.current(), self.handler.lane_path());
+        match advice(on, lane, width) {
+            (Level::Harmless, advice) => {
+                tracing::info!(queue = %self.queue, collisions, width, lane, "{advice}")
+            }
+            (Level::Warning, advice) => {
+                tracing::warn!(queue = %self.queue, collisions, width, lane, "{advice}")
+            }
         }
     }
 
@@ -320,6 +316,68 @@ impl Consumer {
     }
 }
 
+/// How loud a collision's line is.
+#[derive(Debug, PartialEq, Eq)]
+enum Level {
+    /// Nothing to change (INFO).
+    Harmless,
+    /// The handler could do better (WARN).
+    Warning,
+}
+
+/// What a consumer says of batches that collided `on`, its handler's lane path
+/// `lane`, its width now `width`. On the handler's rows: idemq cannot know which rows
+/// a handler locks, so it cannot order them for the handler; a lane can. On the dedup
+/// rows: copies of one key raced, which the unique index settles — no lane is
+/// needed, and the line must not ask for one. Where the runtime cannot tell, it says
+/// so, and advises a lane only for messages that do share rows.
+fn advice(on: Collision, lane: Option<&str>, width: usize) -> (Level, String) {
+    match (on, lane) {
+        (Collision::DedupRows, _) => (
+            Level::Harmless,
+            format!(
+                "batches of this queue's handler waited on each other's dedup rows: copies of one \
+                 message (the same key: a redelivery, a publisher's retry, a message published twice) \
+                 were in two transactions at once (or something locked the table idemq_dedup). \
+                 Harmless: the unique index on the dedup rows lets one copy apply, and the other is \
+                 settled as a duplicate once its batch has run again smaller; the consumer now runs at \
+                 most {width} batch(es) at once. No lane is needed for this; many such lines mean many \
+                 copies arrive together"
+            ),
+        ),
+        (Collision::HandlerRows, None) => (
+            Level::Warning,
+            format!(
+                "batches of this queue's handler collide on row locks (lock waits past the batch limit, \
+                 deadlocks): each collision rolls a batch back and runs it again smaller, and the \
+                 consumer now runs at most {width} batch(es) at once. If its messages update shared rows \
+                 (an account's balance), give the handler a lane on what they share \
+                 (`#[idempotent_handler(key = \"..\", lane = \"account\")]`): a lane never runs two \
+                 of its messages at once"
+            ),
+        ),
+        (Collision::HandlerRows, Some(lane)) => (
+            Level::Warning,
+            format!(
+                "batches of this queue's handler collide on row locks although it has a lane: its \
+                 messages share rows across lanes (rows that `{lane}` does not identify). Make the lane \
+                 what they share, or lock the rows in one order (sort them) in the handler"
+            ),
+        ),
+        (Collision::Unknown, lane) => (
+            Level::Warning,
+            format!(
+                "batches of this queue's handler were rolled back for contention where idemq cannot \
+                 tell on which rows (at COMMIT: a serialization failure, or a deadlock in deferred \
+                 checks): each such batch runs again smaller, and the consumer now runs at most {width} \
+                 batch(es) at once. If its messages update shared rows{}, a lane on what they share \
+                 keeps them apart (`#[idempotent_handler(key = \"..\", lane = \"account\")]`)",
+                lane.map(|lane| format!(" that `{lane}` does not identify")).unwrap_or_default()
+            ),
+        ),
+    }
+}
+
 /// A delivery's place beside the others: alone (redelivered) or shared.
 enum Turn<'a> {
     Alone(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'a, ()>),
@@ -330,16 +388,50 @@ enum Turn<'a> {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::{Collisions, COLLISION_WARNING_EVERY};
+    use super::{advice, Collision, Collisions, Level, COLLISION_WARNING_EVERY};
 
     #[test]
     fn collisions_are_reported_at_once_then_at_most_once_a_minute_with_their_count() {
         let collisions = Collisions::default();
         let start = Instant::now();
-        assert_eq!(collisions.note(start), Some(1), "the first is reported at once");
-        assert_eq!(collisions.note(start + Duration::from_secs(1)), None);
-        assert_eq!(collisions.note(start + Duration::from_secs(30)), None);
-        assert_eq!(collisions.note(start + COLLISION_WARNING_EVERY), Some(3), "the count since the last");
-        assert_eq!(collisions.note(start + COLLISION_WARNING_EVERY), None);
+        let note = |at| collisions.note(Collision::HandlerRows, at);
+        assert_eq!(note(start), Some(1), "the first is reported at once");
+        assert_eq!(note(start + Duration::from_secs(1)), None);
+        assert_eq!(note(start + Duration::from_secs(30)), None);
+        assert_eq!(note(start + COLLISION_WARNING_EVERY), Some(3), "the count since the last");
+        assert_eq!(note(start + COLLISION_WARNING_EVERY), None);
+    }
+
+    #[test]
+    fn each_cause_of_collisions_is_reported_on_its_own() {
+        let collisions = Collisions::default();
+        let start = Instant::now();
+        assert_eq!(collisions.note(Collision::DedupRows, start), Some(1));
+        assert_eq!(collisions.note(Collision::HandlerRows, start), Some(1), "not hidden by the other");
+        assert_eq!(collisions.note(Collision::Unknown, start), Some(1));
+        assert_eq!(collisions.note(Collision::DedupRows, start), None);
+    }
+
+    #[test]
+    fn copies_racing_on_the_dedup_rows_are_harmless_and_want_no_lane() {
+        for lane in [None, Some("account")] {
+            let (level, said) = advice(Collision::DedupRows, lane, 4);
+            assert_eq!(level, Level::Harmless);
+            assert!(said.contains("copies of one message") && said.contains("Harmless"), "{said}");
+            assert!(said.contains("No lane is needed") && !said.contains("lane = "), "{said}");
+        }
+    }
+
+    #[test]
+    fn collisions_on_the_handlers_rows_ask_for_a_lane_and_unknown_ones_say_so() {
+        let (level, said) = advice(Collision::HandlerRows, None, 2);
+        assert_eq!(level, Level::Warning);
+        assert!(said.contains("give the handler a lane") && said.contains("at most 2 batch"), "{said}");
+        let (_, said) = advice(Collision::HandlerRows, Some("account"), 2);
+        assert!(said.contains("although it has a lane") && said.contains("`account`"), "{said}");
+        let (level, said) = advice(Collision::Unknown, None, 2);
+        assert_eq!(level, Level::Warning);
+        assert!(said.contains("cannot tell") && !said.contains("copies"), "{said}");
+        assert!(said.contains("If its messages update shared rows"), "a lane only if they do: {said}");
     }
 }

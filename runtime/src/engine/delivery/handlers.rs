@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use super::faults::{answers, cancel_statement, panic_message, Failure, Fault, InfraFault};
 use super::transact::{infra, rerun_repeats, split, Done, Step, Tx};
-use super::{Consumer, Delivered};
+use super::{Collision, Consumer, Delivered};
 use crate::base::duration::human;
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{self, Outgoing, Request};
@@ -304,7 +304,7 @@ impl Consumer {
                 }
             };
             tx.ran.next = split(new_indices, ranges, &tx.repeats);
-            tx.ran.contended = contended;
+            tx.ran.collided = contended.then_some(Collision::HandlerRows);
             return Ok(());
         }
         let error = match failure {

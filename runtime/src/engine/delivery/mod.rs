@@ -320,9 +320,25 @@ impl Decision {
 struct Ran {
     decided: Vec<(usize, Decision)>,
     next: Vec<Vec<usize>>,
-    /// It was split because its transactions collided (a lock wait, a deadlock, a
-    /// serialization failure): the consumer's batches should shrink.
-    contended: bool,
+    /// It was split because its transaction collided with another (a lock wait, a
+    /// deadlock, a serialization failure), and where: the consumer's batches should
+    /// shrink, and the warning says what to do about it.
+    collided: Option<Collision>,
+}
+
+/// Where a batch's transaction collided with another, as far as the runtime can
+/// tell from the phase that was refused (see `batch`'s warning).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Collision {
+    /// Its dedup insert (the claim: idemq's statement, on idemq's table only): it
+    /// waited on another transaction's dedup row of one of its keys, so a copy of
+    /// one of its messages was in that transaction (or the table itself was locked).
+    DedupRows,
+    /// A handler's statement: on the rows the handler writes or locks.
+    HandlerRows,
+    /// Where the runtime cannot tell: COMMIT (a serialization failure, a deadlock in
+    /// deferred checks), whose error names no rows.
+    Unknown,
 }
 
 impl Consumer {

@@ -24,7 +24,7 @@ use diesel_async::pooled_connection::PoolableConnection;
 use diesel_async::{AnsiTransactionManager, TransactionManager};
 
 use super::faults::{no_answer, rollback, Fault, InfraFault};
-use super::{Consumer, Decision, Delivered, Ran};
+use super::{Collision, Consumer, Decision, Delivered, Ran};
 use crate::base::observe::Commit;
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{self, Outgoing, Request};
@@ -175,7 +175,10 @@ impl Consumer {
                     tracing::debug!(queue = %self.queue, error = %err, batch = tx.batch, "the batch's dedup insert failed; running it in halves");
                     let indices: Vec<usize> = firsts.iter().map(|(index, _)| *index).collect();
                     tx.ran.next = split(&indices, verdict::halves(indices.len()), &tx.repeats);
-                    tx.ran.contended = contended;
+                    // The claim touches nothing but dedup rows (a handler without
+                    // them has none to wait on: no telling, then).
+                    let on = if tx.dedup { Collision::DedupRows } else { Collision::Unknown };
+                    tx.ran.collided = contended.then_some(on);
                     return Ok(Step::Ended);
                 }
                 return Err(infra(err));
@@ -339,7 +342,8 @@ impl Consumer {
             tracing::debug!(queue = %self.queue, ?failure, batch = tx.batch, "the batch's COMMIT failed; running it in halves");
             let indices: Vec<usize> = done.iter().map(|done| done.index).collect();
             tx.ran.next = split(&indices, verdict::halves(indices.len()), &tx.repeats);
-            tx.ran.contended = matches!(failure, CommitFailure::Refused { contention: true, .. });
+            let contended = matches!(failure, CommitFailure::Refused { contention: true, .. });
+            tx.ran.collided = contended.then_some(Collision::Unknown);
             return Ok(tx.ran);
         }
         let Done { index, key, .. } = done.pop().expect("a transaction with an xid ran a handler");
