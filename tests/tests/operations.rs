@@ -309,3 +309,260 @@ async fn version_prints_the_apps_name_and_version_and_exits_zero() {
     let default = Cli::new("app", idemq::Runtime::builder()).command().render_version();
     assert_eq!(default, format!("app {}\n", env!("CARGO_PKG_VERSION")), "idemq's own version");
 }
+
+// ---------------------------------------------------------------------------
+// The CLI's `status`, `declare` and `dlq show`, run as an operator runs them: the
+// payments app (its queue `payments`, the events queue `payments.applied` bound to
+// the exchange `payments.events`, the stream `payments.stream`), in a vhost and a
+// database of the test's own.
+// ---------------------------------------------------------------------------
+
+const APP: &str = env!("CARGO_BIN_EXE_payments-app");
+
+/// Where the app connects: a vhost and a database of the test's own.
+struct Place {
+    db: idemq_tests::TestDb,
+    vhost: idemq_tests::TestVhost,
+    broker: idemq_tests::Broker,
+}
+
+impl Place {
+    async fn new() -> Place {
+        let db = idemq_tests::TestDb::create().await;
+        let vhost = idemq_tests::TestVhost::create().await;
+        let broker = idemq_tests::Broker::connect(&vhost.amqp_url()).await;
+        Place { db, vhost, broker }
+    }
+
+    fn env(&self) -> [(&'static str, String); 2] {
+        [("AMQP_URL", self.vhost.amqp_url()), ("DATABASE_URL", self.db.url())]
+    }
+
+    /// Runs `payments-app args` to its end (at most 60 s): its exit code and stdout.
+    async fn cli(&self, args: &[&str]) -> (Option<i32>, String) {
+        let mut command = tokio::process::Command::new(APP);
+        command.args(args).envs(self.env()).env("RUST_LOG", "warn").env_remove("IDEMQ_CONFIG");
+        command.kill_on_drop(true);
+        let output = idemq_tests::with_timeout(
+            &format!("payments-app {args:?}"),
+            Duration::from_secs(60),
+            command.output(),
+        )
+        .await
+        .expect("spawn payments-app");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.code() != Some(2) && output.status.code() != Some(101),
+            "{args:?}: {stdout}{stderr}"
+        );
+        (output.status.code(), stdout)
+    }
+
+    /// [`Place::cli`] that must exit 0: its stdout.
+    async fn cli_ok(&self, args: &[&str]) -> String {
+        let (code, stdout) = self.cli(args).await;
+        assert_eq!(code, Some(0), "{args:?}:\n{stdout}");
+        stdout
+    }
+
+    /// `payments-app run`, in the background.
+    fn run(&self) -> idemq_tests::app::App {
+        let env = self.env();
+        let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+        idemq_tests::app::App::spawn(APP, &["run"], &env)
+    }
+
+    /// Publishes `payments` to the stream, confirmed.
+    async fn publish_to_stream(&self, payments: &[idemq_example_payments::PaymentRequested]) {
+        let props = lapin::BasicProperties::default().with_content_type("application/json".into());
+        for payment in payments {
+            let body = serde_json::to_vec(payment).expect("serialize");
+            self.broker.publish_bytes(idemq_example_payments::STREAM, &body, props.clone()).await;
+        }
+    }
+
+    /// The stored offset of the app's stream handler, once its table and row exist.
+    async fn stream_offset(&self) -> Option<i64> {
+        let there = "SELECT count(*) FROM pg_tables WHERE tablename = 'idemq_stream_offsets'";
+        if self.db.count(there).await == 0 {
+            return None;
+        }
+        let offset = "SELECT coalesce(max(last_offset), -2) FROM idemq_stream_offsets WHERE stream = 'payments.stream'";
+        Some(self.db.count(offset).await)
+    }
+}
+
+/// The line of `output` that starts with `start` (its indent trimmed), or a panic
+/// showing all of it.
+fn line<'a>(output: &'a str, start: &str) -> &'a str {
+    let found = output.lines().map(str::trim_start).find(|l| l.starts_with(start));
+    found.unwrap_or_else(|| panic!("no line {start:?}:\n{output}"))
+}
+
+/// Issue 37, friction 3: `status` showed a stream read to its end as `60 ready, 0
+/// consumers`, which says nothing (a stream keeps what is read). Stages a stream of
+/// 60 payments consumed by the app, then 5 more published while it is stopped: the
+/// stream's line must show no ready count, the stream's end, and for its handler the
+/// stored offset, the lag in messages (0, then 5) and the owner (the app's PostgreSQL
+/// session, then none).
+#[tokio::test(flavor = "multi_thread")]
+async fn status_shows_a_streams_end_and_each_handlers_offset_lag_and_owner_not_a_ready_count() {
+    let place = Place::new().await;
+    idemq_tests::app::declare_topology(&place.broker).await;
+    let first: Vec<_> = (0..60).map(|i| payment(1 + i)).collect();
+    place.publish_to_stream(&first).await;
+    let mut app = place.run();
+    idemq_tests::eventually("the stream consumed to its end", Duration::from_secs(60), || {
+        app.assert_running();
+        async { place.stream_offset().await == Some(59) }
+    })
+    .await;
+
+    let running = place.cli_ok(&["status"]).await;
+    let stream = line(&running, "payments.stream ");
+    assert_eq!(stream.split_whitespace().nth(1), Some("stream"), "no ready count for a stream:\n{running}");
+    assert!(line(&running, "end:").contains("end: offset 59; offsets 0–59 kept (60 messages)"), "{running}");
+    let handler = line(&running, "apply_stream_payment:");
+    assert!(handler.contains("applied up to offset 59, lag 0;"), "{running}");
+    assert!(handler.contains("owned by the PostgreSQL session of pid "), "the app owns it:\n{running}");
+    let nonzero = place.cli_ok(&["status", "--nonzero"]).await;
+    assert!(!nonzero.contains("payments.stream"), "a stream read to its end is fine:\n{nonzero}");
+
+    let (status, stderr) = app.terminate(Duration::from_secs(20)).await;
+    assert!(status.success(), "run exited {status}: {stderr}");
+    let more: Vec<_> = (0..5).map(|i| payment(100 + i)).collect();
+    place.publish_to_stream(&more).await;
+    let stopped = place.cli_ok(&["status", "--nonzero"]).await;
+    assert!(line(&stopped, "end:").contains("end: offset 64"), "{stopped}");
+    let handler = line(&stopped, "apply_stream_payment:");
+    assert!(handler.contains("applied up to offset 59, lag 5 (its offset last moved "), "{stopped}");
+    assert!(handler.contains("owned by no process now"), "{stopped}");
+}
+
+/// Issue 37, friction 5: `dlq show` printed the DLQ's `x-delivery-count` among the
+/// letter's headers, and each browse adds one to it (4 for a letter dead-lettered
+/// once). Stages a letter dead-lettered once and shown three times: the headers must
+/// not carry the broker's count as the letter's, a labelled line must say what it
+/// counts, and the history comes from idemq's headers — then, replayed and
+/// dead-lettered again, twice and replayed once.
+#[tokio::test(flavor = "multi_thread")]
+async fn dlq_show_says_how_often_a_letter_was_dead_lettered_and_labels_the_browse_count() {
+    let place = Place::new().await;
+    idemq_tests::app::declare_topology(&place.broker).await;
+    let props = lapin::BasicProperties::default().with_message_id("not-json-1".into());
+    place.broker.publish_bytes(idemq_example_payments::QUEUE, b"this is not json", props).await;
+    let dead_letter_once = |times: u32| {
+        let place = &place;
+        async move {
+            let mut app = place.run();
+            idemq_tests::eventually("the letter dead-lettered", Duration::from_secs(60), || {
+                app.assert_running();
+                async { place.broker.message_count("payments.dlq").await == 1 }
+            })
+            .await;
+            let (status, stderr) = app.terminate(Duration::from_secs(20)).await;
+            assert!(status.success(), "run #{times} exited {status}: {stderr}");
+        }
+    };
+    dead_letter_once(1).await;
+
+    for _ in 0..2 {
+        place.cli_ok(&["dlq", "show", "1"]).await;
+    }
+    let shown = place.cli_ok(&["dlq", "show", "1"]).await;
+    assert!(
+        !shown.lines().any(|l| l.trim_start().starts_with("x-delivery-count:")),
+        "the browse count shown as the letter's header:\n{shown}"
+    );
+    assert!(line(&shown, "dead-lettered:").contains("dead-lettered: 1 time, never replayed"), "{shown}");
+    let browsed = line(&shown, "browsed before:");
+    assert!(browsed.starts_with("browsed before: 2 times (the DLQ's x-delivery-count"), "{shown}");
+    assert!(browsed.contains("says nothing of how often the message failed"), "{shown}");
+
+    let replayed = place.cli_ok(&["dlq", "replay"]).await;
+    assert!(replayed.contains("replayed 1 dead letters to 'payments'"), "{replayed}");
+    dead_letter_once(2).await;
+    let shown = place.cli_ok(&["dlq", "show", "1"]).await;
+    assert!(
+        line(&shown, "dead-lettered:").contains("dead-lettered: 2 times, replayed 1 time (x-idemq-replay)"),
+        "{shown}"
+    );
+    assert!(!shown.contains("browsed before:"), "a replayed letter is browsed for the first time:\n{shown}");
+}
+
+/// Issue 37, friction 7: `status` and `declare` printed a line for every queue,
+/// dead-letter queue and wait queue (~70 for 11 queues, nearly all zero), and never
+/// checked the exchanges. Stages the app's topology declared, then its exchange
+/// deleted, two retries waiting and a dead letter: each must fold a queue's
+/// dead-letter and wait queues into its line, `declare --missing` and `status
+/// --nonzero` must keep only what is not fine, and the missing exchange must be named.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_and_declare_print_a_line_per_queue_name_a_missing_exchange_and_filter_what_is_fine() {
+    let place = Place::new().await;
+    let dry = place.cli_ok(&["declare", "--missing"]).await;
+    assert!(line(&dry, "queue payments ").contains("missing: would be declared"), "{dry}");
+    assert!(line(&dry, "wait payments.retry.1000ms").contains("missing: would be declared"), "{dry}");
+    assert!(line(&dry, "exchange payments.events").contains("missing: would be declared"), "{dry}");
+    place.cli_ok(&["declare", "--apply"]).await;
+    place.cli_ok(&["migrate"]).await;
+
+    let declared = place.cli_ok(&["declare"]).await;
+    let queues: Vec<&str> = declared.lines().filter(|l| l.starts_with("queue ")).collect();
+    assert_eq!(queues.len(), 3, "one line per queue:\n{declared}");
+    assert!(
+        line(&declared, "queue payments ").ends_with(
+            "exists; its dead-letter queue and 5 retry wait queues (1s, 5s, 30s, 2m, 10m) exist too"
+        ),
+        "{declared}"
+    );
+    assert!(line(&declared, "exchange payments.events").ends_with("exists"), "{declared}");
+    assert!(declared.lines().last().is_some_and(|l| l.starts_with("all exist: 3 queues")), "{declared}");
+    assert_eq!(place.cli_ok(&["declare", "--missing"]).await.lines().count(), 1, "only the summary");
+
+    let channel = place.broker.connection().create_channel().await.expect("a channel");
+    channel
+        .exchange_delete("payments.events".into(), lapin::options::ExchangeDeleteOptions::default())
+        .await
+        .expect("delete the exchange");
+    let _ = channel.close(200, "deleted".into()).await;
+    for _ in 0..2 {
+        place.broker.publish_json("payments.retry.600000ms", &serde_json::json!({})).await;
+    }
+    place.broker.publish_json("payments.dlq", &serde_json::json!({})).await;
+
+    let missing = place.cli_ok(&["declare", "--missing"]).await;
+    assert_eq!(missing.lines().count(), 3, "the exchange, its binding, the summary:\n{missing}");
+    assert!(line(&missing, "exchange payments.events").contains("missing: would be declared"), "{missing}");
+    assert!(line(&missing, "1 missing;").contains("`declare --apply` declares them"), "{missing}");
+
+    let status = place.cli_ok(&["status"]).await;
+    let row = line(&status, "payments ");
+    assert_eq!(
+        row.split_whitespace().take(5).collect::<Vec<_>>(),
+        ["payments", "0", "0", "1", "2"],
+        "{status}"
+    );
+    assert!(row.ends_with("consumed by apply_payment; retries wait 1s, 5s, 30s, 2m, 10m"), "{status}");
+    let waiting = line(&status, "payments.retry.600000ms");
+    assert_eq!(waiting.split_whitespace().nth(1), Some("2"), "{status}");
+    assert!(!status.contains("payments.retry.1000ms"), "an empty wait queue gets no line:\n{status}");
+    assert!(!status.contains("payments.dlq"), "the dead letters are a column:\n{status}");
+    assert!(
+        line(&status, "exchange payments.events")
+            .starts_with("exchange payments.events missing: publishing to it fails"),
+        "{status}"
+    );
+    assert!(status.lines().count() <= 12, "{status}");
+
+    let nonzero = place.cli_ok(&["status", "--nonzero"]).await;
+    assert!(line(&nonzero, "payments ").contains("consumed by apply_payment"), "{nonzero}");
+    for fine in ["payments.applied", "payments.stream", "exchanges:"] {
+        assert!(!nonzero.contains(fine), "{fine} is fine, yet shown:\n{nonzero}");
+    }
+    for kept in
+        ["payments.retry.600000ms", "exchange payments.events missing", "dedup rows: 0", "outbox backlog:"]
+    {
+        assert!(nonzero.contains(kept), "{kept} missing:\n{nonzero}");
+    }
+}

@@ -1,5 +1,5 @@
-//! The subcommands `run`, `migrate`, `declare`, `status` and `gc` (`dlq` has its
-//! own module), each given the builder its settings were applied to.
+//! The subcommands `run`, `migrate` and `gc` (`declare`, `status` and `dlq` have
+//! modules of their own), each given the builder its settings were applied to.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -9,14 +9,9 @@ use diesel::migration::MigrationSource;
 use diesel::pg::Pg;
 use diesel_migrations::EmbeddedMigrations;
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
-use lapin::Connection;
-
-use crate::app::cli::common::{connect_broker, connect_db, CliResult};
+use crate::app::cli::common::{connect_db, CliResult};
 use crate::base::duration::human;
 use crate::engine::runtime::RuntimeBuilder;
-use crate::error::Error;
 use crate::store::retention::Retention;
 
 /// The application's own step (creating its database, its tables), given the
@@ -140,128 +135,3 @@ pub(super) async fn migrate_status(url: &str, app: &App) -> CliResult {
     println!("{pending} pending; `migrate` applies them");
     Ok(())
 }
-
-/// Lists what the topology declares and whether it exists; with `apply`, declares it.
-pub(super) async fn declare(builder: &RuntimeBuilder, apply: bool) -> CliResult {
-    let connection = connect_broker(builder.configured_amqp_url()).await?;
-    let plan = builder.declarations();
-    let mut missing = 0;
-    for (name, what) in &plan {
-        let exists = queue_exists(&connection, name).await?;
-        missing += usize::from(!exists);
-        let state = match (exists, apply) {
-            (true, _) => "exists",
-            (false, false) => "missing: would be declared",
-            (false, true) => "missing: declaring",
-        };
-        println!("queue {name:<40} {what:<48} {state}");
-    }
-    for exchange in builder.exchange_names() {
-        println!("exchange {exchange:<37} (declared with the topology)");
-    }
-    for (queue, exchange, routing_key) in builder.bindings() {
-        let exchange = if exchange.is_empty() { "(default)" } else { exchange };
-        println!("binding {queue:<38} to exchange {exchange} with routing key '{routing_key}' (declared with the topology)");
-    }
-    if apply {
-        builder.declare_all(&connection).await?;
-        println!("declared ({missing} were missing)");
-    } else if missing > 0 {
-        println!("{missing} missing; `declare --apply` declares them (`run` does too)");
-    }
-    let _ = connection.close(200, "declared".into()).await;
-    Ok(())
-}
-
-/// Whether `queue` exists (a passive declare on a throwaway channel: a 404 closes it).
-async fn queue_exists(connection: &Connection, queue: &str) -> Result<bool, Error> {
-    Ok(passive(connection, queue).await?.is_some())
-}
-
-/// A passive declare of `queue`: its depth and consumers, `None` if it does not exist.
-async fn passive(connection: &Connection, queue: &str) -> Result<Option<lapin::Queue>, Error> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
-    let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-    match channel.queue_declare(queue.into(), options, FieldTable::default()).await {
-        Ok(declared) => {
-            let _ = channel.close(200, "inspected".into()).await;
-            Ok(Some(declared))
-        }
-        Err(_) if connection.status().connected() => Ok(None),
-        Err(source) => Err(Error::Amqp { action: format!("inspect queue '{queue}'"), source }),
-    }
-}
-
-/// A figure `status` prints: a number, or why it could not be read.
-type Figure = Result<String, String>;
-
-/// `status`: each queue's depth and consumers (the consumed and declared queues,
-/// their dead-letter and retry wait queues), the dedup rows and the outbox backlog,
-/// counted exactly. What cannot be read is printed as `unknown (why)`, never as a
-/// number, and makes the command fail (exit 1) after printing the rest.
-pub(super) async fn status(builder: &RuntimeBuilder) -> CliResult {
-    let mut unknown = 0;
-    let mut show = |figure: Figure| match figure {
-        Ok(shown) => shown,
-        Err(why) => {
-            unknown += 1;
-            format!("unknown ({why})")
-        }
-    };
-    println!("{:<40} {:>10} {:>10}", "queue", "ready", "consumers");
-    match connect_broker(builder.configured_amqp_url()).await {
-        Ok(connection) => {
-            for (name, what) in builder.status_queues() {
-                let line = match passive(&connection, &name).await {
-                    Ok(Some(q)) => format!("{name:<40} {:>10} {:>10}", q.message_count(), q.consumer_count()),
-                    Ok(None) => format!("{name:<40} {:>10} {:>10}", "missing", "-"),
-                    Err(err) => format!("{name:<40} {}", show(Err(err.report()))),
-                };
-                println!("{}", format!("{line}  {what}").trim_end());
-            }
-            let _ = connection.close(200, "inspected".into()).await;
-        }
-        Err(err) => println!("queues: {}", show(Err(err.report()))),
-    }
-    let (dedup, outbox) = counts(builder.configured_database_url()).await;
-    println!("dedup rows: {}", show(dedup));
-    println!("outbox backlog:        {}", show(outbox));
-    match unknown {
-        0 => Ok(()),
-        n => Err(format!("{n} of the figures above could not be read (unknown)").into()),
-    }
-}
-
-/// The dedup table's rows and the outbox's, counted (each cut after
-/// [`COUNT_TIMEOUT`]).
-async fn counts(url: &str) -> (Figure, Figure) {
-    let mut conn = match connect_db(url).await {
-        Ok(conn) => conn,
-        Err(err) => {
-            let why = err.report();
-            return (Err(why.clone()), Err(why));
-        }
-    };
-    if let Err(err) = crate::store::db::limit_statements(&mut conn, COUNT_TIMEOUT).await {
-        let why = format!("cannot set a statement_timeout: {err}");
-        return (Err(why.clone()), Err(why));
-    }
-    let mut count = async |table| match crate::store::db::count_rows(&mut conn, table).await {
-        Ok(Some(rows)) => Ok(rows.to_string()),
-        Ok(None) => Err(format!("{table} is not there: run `migrate`")),
-        Err(err) => {
-            Err(format!("counting {table} failed within a {} statement_timeout: {err}", human(COUNT_TIMEOUT)))
-        }
-    };
-    let dedup = count("idemq_dedup").await;
-    let outbox = count("idemq_outbox").await;
-    (dedup, outbox)
-}
-
-/// How long `status` lets each count run before it prints "unknown" instead: a
-/// count reads the whole table, which at a billion rows takes longer than an
-/// operator should wait.
-const COUNT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,9 +1,11 @@
 //! What the CLI's commands and `dlq` share: connecting to the database and to the
-//! broker, and the result a command returns. Its own module so that `dlq` needs
-//! nothing from the CLI that declares it.
+//! broker, passive declares, and the result a command returns. Its own module so
+//! that `dlq` needs nothing from the CLI that declares it.
 
 use diesel_async::AsyncPgConnection;
-use lapin::Connection;
+use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ExchangeKind};
 
 use crate::error::Error;
 
@@ -19,3 +21,75 @@ pub(crate) async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
 pub(crate) async fn connect_broker(urls: &str) -> Result<Connection, Error> {
     Ok(crate::broker::brokers::Brokers::parse(urls)?.connect("cli").await?.0)
 }
+
+/// A passive declare of `queue` on a throwaway channel (a 404 closes it): its ready
+/// messages and consumers, `None` if it does not exist.
+pub(crate) async fn passive_queue(
+    connection: &Connection,
+    queue: &str,
+) -> Result<Option<lapin::Queue>, Error> {
+    let channel = open_channel(connection).await?;
+    let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    match channel.queue_declare(queue.into(), options, FieldTable::default()).await {
+        Ok(declared) => {
+            let _ = channel.close(200, "inspected".into()).await;
+            Ok(Some(declared))
+        }
+        Err(_) if connection.status().connected() => Ok(None),
+        Err(source) => Err(Error::Amqp { action: format!("inspect queue '{queue}'"), source }),
+    }
+}
+
+/// Whether `exchange` exists: a passive declare on a throwaway channel, which
+/// checks the name only (the broker ignores the kind of a passive declare).
+pub(crate) async fn exchange_exists(connection: &Connection, exchange: &str) -> Result<bool, Error> {
+    let channel = open_channel(connection).await?;
+    let options = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
+    match channel
+        .exchange_declare(exchange.into(), ExchangeKind::Direct, options, FieldTable::default())
+        .await
+    {
+        Ok(()) => {
+            let _ = channel.close(200, "inspected".into()).await;
+            Ok(true)
+        }
+        Err(_) if connection.status().connected() => Ok(false),
+        Err(source) => Err(Error::Amqp { action: format!("inspect exchange '{exchange}'"), source }),
+    }
+}
+
+async fn open_channel(connection: &Connection) -> Result<lapin::Channel, Error> {
+    connection
+        .create_channel()
+        .await
+        .map_err(|source| Error::Amqp { action: "open a channel".into(), source })
+}
+
+/// Standard output for a command's report, line by line: a reader that has gone
+/// (`status | head -3`) ends the writing — not the command, with a panic, as
+/// `println!` would (Rust ignores SIGPIPE, so the write fails instead).
+pub(crate) struct Out {
+    closed: bool,
+}
+
+impl Out {
+    pub(crate) fn new() -> Self {
+        Self { closed: false }
+    }
+
+    /// Writes `text` and a newline, unless the reader has gone.
+    pub(crate) fn line(&mut self, text: impl std::fmt::Display) {
+        use std::io::Write;
+        if !self.closed && writeln!(std::io::stdout().lock(), "{text}").is_err() {
+            self.closed = true;
+        }
+    }
+}
+
+/// `println!` to an [`Out`]: `say!(out, "{n} missing")`.
+macro_rules! say {
+    ($out:expr, $($arg:tt)*) => {
+        $out.line(format_args!($($arg)*))
+    };
+}
+pub(crate) use say;

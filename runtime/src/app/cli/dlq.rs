@@ -365,6 +365,41 @@ fn replays(delivery: &Delivery) -> u32 {
     header(delivery, headers::REPLAY).and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
+/// How often the letter was dead-lettered and replayed, and after how many
+/// attempts, from idemq's headers (`x-idemq-replay`: each replay came out of the
+/// DLQ, and the letter is back) — or, for a letter the broker dead-lettered (no
+/// `x-idemq-error-kind`), its latest `x-death` entry.
+fn history(delivery: &Delivery) -> String {
+    let times = |n: u64| if n == 1 { "1 time".to_owned() } else { format!("{n} times") };
+    if header(delivery, headers::ERROR_KIND).is_none() {
+        if let Some((reason, queue, count)) = latest_death(delivery) {
+            return format!("by the broker ({reason} in {queue}, {}: x-death)", times(count));
+        }
+    }
+    let replayed = replays(delivery);
+    let mut words = match replayed {
+        0 => "1 time, never replayed".to_owned(),
+        n => format!("{}, replayed {} ({})", times(u64::from(n) + 1), times(u64::from(n)), headers::REPLAY),
+    };
+    if let Some(attempts) = header(delivery, headers::ATTEMPTS) {
+        let noun = if attempts == "1" { "attempt" } else { "attempts" };
+        let life = if replayed == 0 { "" } else { " in its last life" };
+        words.push_str(&format!("; after {attempts} {noun}{life} ({})", headers::ATTEMPTS));
+    }
+    words
+}
+
+/// The broker's latest `x-death` entry: reason, queue, count.
+fn latest_death(delivery: &Delivery) -> Option<(String, String, u64)> {
+    let deaths = delivery.properties.headers().as_ref()?.inner().get("x-death")?;
+    let AMQPValue::FieldArray(deaths) = deaths else { return None };
+    // The broker keeps the most recent death first.
+    let AMQPValue::FieldTable(latest) = deaths.as_slice().first()? else { return None };
+    let field = |name: &str| latest.inner().get(name).and_then(crate::base::amqp_value::text);
+    let count = field("count").and_then(|count| count.parse().ok()).unwrap_or(1);
+    Some((field("reason")?, field("queue").unwrap_or_else(|| "?".to_owned()), count))
+}
+
 /// The routing key the broker's first `x-death` entry names: the one the message
 /// had when the broker first dead-lettered it.
 fn first_death_routing_key(delivery: &Delivery) -> Option<String> {
@@ -439,10 +474,19 @@ fn show(browse: &Browse, wanted: usize, index: &mut usize) {
                 println!("  {name}: {value}");
             }
         }
+        println!("  dead-lettered: {}", history(d));
         if let Some(table) = p.headers() {
-            for name in table.inner().keys() {
+            // The broker's delivery count is not the letter's: see below.
+            for name in table.inner().keys().filter(|name| name.as_str() != headers::DELIVERY_COUNT) {
                 println!("  {name}: {}", header(d, name.as_str()).unwrap_or_default());
             }
+        }
+        if let Some(returns) = header(d, headers::DELIVERY_COUNT) {
+            println!(
+                "  browsed before: {returns} times (the DLQ's {}: each `dlq` command that reads the letter \
+                 returns it, and the broker counts each return; it says nothing of how often the message failed)",
+                headers::DELIVERY_COUNT
+            );
         }
         println!("body:\n{}", String::from_utf8_lossy(&d.data));
     }

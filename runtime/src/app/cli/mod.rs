@@ -9,15 +9,15 @@
 //!                [--database-retry-limit D] [--relay on|off] [--relay-poll-interval D]
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
-//! <app> declare  [--apply]                                            the topology (queues, exchanges, bindings): what exists, what would be declared
-//! <app> status                                                        queue depths, consumers, DLQs, retry wait queues, dedup rows (exact), outbox backlog
+//! <app> declare  [--apply] [--missing]                                a line per queue (with its DLQ and wait queues), exchanges, bindings: what exists
+//! <app> status   [--nonzero]                                          a line per queue: ready, consumers, dead letters, retries; streams' ends and lags
 //! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
 //! <app> dlq      list | show N | replay | purge  [--queue Q]          inspect and replay dead letters
 //! <app> --version                                                     the name and version (see [`Cli::version`]), exit 0
 //! ```
 //!
-//! Every subcommand but `run` works without consumers (`dlq` is described in
-//! `cli_dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
+//! Every subcommand but `run` works without consumers (`dlq` is described in its
+//! module, `dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
 //! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_RELEASE_STREAMS_AFTER`, `IDEMQ_CONSUMER_TIMEOUT`,
@@ -39,6 +39,56 @@
 //! `database_url_file` in the TOML file. A URL and its file given together — as flags
 //! or variables, or both in the TOML file — is an error: keep one. Flags and the
 //! environment still win over the TOML file.
+//!
+//! # Reading `status` and `declare`
+//!
+//! `status` prints one line per queue the code consumes or declares — its ready
+//! messages and consumers, the dead letters in its dead-letter queue and the retries
+//! waiting in its wait queues — and below it a line only where one is needed: a wait
+//! queue holding retries, what is missing (with the command that declares it), what
+//! could not be read. `status --nonzero` keeps only the queues with something to look
+//! at (messages ready, dead letters, retries waiting, a stream behind, anything
+//! missing or unreadable); the dedup rows and the outbox backlog always print. A
+//! missing exchange is named: publishing to it fails.
+//!
+//! ```text
+//! queue                       ready   consumers   dead letters   retrying
+//! payments                        0           1              6          2  consumed by apply_payment; retries wait 1s, 5s, 30s, 2m, 10m
+//!   payments.retry.600000ms       2  retries of payments after 10m
+//! payments.applied               60           0              0          -  declared; no handler here consumes it
+//! payments.stream            stream           -              0          -  a stream, consumed by apply_stream_payment
+//!   end: offset 264; offsets 0–264 kept (265 messages)
+//!   apply_stream_payment: applied up to offset 259, lag 5 (its offset last moved 2026-12-04 16:21:13 UTC); owned by the PostgreSQL session of pid 18138 from 10.0.0.7:34326, connected since 2026-12-04 16:21:09 UTC
+//! exchanges: payments.events (exist)
+//! dead letters: `payments dlq list` shows them, `payments dlq replay` sends them back
+//! dedup rows: 60
+//! outbox backlog:        0
+//! ```
+//!
+//! A **stream** keeps what is read, so the broker's count of its messages says
+//! nothing of its consumers (a stream read to its end still holds all of it), and
+//! RabbitMQ counts no consumers on it: its line shows `stream` and `-`. Below it,
+//! its end (its last offset, read from the broker by consuming from `last`), then
+//! each handler consuming it: the offset it applied up to (`idemq_stream_offsets`),
+//! its **lag** (the messages after that offset), and the process that **owns** it
+//! now — the PostgreSQL session holding the stream's owner lock, by pid, client
+//! address (find the process with `ss -tp` on that host) and `application_name` if
+//! its `DATABASE_URL` sets one (`?application_name=payments-7`) — or none, when no process
+//! runs it or each waits for the broker. A handler consuming partitions says how many
+//! processes share them. A lag that does not shrink while an owner is shown is a
+//! stuck handler (a message failing transiently holds the stream: see its logs).
+//!
+//! `declare` prints one line per queue: what it is declared as and whether it
+//! exists, its dead-letter queue and retry wait queues folded in while they exist
+//! (each missing one gets a line); then each exchange, checked, and each binding
+//! (AMQP cannot check a binding without making it). `declare --missing` prints only
+//! what is missing; `--apply` declares it, as `run` would.
+//!
+//! `dlq show N` prints how often the letter was dead-lettered and replayed, from
+//! idemq's headers (`x-idemq-replay`, `x-idemq-attempts`). The dead-letter queue's
+//! `x-delivery-count` is not the letter's: every `dlq` command that reads a letter
+//! returns it to the queue, and the broker counts each return. It is printed apart,
+//! as `browsed before: N times`.
 //!
 //! Logs go to stderr, set up by the CLI itself: `RUST_LOG` (default `info`),
 //! `--log-format human|json` (`IDEMQ_LOG_FORMAT`; `text` is `human`), colours only on a
@@ -62,8 +112,10 @@
 mod commands;
 mod common;
 mod config;
+mod declare;
 mod dlq;
 mod logging;
+mod status;
 
 use std::ffi::OsString;
 use std::future::Future;
@@ -176,26 +228,8 @@ impl Cli {
                     .help("list idemq's migrations, applied or pending; change nothing"),
             ),
         )
-        .subcommand(
-            Command::new("declare")
-                .about(
-                    "show the topology the code declares (queues, exchanges, bindings) and what exists (a dry \
-                     run); --apply declares it",
-                )
-                .arg(
-                    Arg::new("apply")
-                        .long("apply")
-                        .action(ArgAction::SetTrue)
-                        .help("declare what is missing"),
-                ),
-        )
-        .subcommand(
-            Command::new("status")
-                .about(
-                    "queue depths and consumers (with the dead-letter and retry wait queues), dedup rows and \
-                     the outbox backlog, counted exactly; what cannot be read is `unknown (why)` and exits 1",
-                ),
-        )
+        .subcommand(declare_command())
+        .subcommand(status_command())
         .subcommand(dlq_command())
         .subcommand(gc_command())
         .subcommand(
@@ -287,8 +321,8 @@ impl Cli {
                 println!("migrations applied to {}", redact(builder.configured_database_url()));
                 Ok(())
             }
-            "declare" => commands::declare(&builder, sub.get_flag("apply")).await,
-            "status" => commands::status(&builder).await,
+            "declare" => declare::declare(&builder, sub.get_flag("apply"), sub.get_flag("missing")).await,
+            "status" => status::status(&builder, self.name, sub.get_flag("nonzero")).await,
             "asyncapi" => {
                 let document = builder.asyncapi(self.name, self.version);
                 match sub.get_flag("yaml") {
@@ -553,6 +587,58 @@ fn run_command() -> Command {
                 .value_name("QUEUE")
                 .help("consume only these queues (repeat the flag)"),
         )
+}
+
+/// `declare [--apply] [--missing]`.
+fn declare_command() -> Command {
+    Command::new("declare")
+        .about(
+            "show the topology the code declares, one line per queue with its dead-letter and retry wait \
+             queues, then the exchanges and bindings, and what exists (a dry run); --apply declares it",
+        )
+        .long_about(
+            "Show the topology the code declares and what of it exists on the broker, checked with passive \
+             declares (nothing is changed without --apply).\n\n\
+             One line per queue: what it is declared as, and whether it exists; while its dead-letter queue \
+             and retry wait queues exist too, they are folded into that line, and each missing one gets a line \
+             of its own below it. Then each exchange (missing ones say so: publishing to a missing exchange \
+             fails) and each binding (AMQP cannot check a binding without making it: a binding is declared \
+             with its queue and exchange).",
+        )
+        .arg(Arg::new("apply").long("apply").action(ArgAction::SetTrue).help("declare what is missing"))
+        .arg(
+            Arg::new("missing")
+                .long("missing")
+                .action(ArgAction::SetTrue)
+                .help("print only what is missing (the last line still says how much)"),
+        )
+}
+
+/// `status [--nonzero]`.
+fn status_command() -> Command {
+    Command::new("status")
+        .about(
+            "one line per queue: ready messages, consumers, dead letters, retries waiting; each stream's end \
+             and each handler's offset, lag and owner; dedup rows and the outbox backlog, counted exactly; \
+             what cannot be read is `unknown (why)` and exits 1",
+        )
+        .long_about(
+            "One line per consumed or declared queue: its ready messages and consumers, the dead letters in its \
+             dead-letter queue and the retries waiting in its wait queues (each wait queue holding some gets a \
+             line below). Missing queues and exchanges are named, with the fix. Then the dedup rows and the \
+             outbox backlog, counted exactly.\n\n\
+             A stream keeps what is read, so it has no \"ready\" count: its line shows where it ends (its last \
+             offset, read from the broker), and below it each handler consuming it: the offset it applied up \
+             to, its lag (the messages after that offset), and the process owning it now — the PostgreSQL \
+             session (pid, client address) holding the stream's owner lock — or none; for partitions, how many \
+             processes share them.\n\n\
+             What cannot be read is printed as `unknown (why)`, never as a number, and the command exits 1 \
+             after printing the rest.",
+        )
+        .arg(Arg::new("nonzero").long("nonzero").action(ArgAction::SetTrue).help(
+            "print only the queues with something to look at: messages ready, dead letters, retries waiting, a \
+             stream behind, or anything missing or unreadable (the dedup rows and outbox backlog always print)",
+        ))
 }
 
 /// `gc --keep`.

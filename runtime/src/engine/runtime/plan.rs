@@ -77,43 +77,48 @@ impl RuntimeBuilder {
         self.consumers.iter().map(|r| r.retry_policy(&self.retry)).collect()
     }
 
-    /// Every queue the runtime would declare (the topology's but those declared
-    /// elsewhere, their dead-letter queues, the consumers' wait queues), with what it is.
+    /// Every queue `declare` and `status` show, grouped: the topology's queues in its
+    /// order, then the consumed queues it does not name (`run` declares those with
+    /// the defaults), each with its dead-letter queue, its consumers' retry wait
+    /// queues (none for a stream) and the names of the handlers that consume it.
     #[cfg(feature = "cli")]
-    pub(crate) fn declarations(&self) -> Vec<(String, String)> {
-        let mut plan = Vec::new();
-        for queue in self.topology.queues().iter().filter(|queue| !queue.elsewhere) {
-            plan.push((queue.name().to_owned(), queue.describe()));
-            plan.push((
-                queue.dead_letter_name().to_owned(),
-                "its dead-letter queue (a delivery limit no browsing reaches)".to_owned(),
-            ));
-        }
-        for (Registration { queue, .. }, retry) in self.consumers.iter().zip(self.retry_policies()) {
-            for (name, delay) in self.wait_queues_of(queue, &retry) {
-                plan.push((name, format!("retries of {queue} after {}", human(delay))));
-            }
-        }
-        plan
-    }
-
-    /// What `status` shows, in order: each consumed or declared queue, then its
-    /// dead-letter queue and its retry wait queues (`<queue>.retry.<ms>ms`), each with
-    /// what it is.
-    #[cfg(feature = "cli")]
-    pub(crate) fn status_queues(&self) -> Vec<(String, String)> {
-        let mut shown = Vec::new();
-        for (queue, dead_letters) in self.consumed_queues() {
-            let consumer = self.consumers.iter().find(|r| r.queue == queue);
-            shown.push((queue.clone(), if consumer.is_some() { "consumed" } else { "declared" }.to_owned()));
-            shown.push((dead_letters, format!("dead letters of {queue}")));
-            if let Some(registration) = consumer {
-                for (name, delay) in self.wait_queues_of(&queue, &registration.retry_policy(&self.retry)) {
-                    shown.push((name, format!("retries of {queue} after {}", human(delay))));
+    pub(crate) fn queue_plans(&self) -> Vec<QueuePlan> {
+        let mut plans: Vec<QueuePlan> = self
+            .topology
+            .queues()
+            .iter()
+            .map(|queue| QueuePlan {
+                declared_here: !queue.elsewhere,
+                queue: queue.clone(),
+                waits: Vec::new(),
+                handlers: Vec::new(),
+            })
+            .collect();
+        for (registration, retry) in self.consumers.iter().zip(self.retry_policies()) {
+            let queue = &registration.queue;
+            let at = match plans.iter().position(|plan| plan.queue.name() == queue) {
+                Some(at) => at,
+                None => {
+                    let queue = self.topology.queue_or_default(queue);
+                    plans.push(QueuePlan {
+                        queue,
+                        declared_here: true,
+                        waits: Vec::new(),
+                        handlers: Vec::new(),
+                    });
+                    plans.len() - 1
+                }
+            };
+            let plan = &mut plans[at];
+            plan.handlers.push(registration.handler.name().to_owned());
+            // Two handlers of one queue with one policy share its wait queues.
+            for wait in self.wait_queues_of(queue, &retry) {
+                if !plan.waits.iter().any(|(name, _)| *name == wait.0) {
+                    plan.waits.push(wait);
                 }
             }
         }
-        shown
+        plans
     }
 
     /// The application's contract as an AsyncAPI 3.0 document (JSON; the CLI's
@@ -157,10 +162,16 @@ impl RuntimeBuilder {
             .collect()
     }
 
-    /// The exchanges the topology declares.
+    /// The exchanges the topology declares, by name.
     #[cfg(feature = "cli")]
     pub(crate) fn exchange_names(&self) -> Vec<String> {
         self.topology.exchange_names().map(str::to_owned).collect()
+    }
+
+    /// The exchanges the topology declares: name and kind.
+    #[cfg(feature = "cli")]
+    pub(crate) fn exchanges(&self) -> Vec<(String, String)> {
+        self.topology.exchanges().iter().map(|e| (e.name().to_owned(), e.kind().to_owned())).collect()
     }
 
     /// Declares what `run` declares — the topology and the consumers' wait queues —
@@ -170,6 +181,14 @@ impl RuntimeBuilder {
     pub(crate) async fn declare_all(&self, connection: &lapin::Connection) -> Result<(), Error> {
         let declared: Vec<_> =
             self.consumers.iter().map(|r| self.topology.queue_or_default(&r.queue)).collect();
+        // A consumed queue the topology does not name is declared by `run` with the
+        // defaults (its consumer declares it): here too.
+        let mut topology = self.topology.clone();
+        for queue in &declared {
+            if topology.find_queue(queue.name()).is_none() {
+                topology = topology.queue(queue.clone());
+            }
+        }
         let waits: Vec<_> = self
             .consumers
             .iter()
@@ -181,7 +200,7 @@ impl RuntimeBuilder {
                     .map(move |(name, delay)| (declared, name, delay))
             })
             .collect();
-        self.topology.declare_available(connection, &waits, |_| true).await
+        topology.declare_available(connection, &waits, |_| true).await
     }
 
     /// Every consumed or declared queue with its dead-letter queue.
@@ -200,5 +219,35 @@ impl RuntimeBuilder {
             }
         }
         queues
+    }
+}
+
+/// One queue as `declare` and `status` show it, with what belongs to it.
+#[cfg(feature = "cli")]
+pub(crate) struct QueuePlan {
+    /// The queue as declared: the topology's, or the defaults `run` gives a
+    /// consumed queue the topology does not name.
+    pub(crate) queue: crate::broker::topology::Queue,
+    /// Whether idemq declares it (`declare --apply`, `run`): not when it is
+    /// [declared elsewhere](crate::broker::topology::Queue::declared_elsewhere).
+    pub(crate) declared_here: bool,
+    /// Its retry wait queues (name, delay), each once.
+    pub(crate) waits: Vec<(String, Duration)>,
+    /// The names of the handlers consuming it, in registration order.
+    pub(crate) handlers: Vec<String>,
+}
+
+#[cfg(feature = "cli")]
+impl QueuePlan {
+    /// Its name, its dead-letter queue's and its wait queues'.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        [self.queue.name(), self.queue.dead_letter_name()]
+            .into_iter()
+            .chain(self.waits.iter().map(|(name, _)| name.as_str()))
+    }
+
+    /// Its wait queues' delays, in words: `1s, 5s, 30s, 2m, 10m`.
+    pub(crate) fn wait_delays(&self) -> String {
+        self.waits.iter().map(|(_, delay)| human(*delay).to_string()).collect::<Vec<_>>().join(", ")
     }
 }

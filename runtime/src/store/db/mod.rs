@@ -12,7 +12,7 @@
 //! - `outbox`: the outbox table's statements and the relays' `NOTIFY` channel;
 //! - `marks`: start marks and copy records;
 //! - `streams`: stream offsets, the stream owner's advisory lock and the members
-//!   sharing partitioned streams;
+//!   sharing partitioned streams (and, for `status`, who holds a lock);
 //! - `housekeeping`: retention deletes and their lock, applied migrations, row counts;
 //! - `pool`: the pool and each connection's session settings;
 //! - `conn`: the pool's connection, [`Conn`]: diesel-async's, with the SQLSTATEs its
@@ -56,3 +56,5 @@ pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};
 pub(crate) use streams::{
     advance_offset, count_members, owner_lock, read_offset, share_group, try_lock, try_lock_member, NO_OFFSET,
 };
+#[cfg(feature = "cli")]
+pub(crate) use streams::{lock_holder, stored_offsets, LockHolder, StoredOffset};

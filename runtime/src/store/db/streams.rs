@@ -129,3 +129,88 @@ pub(crate) async fn count_members(conn: &mut AsyncPgConnection, group: i32) -> d
     .await?;
     Ok(row.members)
 }
+
+/// A handler's stored offset of a stream, as `status` shows it.
+#[cfg(feature = "cli")]
+#[derive(QueryableByName)]
+pub(crate) struct StoredOffset {
+    /// The handler's scope (`<namespace>/<name>`, or its name).
+    #[diesel(sql_type = Text)]
+    pub(crate) handler: String,
+    /// The last offset it applied ([`NO_OFFSET`] before the first).
+    #[diesel(sql_type = BigInt)]
+    pub(crate) last_offset: i64,
+    /// When it last moved, in UTC, to the second.
+    #[diesel(sql_type = Text)]
+    pub(crate) updated: String,
+}
+
+/// Every handler's stored offset of `stream`, by scope; `None` when the table is not
+/// there (no migrations yet).
+#[cfg(feature = "cli")]
+pub(crate) async fn stored_offsets(
+    conn: &mut AsyncPgConnection,
+    stream: &str,
+) -> diesel::QueryResult<Option<Vec<StoredOffset>>> {
+    let there: bool = diesel::select(diesel::dsl::sql::<diesel::sql_types::Bool>(
+        "to_regclass('idemq_stream_offsets') IS NOT NULL",
+    ))
+    .get_result(conn)
+    .await?;
+    if !there {
+        return Ok(None);
+    }
+    diesel::sql_query(
+        "SELECT handler, last_offset, \
+         to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') || ' UTC' AS updated \
+         FROM idemq_stream_offsets WHERE stream = $1 ORDER BY handler",
+    )
+    .bind::<Text, _>(stream)
+    .load(conn)
+    .await
+    .map(Some)
+}
+
+/// The session holding a session-level advisory lock, as far as this role may see
+/// it in `pg_stat_activity` (another role's sessions show only their pid).
+#[cfg(feature = "cli")]
+#[derive(QueryableByName)]
+pub(crate) struct LockHolder {
+    /// Its server process id.
+    #[diesel(sql_type = Integer)]
+    pub(crate) pid: i32,
+    /// Its client's address and port, or `a Unix socket`.
+    #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+    pub(crate) client: Option<String>,
+    /// When it connected, in UTC, to the second.
+    #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+    pub(crate) since: Option<String>,
+    /// Its `application_name`, if it set one (`?application_name=` in the URL).
+    #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
+    pub(crate) application: Option<String>,
+}
+
+/// Who holds the advisory lock `key` in this database, if anyone: for the owner of a
+/// stream ([`owner_lock`]). A one-key lock shows in `pg_locks` as its high 32 bits
+/// (`classid`), its low 32 bits (`objid`) and `objsubid` 1.
+#[cfg(feature = "cli")]
+pub(crate) async fn lock_holder(
+    conn: &mut AsyncPgConnection,
+    key: i64,
+) -> diesel::QueryResult<Option<LockHolder>> {
+    let mut holders: Vec<LockHolder> = diesel::sql_query(
+        "SELECT l.pid, \
+         CASE WHEN a.client_addr IS NOT NULL THEN host(a.client_addr) || ':' || a.client_port \
+              WHEN a.client_port = -1 THEN 'a Unix socket' END AS client, \
+         to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') || ' UTC' AS since, \
+         nullif(a.application_name, '') AS application \
+         FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+         AND l.classid = (($1 >> 32) & 4294967295)::int8::oid AND l.objid = ($1 & 4294967295)::int8::oid \
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .bind::<BigInt, _>(key)
+    .load(conn)
+    .await?;
+    Ok(holders.pop())
+}
