@@ -173,6 +173,7 @@
 //! | [`connect`] | connections as idemq makes them, the URLs from the environment, [`connect::redact`] |
 //! | [`headers`] | the `x-idemq-*` header names |
 //! | `cli`, `testing` | the application's command line (feature `cli`); the test kit (feature `testing`) |
+//! | [`guide`] | the guide, one chapter per topic (`docs/` in the repository), every example a doctest |
 //!
 //! [`diesel`], [`diesel_async`] and [`lapin`] are re-exported at the versions idemq
 //! is built with, as their types appear in idemq's signatures. The old root names of
@@ -250,7 +251,8 @@
 //! waits for its batch (`handler/prepare.rs`), where a handler of one message's is
 //! already bound into its effect; a batch handler's `handle` is a batch of one, so
 //! any caller of the trait still works. Prefer a handler of one message unless a hot
-//! path can write multi-row statements (README, "Batch handlers: when to choose them").
+//! path can write multi-row statements (the guide's [batch
+//! handlers](guide::handlers#batch-handlers-when-to-choose-them)).
 //!
 //! **Several message types on one queue** each go to the handler of their type: a type
 //! named with `#[message(type = "...")]` ([`MessageType`]) is routed by the delivery's
@@ -314,6 +316,8 @@
 //!   node-loss tests and benchmarks (no fault hooks).
 
 #![warn(missing_docs)]
+// docs.rs (`[package.metadata.docs.rs]`): each feature-gated item says its feature.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 // A library never ends the process: a binary decides (`idemq::cli` returns exit
 // status 130 on a second signal, see `ShutdownSignals`).
 #![deny(clippy::exit)]
@@ -409,6 +413,163 @@ pub mod key {
 #[doc(hidden)]
 #[allow(deprecated)]
 pub use deprecated::*;
+
+// The chapters link to each other with references (`[Retries][failures.md#retries]`),
+// each defined at the chapter's end for the repository's page (`failures.md#retries`).
+// Here the same labels are defined first, and the first definition wins: in rustdoc
+// they point at the chapters' modules. A link to a new chapter or heading needs a
+// line here (the test below names it).
+macro_rules! guide_links {
+    () => {
+        "[../README.md]: crate\n\
+        [README.md]: crate::guide\n\
+        [contracts.md]: crate::guide::contracts\n\
+        [contracts.md#the-contract-generated-asyncapi]: crate::guide::contracts#the-contract-generated-asyncapi\n\
+        [failures.md]: crate::guide::failures\n\
+        [failures.md#bad-input-from-other-clients]: crate::guide::failures#bad-input-from-other-clients\n\
+        [failures.md#poison-messages]: crate::guide::failures#poison-messages\n\
+        [guarantees.md]: crate::guide::guarantees\n\
+        [guarantees.md#how-the-pitfalls-are-ruled-out]: crate::guide::guarantees#how-the-pitfalls-are-ruled-out\n\
+        [handlers.md]: crate::guide::handlers\n\
+        [handlers.md#batch-handlers-when-to-choose-them]: crate::guide::handlers#batch-handlers-when-to-choose-them\n\
+        [high-availability.md]: crate::guide::high_availability\n\
+        [high-availability.md#database-high-availability]: crate::guide::high_availability#database-high-availability\n\
+        [operating.md]: crate::guide::operating\n\
+        [operating.md#configuration]: crate::guide::operating#configuration\n\
+        [operating.md#queues]: crate::guide::operating#queues\n\
+        [operating.md#the-cli-the-payments-binary]: crate::guide::operating#the-cli-the-payments-binary\n\
+        [outbox.md]: crate::guide::outbox\n\
+        [outbox.md#requestreply-stored-results]: crate::guide::outbox#requestreply-stored-results\n\
+        [performance.md]: crate::guide::performance\n\
+        [performance.md#group-commit-and-lanes]: crate::guide::performance#group-commit-and-lanes\n\
+        [performance.md#scaling-out]: crate::guide::performance#scaling-out\n\
+        [publishing.md]: crate::guide::publishing\n\
+        [rabbitmq-versions.md]: crate::guide::rabbitmq_versions\n\
+        [rabbitmq-versions.md#delivery-counting-on-rabbitmq-43-and-later]: crate::guide::rabbitmq_versions#delivery-counting-on-rabbitmq-43-and-later\n\
+        [security.md]: crate::guide::security\n\
+        [security.md#least-privilege]: crate::guide::security#least-privilege\n\
+        [security.md#secrets]: crate::guide::security#secrets\n\
+        [security.md#tls]: crate::guide::security#tls\n\
+        [streams.md]: crate::guide::streams\n\
+        [streams.md#partitioned-streams]: crate::guide::streams#partitioned-streams\n\
+        [testing.md]: crate::guide::testing\n\
+        [testing.md#the-workspaces-own-fault-tests]: crate::guide::testing#the-workspaces-own-fault-tests\n"
+    };
+}
+
+// The guide: one chapter per topic, written in `docs/` (readable on the repository's
+// page) and compiled in here, so that every example in it is a doctest. Its docs are
+// the chapters alone: a paragraph before the link definitions would swallow them.
+pub mod guide {
+    #![doc = guide_links!()]
+    #![doc = include_str!("../../docs/README.md")]
+
+    pub mod handlers {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/handlers.md")]
+    }
+    pub mod failures {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/failures.md")]
+    }
+    pub mod outbox {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/outbox.md")]
+    }
+    pub mod publishing {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/publishing.md")]
+    }
+    pub mod streams {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/streams.md")]
+    }
+    pub mod contracts {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/contracts.md")]
+    }
+    pub mod testing {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/testing.md")]
+    }
+    pub mod guarantees {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/guarantees.md")]
+    }
+    pub mod operating {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/operating.md")]
+    }
+    pub mod security {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/security.md")]
+    }
+    pub mod high_availability {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/high-availability.md")]
+    }
+    pub mod performance {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/performance.md")]
+    }
+    pub mod rabbitmq_versions {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/rabbitmq-versions.md")]
+    }
+
+    #[cfg(test)]
+    mod tests {
+        /// Every chapter, as the repository holds it.
+        const CHAPTERS: &[(&str, &str)] = &[
+            ("README.md", include_str!("../../docs/README.md")),
+            ("handlers.md", include_str!("../../docs/handlers.md")),
+            ("failures.md", include_str!("../../docs/failures.md")),
+            ("outbox.md", include_str!("../../docs/outbox.md")),
+            ("publishing.md", include_str!("../../docs/publishing.md")),
+            ("streams.md", include_str!("../../docs/streams.md")),
+            ("contracts.md", include_str!("../../docs/contracts.md")),
+            ("testing.md", include_str!("../../docs/testing.md")),
+            ("guarantees.md", include_str!("../../docs/guarantees.md")),
+            ("operating.md", include_str!("../../docs/operating.md")),
+            ("security.md", include_str!("../../docs/security.md")),
+            ("high-availability.md", include_str!("../../docs/high-availability.md")),
+            ("performance.md", include_str!("../../docs/performance.md")),
+            ("rabbitmq-versions.md", include_str!("../../docs/rabbitmq-versions.md")),
+        ];
+
+        #[test]
+        fn every_link_between_chapters_is_a_reference_that_rustdoc_resolves_to_a_module() {
+            let rustdoc = guide_links!();
+            for (chapter, text) in CHAPTERS {
+                for link in text.split("](").skip(1) {
+                    let target = link.split([')', ' ']).next().unwrap_or_default();
+                    let file = target.split('#').next().unwrap_or_default();
+                    let chapter_file =
+                        file == "../README.md" || (file.ends_with(".md") && !file.contains('/'));
+                    assert!(
+                        !chapter_file,
+                        "docs/{chapter} links to the chapter `{target}` inline: write it as a reference, \
+                         `[text][{target}]`, defined at the chapter's end as `[{target}]: {target}`"
+                    );
+                }
+                for reference in text.split("][").skip(1) {
+                    let label = reference.split(']').next().unwrap_or_default();
+                    if label.contains(".md") {
+                        assert!(
+                            text.contains(&format!("\n[{label}]: {label}\n")),
+                            "docs/{chapter} uses the link `[{label}]` without defining it at its end"
+                        );
+                        assert!(
+                            rustdoc.contains(&format!("[{label}]: crate")),
+                            "docs/{chapter} links to `{label}`: add its rustdoc target to guide_links! \
+                             in runtime/src/lib.rs"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// The README's examples, compiled as doc tests so they stay true.
 #[cfg(doctest)]

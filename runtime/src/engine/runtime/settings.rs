@@ -101,20 +101,26 @@ mod tests {
                 SETTINGS.iter().any(|s| s.method == setter) || NOT_SETTINGS.contains(&setter),
                 "RuntimeBuilder::{setter} is not in SETTINGS (runtime/src/engine/runtime/settings.rs): list it, \
                  with its flag, variable and TOML key if the CLI should read it, and give it a row in the \
-                 README's Configuration table"
+                 guide's Configuration table (docs/operating.md)"
             );
         }
     }
 
     #[test]
-    fn every_setting_has_a_row_in_the_readmes_configuration_table() {
-        let readme = include_str!("../../../../README.md");
-        let table = readme.split("\n## Configuration\n").nth(1).expect("README has a Configuration section");
+    fn every_setting_has_a_row_in_the_guides_configuration_table() {
+        let chapter = include_str!("../../../../docs/operating.md");
+        let table = chapter
+            .split("\n## Configuration\n")
+            .nth(1)
+            .expect("docs/operating.md has a Configuration section");
         let table = table.split("\n#").next().unwrap_or_default();
         for setting in SETTINGS {
             let start = format!("| `.{}(", setting.method);
             let Some(row) = table.lines().find(|line| line.starts_with(&start)) else {
-                panic!("README.md's Configuration table has no row for `.{}(..)`: add one", setting.method)
+                panic!(
+                    "docs/operating.md's Configuration table has no row for `.{}(..)`: add one",
+                    setting.method
+                )
             };
             let cells: Vec<&str> = row.split(" | ").collect();
             let named = |name: Option<&str>, cell: usize| match name {
