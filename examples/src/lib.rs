@@ -93,7 +93,7 @@ impl From<PaymentRequested> for PaymentApplied {
 /// insert and one balance upsert for all of them ([`record_payments`]) — and publishes
 /// a [`PaymentApplied`] event per payment. Runs inside idemq's dedup transaction, so a
 /// redelivered payment is never applied twice, and the events go out once the
-/// transaction commits (never if it rolls back). A batch handler: see the README,
+/// transaction commits (never if it rolls back). A batch handler: see the guide, `docs/handlers.md`,
 /// "Batch handlers: when to choose them"; [`apply_payment_each`] is the same effect
 /// one payment at a time.
 #[idempotent_handler(key = "payment_id", lane = "account")]
@@ -271,7 +271,7 @@ fn db_error(context: impl Into<String>) -> impl FnOnce(diesel::result::Error) ->
 ///
 /// On a database where all of it exists it runs no DDL and touches no other database,
 /// so `payments run` works as a role with only SELECT, INSERT, UPDATE and DELETE on
-/// the tables (see the README's *Least privilege*).
+/// the tables (see `docs/security.md`, *Least privilege*).
 ///
 /// # Errors
 /// When PostgreSQL is unreachable or refuses a statement.

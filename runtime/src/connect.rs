@@ -7,7 +7,7 @@
 //! (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`). lapin's and diesel-async's own
 //! `connect`/`establish` read neither: `lapin::Connection::connect` would ignore
 //! `cacertfile`, and `AsyncPgConnection::establish` refuses `sslmode=verify-full`
-//! and never encrypts. The README's *TLS* section has the details.
+//! and never encrypts. The guide's *Security* chapter (`docs/security.md`, *TLS*) has the details.
 //!
 //! The URLs themselves: [`env_url`] reads one as the runtime does (`AMQP_URL` or
 //! `AMQP_URL_FILE`, …), [`redact`] hides its password for a log line, and [`report`]

@@ -1,5 +1,5 @@
 //! Least privilege: `migrate` runs as the tables' owner, `run` as a role with only
-//! SELECT, INSERT, UPDATE and DELETE on the tables (the README's *Least privilege*
+//! SELECT, INSERT, UPDATE and DELETE on the tables (`docs/security.md`, *Least privilege*
 //! grants), with the payments app run as a child process, as an operator runs it.
 
 use std::time::Duration;
@@ -12,7 +12,7 @@ use idemq_tests::{eventually, unique, Broker, TestDb, TestVhost};
 const APP: &str = env!("CARGO_BIN_EXE_payments-app");
 
 /// A LOGIN role of the cluster (roles are cluster-wide: uniquely named, so parallel
-/// runs never share one) with the README's grants on one database and nothing else.
+/// runs never share one) with the grants of docs/security.md on one database and nothing else.
 /// Dropped, with its privileges, on drop.
 struct AppRole {
     name: String,

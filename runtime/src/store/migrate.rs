@@ -34,7 +34,7 @@ pub const MIGRATION_LOCK: i64 = 0x6964_656d_715f_6d67;
 ///
 /// With every migration applied it changes nothing and needs no more than reading
 /// `__diesel_schema_migrations`: a process whose role may only read and write the
-/// tables (see the README's *Least privilege*) can call it at every start-up. Such a
+/// tables (see `docs/security.md`, *Least privilege*) can call it at every start-up. Such a
 /// role cannot apply a pending migration: that is [`Error::Schema`], saying so.
 ///
 /// # Errors
@@ -211,7 +211,7 @@ pub(crate) async fn check_schema(conn: &mut AsyncPgConnection) -> QueryResult<Op
         // The fix names the role to grant to, as the server spells it.
         let user: String =
             diesel::select(diesel::dsl::sql::<Text>("quote_ident(current_user)")).get_result(conn).await?;
-        let owner = "(see the README's *Least privilege*)";
+        let owner = "(see docs/security.md, *Least privilege*)";
         return Ok(Some(if unusable.is_empty() {
             SchemaProblem {
                 problem: format!(

@@ -124,7 +124,7 @@ impl Replication {
                 "{} standby(s) replicate this server asynchronously ({why}): a COMMIT is acknowledged before any \
                  standby has it, so a failover to a standby loses the commits it had not received — their \
                  messages already acked by idemq, lost; set synchronous_standby_names (e.g. 'ANY 1 (standby1, \
-                 standby2)') and synchronous_commit = on on the primary (see the README, *Database high \
+                 standby2)') and synchronous_commit = on on the primary (see docs/high-availability.md, *Database high \
                  availability*)",
                 self.standbys
             ));

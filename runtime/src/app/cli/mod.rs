@@ -30,7 +30,7 @@
 //! `startup_timeout`, `release_streams_after`, `consumer_timeout`, `linger`, `handler_timeout`,
 //! `max_body_bytes`, `on_conflict`, `replication_check`, `namespace`, `shutdown_deadline`, `heartbeat`,
 //! `reconnect_max_backoff`, `database_retry_limit`, `relay`, `relay_poll_interval`),
-//! then the code's builder (the README's Configuration table lists them all). They are checked before anything connects; errors name the setting
+//! then the code's builder (the guide's Configuration table, `docs/operating.md`, lists them all). They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
 //!
 //! Each URL may instead come from a file holding it (a container secret, its

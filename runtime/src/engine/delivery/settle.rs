@@ -170,7 +170,7 @@ impl Consumer {
             return report(self.acks.requeue(delivery).await, self, decision);
         }
         // Were the ack lost now, the redelivered original finds this record and
-        // is acked without a second copy (a crash before it: see the README).
+        // is acked without a second copy (a crash before it: see `docs/guarantees.md`).
         self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
         #[cfg(feature = "testing")]
         self.fault(crate::engine::fault::FaultPoint::AfterCopy, decision).await;

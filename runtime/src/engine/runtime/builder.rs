@@ -44,7 +44,7 @@ impl Registration {
 }
 
 // Each setter is listed in `settings.rs` beside this file, with its `run` flag,
-// environment variable and TOML key, and has a row in the README's Configuration
+// environment variable and TOML key, and has a row in the Configuration table (`docs/operating.md`)
 // table: tests there fail until both are done.
 
 /// Configures a [`Runtime`](super::Runtime). Start with [`Runtime::builder`](super::Runtime::builder).
@@ -300,7 +300,7 @@ impl RuntimeBuilder {
     /// What to do at start-up when the database could lose COMMITs it acknowledged
     /// — standbys replicated asynchronously (a failover loses what they had not
     /// received), `synchronous_commit = off` — and with them messages idemq acked:
-    /// warn (the default), refuse to start, or not check. See the README, *Database
+    /// warn (the default), refuse to start, or not check. See the guide, `docs/high-availability.md`, *Database
     /// high availability*.
     pub fn replication_check(mut self, check: crate::ReplicationCheck) -> Self {
         self.replication_check = check;

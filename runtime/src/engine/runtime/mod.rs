@@ -21,7 +21,7 @@ mod builder;
 mod check;
 mod plan;
 mod run;
-// Read by tests only: the README's table and the CLI are checked against it.
+// Read by tests only: the guide's Configuration table and the CLI are checked against it.
 #[cfg(test)]
 pub(crate) mod settings;
 mod signals;

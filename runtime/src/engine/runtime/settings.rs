@@ -5,7 +5,7 @@
 //!
 //! Two tests keep the three places true to each other: every public setter of
 //! `builder.rs` is listed here (add a setting, and the test fails until it is), and
-//! the README's *Configuration* table has a row for each, with these names (add a
+//! the *Configuration* table of `docs/operating.md` has a row for each, with these names (add a
 //! row). The CLI's own tests check that each flag, variable and key listed is read.
 
 /// One builder setting and its names outside the code.
@@ -34,7 +34,7 @@ const fn code(method: &'static str) -> Setting {
     Setting { method, flag: None, env: None, toml: None, example: "" }
 }
 
-/// Every setting, in the README table's order.
+/// Every setting, in the Configuration table's order.
 pub(crate) const SETTINGS: &[Setting] = &[
     cli("amqp_url", "--amqp-url", "AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
     cli("database_url", "--database-url", "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres"),
