@@ -37,7 +37,7 @@ async fn receipts(
     Ok(batch.messages().iter().map(|msg| Receipt { payment_id: msg.payment_id.clone() }).collect())
 }
 
-fn main() {
+pub(crate) fn main() {
     assert!(apply_payment.batched());
     assert!(receipts.batched());
 }

@@ -31,15 +31,12 @@ async fn reuse(conn: &mut AsyncPgConnection, msg: Job) -> Result<(), Failed> {
 }
 
 // And composes with `?` into a `HandlerError`.
-async fn reuse_with_question_mark(
-    conn: &mut AsyncPgConnection,
-    msg: Job,
-) -> Result<(), HandlerError> {
+async fn reuse_with_question_mark(conn: &mut AsyncPgConnection, msg: Job) -> Result<(), HandlerError> {
     apply::call(conn, msg).await?;
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     let _ = reuse;
     let _ = reuse_with_question_mark;
 }

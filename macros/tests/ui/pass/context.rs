@@ -26,11 +26,15 @@ async fn apply_payment(
 
 // Before the message, read only: the compiler tells them apart.
 #[idempotent_handler(key = "payment_id", name = "audit")]
-async fn audit(conn: &mut AsyncPgConnection, ctx: &Context, msg: PaymentRequested) -> Result<(), HandlerError> {
+async fn audit(
+    conn: &mut AsyncPgConnection,
+    ctx: &Context,
+    msg: PaymentRequested,
+) -> Result<(), HandlerError> {
     let _ = (conn, ctx.attempt(), ctx.message_id(), msg.payment_id);
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     let _ = (apply_payment, audit);
 }

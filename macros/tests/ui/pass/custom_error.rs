@@ -34,6 +34,6 @@ async fn transfer(conn: &mut AsyncPgConnection, msg: Transfer) -> Result<(), Tra
 
 fn assert_handler<H: idemq::Handler<Message = Transfer>>(_: H) {}
 
-fn main() {
+pub(crate) fn main() {
     assert_handler(transfer);
 }

@@ -20,7 +20,11 @@ struct PaymentApplied {
 
 /// Applies a payment (this doc stays on the handler type).
 #[idempotent_handler]
-async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested, ctx: &mut Context) -> Result<(), HandlerError> {
+async fn apply_payment(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+    ctx: &mut Context,
+) -> Result<(), HandlerError> {
     let _ = (conn, msg.amount_cents);
     ctx.send(&PaymentApplied { payment_id: msg.payment_id })?;
     Ok(())
@@ -46,7 +50,7 @@ impl From<RefundV1> for Refund {
     }
 }
 
-fn main() {
+pub(crate) fn main() {
     assert_eq!(<Refund as idemq::MessageType>::TYPE, "payment.refunded");
     assert_eq!(<Refund as idemq::Versioned>::VERSION, 2);
     assert_eq!(<Refund as idemq::Message>::TYPE, Some("payment.refunded"));

@@ -19,6 +19,6 @@ async fn run(
 
 fn assert_handler<H: idemq::Handler<Message = Job>>(_: H) {}
 
-fn main() {
+pub(crate) fn main() {
     assert_handler(run);
 }

@@ -26,11 +26,18 @@ async fn on_signed(conn: &mut AsyncPgConnection, msg: Signed) -> Result<(), Hand
 
 fn assert_handler<H: idemq::Handler>(_: H) {}
 
-fn main() {
+pub(crate) fn main() {
     assert_handler(on_unsigned);
     assert_handler(on_signed);
-    let key = idemq::Handler::key(&on_unsigned, &Unsigned { seq: 42 }, &idemq::Metadata::new(&Default::default(), &[])).unwrap();
+    let key = idemq::Handler::key(
+        &on_unsigned,
+        &Unsigned { seq: 42 },
+        &idemq::Metadata::new(&Default::default(), &[]),
+    )
+    .unwrap();
     assert_eq!(key.as_str(), "42");
-    let key = idemq::Handler::key(&on_signed, &Signed { seq: -7 }, &idemq::Metadata::new(&Default::default(), &[])).unwrap();
+    let key =
+        idemq::Handler::key(&on_signed, &Signed { seq: -7 }, &idemq::Metadata::new(&Default::default(), &[]))
+            .unwrap();
     assert_eq!(key.as_str(), "-7");
 }

@@ -67,6 +67,6 @@ async fn by_fn_and_metadata(conn: &mut AsyncPgConnection, msg: OrderPlaced) -> R
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     let _ = (by_template, braces, by_message_id, by_header, by_hash, by_fn, by_fn_and_metadata);
 }

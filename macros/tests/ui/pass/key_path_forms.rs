@@ -26,9 +26,19 @@ async fn by_tuple_field(conn: &mut AsyncPgConnection, msg: Pair) -> Result<(), H
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     let kind = Kind { r#type: "created".into() };
-    assert_eq!(idemq::Handler::key(&by_keyword, &kind, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(), "created");
+    assert_eq!(
+        idemq::Handler::key(&by_keyword, &kind, &idemq::Metadata::new(&Default::default(), &[]))
+            .unwrap()
+            .as_str(),
+        "created"
+    );
     let pair = Pair { ids: (1, "second".into()) };
-    assert_eq!(idemq::Handler::key(&by_tuple_field, &pair, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(), "second");
+    assert_eq!(
+        idemq::Handler::key(&by_tuple_field, &pair, &idemq::Metadata::new(&Default::default(), &[]))
+            .unwrap()
+            .as_str(),
+        "second"
+    );
 }

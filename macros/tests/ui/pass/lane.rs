@@ -26,7 +26,7 @@ async fn unlaned(conn: &mut AsyncPgConnection, msg: Payment) -> Result<(), Handl
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     let message = Payment { payment_id: "p-1".into(), account: Account { id: 7 } };
     assert_eq!(apply.lane_path(), Some("account.id"));
     let lane = apply.lane(&message).expect("a lane").expect("a lane value");

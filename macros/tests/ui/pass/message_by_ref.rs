@@ -14,6 +14,6 @@ async fn apply_payment(conn: &mut AsyncPgConnection, msg: &PaymentRequested) -> 
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     let _ = apply_payment;
 }

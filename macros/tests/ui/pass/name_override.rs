@@ -8,13 +8,13 @@ struct Ping {
 }
 
 // `name` may come before or after `key`, and a trailing comma is fine.
-#[idempotent_handler(name = "custom", key = "id",)]
+#[idempotent_handler(name = "custom", key = "id")]
 async fn renamed_fn(conn: &mut AsyncPgConnection, msg: Ping) -> Result<(), HandlerError> {
     let _ = (conn, msg);
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     let h = renamed_fn;
     assert_eq!(idemq::Handler::name(&h), "custom");
     assert_eq!(idemq::Handler::key_path(&h), "id");

@@ -20,11 +20,12 @@ async fn place(conn: &mut AsyncPgConnection, msg: OrderPlaced) -> Result<(), Han
 
 fn assert_handler<H: idemq::Handler<Message = OrderPlaced>>(_: H) {}
 
-fn main() {
+pub(crate) fn main() {
     assert_handler(place);
     assert_eq!(idemq::Handler::key_path(&place), "order.id");
-    let msg = OrderPlaced {
-        order: Order { id: "o-9".into() },
-    };
-    assert_eq!(idemq::Handler::key(&place, &msg, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(), "o-9");
+    let msg = OrderPlaced { order: Order { id: "o-9".into() } };
+    assert_eq!(
+        idemq::Handler::key(&place, &msg, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(),
+        "o-9"
+    );
 }

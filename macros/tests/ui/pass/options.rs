@@ -28,7 +28,7 @@ async fn upsert(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(
     Ok(())
 }
 
-fn main() {
+pub(crate) fn main() {
     assert_eq!(apply_payment.queue(), Some("payments"));
     assert_eq!(apply_payment.retry().map(|r| r.max_attempts()), Some(4));
     assert_eq!(apply_payment.on_conflict(), Some(OnConflict::Ignore));

@@ -21,6 +21,6 @@ async fn refund(conn: &mut AsyncPgConnection, msg: Refund) -> Result<(), Handler
 
 fn assert_handler<H: idemq::Handler<Message = Refund>>(_: H) {}
 
-fn main() {
+pub(crate) fn main() {
     assert_handler(refund);
 }

@@ -32,7 +32,7 @@ async fn call_from_outside(
     payments::apply_payment::call(conn, msg).await
 }
 
-fn main() {
+pub(crate) fn main() {
     assert_handler(apply_payment);
     assert_handler(payments::apply_payment);
     let _ = call_from_outside;

@@ -25,6 +25,6 @@ async fn count(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<u6
     Ok(1)
 }
 
-fn main() {
+pub(crate) fn main() {
     let _ = (apply_payment, count);
 }

@@ -9,10 +9,7 @@ struct PaymentRequested {
 }
 
 #[idempotent_handler(key = "payment_id")]
-async fn apply_payment(
-    conn: &mut AsyncPgConnection,
-    msg: PaymentRequested,
-) -> Result<(), HandlerError> {
+async fn apply_payment(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     let _ = (conn, msg.amount_cents);
     Ok(())
 }
@@ -25,14 +22,14 @@ fn register() -> idemq::RuntimeBuilder {
     idemq::Runtime::builder().consume("payments", apply_payment)
 }
 
-fn main() {
+pub(crate) fn main() {
     assert_handler(apply_payment);
     let h = apply_payment;
     assert_eq!(idemq::Handler::name(&h), "apply_payment");
     assert_eq!(idemq::Handler::key_path(&h), "payment_id");
-    let msg = PaymentRequested {
-        payment_id: "p-1".into(),
-        amount_cents: 5,
-    };
-    assert_eq!(idemq::Handler::key(&h, &msg, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(), "p-1");
+    let msg = PaymentRequested { payment_id: "p-1".into(), amount_cents: 5 };
+    assert_eq!(
+        idemq::Handler::key(&h, &msg, &idemq::Metadata::new(&Default::default(), &[])).unwrap().as_str(),
+        "p-1"
+    );
 }
