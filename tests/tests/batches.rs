@@ -4,9 +4,11 @@
 //! the process's subscriber, to read what was logged; each test reads the lines
 //! naming its own queue.
 
+#[path = "support/logs.rs"]
+mod logs;
+
 use std::collections::HashMap;
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
@@ -30,7 +32,7 @@ async fn refuses_thirteen(conn: &mut AsyncPgConnection, msg: PaymentRequested) -
 /// alone, its batch neighbours are applied, and none of them is charged an attempt.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backlog_runs_in_batches_and_a_failing_delivery_does_not_sink_its_neighbours() {
-    captured(); // before the fixture installs a subscriber of its own
+    logs::captured("idemq=info"); // before the fixture installs a subscriber of its own
     let bed = Bed::new().await;
     let payments: Vec<_> = (1..=40).map(payment).collect();
     for p in &payments {
@@ -97,7 +99,7 @@ async fn laned(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<()
 /// the order published, while several accounts (pipelines) proceed side by side.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_lanes_messages_are_applied_one_at_a_time_in_arrival_order() {
-    captured(); // before the fixture installs a subscriber of its own
+    logs::captured("idemq=info"); // before the fixture installs a subscriber of its own
     let bed = Bed::new().await;
     let accounts: Vec<String> = (0..4).map(|_| unique("lane")).collect();
     let per_account = 30;
@@ -130,51 +132,6 @@ async fn one_lanes_messages_are_applied_one_at_a_time_in_arrival_order() {
     }
     assert_eq!(bed.ledger_total().await, total as i64);
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
-}
-
-/// What the test's subscriber wrote.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("lock").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// The process's subscriber, writing INFO and above of idemq into one buffer:
-/// installed by the first test to ask, so every test asks first (a `Bed` would
-/// otherwise install its own).
-fn captured() -> Captured {
-    static CAPTURED: OnceLock<Captured> = OnceLock::new();
-    CAPTURED
-        .get_or_init(|| {
-            let captured = Captured::default();
-            let writer = captured.clone();
-            tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::new("idemq=info"))
-                .with_writer(move || writer.clone())
-                .with_ansi(false)
-                .init();
-            captured
-        })
-        .clone()
-}
-
-impl Captured {
-    /// The lines logged so far that name `queue` and say its batches collided.
-    fn collisions(&self, queue: &str) -> Vec<String> {
-        let log = String::from_utf8_lossy(&self.0.lock().expect("lock")).into_owned();
-        log.lines()
-            .filter(|line| line.contains(queue) && line.contains("batches of this queue's handler"))
-            .map(str::to_owned)
-            .collect()
-    }
 }
 
 /// The amount whose handler holds its transaction open (1.5 s) after its writes.
@@ -230,7 +187,7 @@ async fn while_a_batch_holds_its_rows(
 /// would not help: nothing but the copies collided).
 #[tokio::test(flavor = "multi_thread")]
 async fn copies_of_one_key_racing_are_called_harmless_without_advising_a_lane() {
-    let captured = captured();
+    let captured = logs::captured("idemq=info");
     let bed = Bed::new().await;
     let held = payment(HOLDS);
     let running = while_a_batch_holds_its_rows(&bed, [&held, &payment(1)], [&held, &payment(2)]).await;
@@ -242,7 +199,7 @@ async fn copies_of_one_key_racing_are_called_harmless_without_advising_a_lane() 
     assert_eq!(outcomes.len(), 2, "{events:?}");
     assert!(outcomes.contains(&&Outcome::Applied) && outcomes.contains(&&Outcome::Duplicate), "{outcomes:?}");
     assert_eq!(bed.ledger_rows(&held.payment_id).await, 1, "applied once");
-    let lines = captured.collisions(&bed.queue);
+    let lines = captured.lines(&bed.queue, "batches of this queue's handler");
     assert!(!lines.is_empty(), "the second batch's dedup insert collided: {events:?}");
     for line in &lines {
         assert!(line.contains("copies of one message") && line.contains("Harmless"), "{line}");
@@ -256,7 +213,7 @@ async fn copies_of_one_key_racing_are_called_harmless_without_advising_a_lane() 
 /// advises a lane on what they share.
 #[tokio::test(flavor = "multi_thread")]
 async fn batches_colliding_on_the_handlers_rows_are_advised_a_lane() {
-    let captured = captured();
+    let captured = logs::captured("idemq=info");
     let bed = Bed::new().await;
     let held = payment(HOLDS);
     let same_account = PaymentRequested { account: held.account.clone(), ..payment(3) };
@@ -267,7 +224,7 @@ async fn batches_colliding_on_the_handlers_rows_are_advised_a_lane() {
 
     assert_eq!(bed.ledger_rows(&held.payment_id).await, 1);
     assert_eq!(bed.ledger_rows(&same_account.payment_id).await, 1);
-    let lines = captured.collisions(&bed.queue);
+    let lines = captured.lines(&bed.queue, "batches of this queue's handler");
     assert!(!lines.is_empty(), "the second batch's handler collided on the account's row: {events:?}");
     for line in &lines {
         assert!(line.contains("WARN") && line.contains("give the handler a lane"), "{line}");

@@ -8,56 +8,17 @@
 #[path = "support/faults.rs"]
 mod faults;
 
+#[path = "support/logs.rs"]
+mod logs;
+
 use std::collections::HashSet;
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, HandlerError, Outcome};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
-
-/// What the test's subscriber wrote.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("lock").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// The process's subscriber (installed by the first test to ask), writing WARN and
-/// above of idemq into one buffer.
-fn captured() -> Captured {
-    static CAPTURED: OnceLock<Captured> = OnceLock::new();
-    CAPTURED
-        .get_or_init(|| {
-            let captured = Captured::default();
-            let writer = captured.clone();
-            tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::new("idemq=warn"))
-                .with_writer(move || writer.clone())
-                .with_ansi(false)
-                .init();
-            captured
-        })
-        .clone()
-}
-
-impl Captured {
-    /// The lines logged so far that name `queue` and hold `words`.
-    fn lines(&self, queue: &str, words: &str) -> Vec<String> {
-        let log = String::from_utf8_lossy(&self.0.lock().expect("lock")).into_owned();
-        log.lines().filter(|line| line.contains(queue) && line.contains(words)).map(str::to_owned).collect()
-    }
-}
 
 /// Stages a batch whose COMMIT succeeded and whose channel is then closed before the
 /// ack (a fault hook at `AfterCommit`), with more batches in flight: every delivery of
@@ -66,7 +27,7 @@ impl Captured {
 /// deliveries reported `settled_with_broker: false` — and no line per delivery.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_channel_logs_one_line_and_a_count_not_one_line_per_unsettled_delivery() {
-    let captured = captured();
+    let captured = logs::captured("idemq=warn");
     let bed = Bed::new().await;
     const PAYMENTS: usize = 96;
     for i in 0..PAYMENTS {
@@ -111,7 +72,7 @@ async fn always_down(_conn: &mut AsyncPgConnection, _msg: PaymentRequested) -> R
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_publishing_channel_logs_one_line_and_a_count_not_an_error_per_copy() {
     use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
-    let captured = captured();
+    let captured = logs::captured("idemq=warn");
     let bed = Bed::new().await;
     const PAYMENTS: usize = 32;
     for i in 0..PAYMENTS {

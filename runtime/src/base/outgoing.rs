@@ -239,6 +239,20 @@ impl Outgoing {
     }
 }
 
+impl Outgoing {
+    /// The AMQP properties this message is published with, under `message_id`
+    /// (persistent): what `Publisher::send` and the test kit set alike.
+    pub(crate) fn properties(&self, message_id: &str) -> BasicProperties {
+        properties(
+            message_id,
+            self.content_type.as_deref(),
+            self.correlation_id.as_deref(),
+            self.message_type.as_deref(),
+            &self.headers,
+        )
+    }
+}
+
 /// The AMQP properties an outbox row is published with (persistent).
 pub(crate) fn properties(
     message_id: &str,

@@ -102,13 +102,7 @@ impl TestMessage {
                 |err| panic!("Publisher::send would refuse this {}: {err}", std::any::type_name::<M>()),
             );
         let id = crate::base::random_id();
-        let properties = crate::base::outgoing::properties(
-            &id,
-            outgoing.content_type.as_deref(),
-            outgoing.correlation_id.as_deref(),
-            outgoing.message_type.as_deref(),
-            &outgoing.headers,
-        );
+        let properties = outgoing.properties(&id);
         Self { body: outgoing.body, properties }
     }
 

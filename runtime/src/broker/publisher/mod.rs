@@ -362,13 +362,7 @@ impl Publisher {
 fn prepare(outgoing: Outgoing) -> Result<Prepared, PublishError> {
     outgoing.validate()?;
     let id = outgoing.message_id.clone().unwrap_or_else(crate::base::random_id);
-    let properties = crate::base::outgoing::properties(
-        &id,
-        outgoing.content_type.as_deref(),
-        outgoing.correlation_id.as_deref(),
-        outgoing.message_type.as_deref(),
-        &outgoing.headers,
-    );
+    let properties = outgoing.properties(&id);
     Ok(Prepared {
         exchange: outgoing.exchange,
         routing_key: outgoing.routing_key,
