@@ -485,6 +485,19 @@ async fn handled(bed: &Bed, partitions: &Partitions, payments: &[PaymentRequeste
         .collect()
 }
 
+/// The ledger holds each of `all` once, and each partition's payments in the order
+/// they were published to it.
+async fn each_once_in_its_streams_order(bed: &Bed, partitions: &Partitions, all: &[PaymentRequested]) {
+    let ledger = applied(bed).await;
+    assert_eq!(ledger.len(), all.len(), "each payment once");
+    for partition in 0..partitions.count() {
+        let of = |ids: Vec<String>| -> Vec<String> {
+            ids.into_iter().filter(|id| partitions.partition_of(id) == partition).collect()
+        };
+        assert_eq!(of(ledger.clone()), of(ids(all)), "stream {partition}'s payments once each, in its order");
+    }
+}
+
 /// How many processes (told apart by their connections' `application_name`) hold
 /// a stream's owner lock in the test's database.
 async fn owning_processes(bed: &Bed) -> i64 {
@@ -576,18 +589,7 @@ async fn two_processes_share_two_partitioned_streams_and_one_takes_both_when_the
     assert!(second.terminate(Duration::from_secs(20)).await.success());
 
     let all: Vec<PaymentRequested> = alone.into_iter().chain(shared).chain(survivor).collect();
-    let ledger = applied(&bed).await;
-    assert_eq!(ledger.len(), all.len(), "each payment once");
-    for partition in 0..partitions.count() {
-        let of = |ids: Vec<String>| -> Vec<String> {
-            ids.into_iter().filter(|id| partitions.partition_of(id) == partition).collect()
-        };
-        assert_eq!(
-            of(ledger.clone()),
-            of(ids(&all)),
-            "stream {partition}'s payments once each, in its order"
-        );
-    }
+    each_once_in_its_streams_order(&bed, &partitions, &all).await;
     assert_eq!(
         bed.db.count("SELECT count(*) FROM idemq_dedup").await,
         0,
@@ -751,16 +753,5 @@ async fn a_partition_owner_cut_from_the_broker_gives_its_stream_to_the_other_pro
     cut.stop().await.expect("clean shutdown");
 
     let all: Vec<PaymentRequested> = shared.into_iter().chain(after).collect();
-    let ledger = applied(&bed).await;
-    assert_eq!(ledger.len(), all.len(), "each payment once");
-    for partition in 0..partitions.count() {
-        let of = |ids: Vec<String>| -> Vec<String> {
-            ids.into_iter().filter(|id| partitions.partition_of(id) == partition).collect()
-        };
-        assert_eq!(
-            of(ledger.clone()),
-            of(ids(&all)),
-            "stream {partition}'s payments once each, in its order"
-        );
-    }
+    each_once_in_its_streams_order(&bed, &partitions, &all).await;
 }
