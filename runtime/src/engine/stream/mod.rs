@@ -152,7 +152,7 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
     };
     let mut session = 0_u64;
     'owning: loop {
-        if ctx.link.silent_since().is_some() {
+        if !ctx.link.is_answering() {
             tell(StreamState::WaitingForBroker);
             tokio::select! {
                 () = stop.cancelled() => return,
