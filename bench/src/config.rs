@@ -1,5 +1,7 @@
 //! The command line: the parent's flags, and the spec a child is started with.
 
+use std::path::PathBuf;
+
 use crate::contenders::Contender;
 
 /// The bench's own database (created if missing, tables truncated between runs).
@@ -18,6 +20,9 @@ usage: bench [flags]
   --rss-check N             after the rounds, one backlog run per contender with N payments, and its
                             peak RSS compared with the rounds' (e.g. 100000)
   --rss-tolerance PCT       how much larger that peak RSS may be and still count as the same (default 25)
+  --plot PATH               at the end, the medians' msg/s as a bar chart (SVG) at PATH, and the medians,
+                            ratios and configuration as JSON beside it (PATH with .json); default
+                            bench/results/latest.svg in this checkout; none: neither
 environment: AMQP_URL, DATABASE_URL (default postgres://postgres@127.0.0.1:5432/idemq_bench), RUST_LOG";
 
 /// Where the broker and the database are.
@@ -56,6 +61,14 @@ pub(crate) struct Config {
     pub(crate) light: usize,
     pub(crate) rss_check: Option<usize>,
     pub(crate) rss_tolerance_pct: usize,
+    /// Where the chart goes (the JSON beside it); `None`: `--plot none`.
+    pub(crate) plot: Option<PathBuf>,
+}
+
+/// `--plot`'s default: `bench/results/latest.svg` of the checkout the bench was built
+/// from, wherever it is started (ignored by git: `bench/.gitignore`).
+fn default_plot() -> PathBuf {
+    [env!("CARGO_MANIFEST_DIR"), "results", "latest.svg"].iter().collect()
 }
 
 impl Default for Config {
@@ -68,6 +81,7 @@ impl Default for Config {
             light: 300,
             rss_check: None,
             rss_tolerance_pct: 25,
+            plot: Some(default_plot()),
         }
     }
 }
@@ -123,6 +137,9 @@ impl Config {
                 "--light" => config.light = number(flag, value)?,
                 "--rss-check" => config.rss_check = Some(positive(flag, value)?),
                 "--rss-tolerance" => config.rss_tolerance_pct = number(flag, value)?,
+                "--plot" if value == "none" => config.plot = None,
+                "--plot" if value.is_empty() => return Err(ParseError::Bad("--plot needs a path".into())),
+                "--plot" => config.plot = Some(PathBuf::from(value)),
                 _ => return Err(ParseError::Bad(format!("unknown flag: {flag}"))),
             }
         }
@@ -250,5 +267,16 @@ mod tests {
         assert!(matches!(Config::parse(&strings(&["--sweep", "8,x"])), Err(ParseError::Bad(_))));
         assert!(matches!(Config::parse(&strings(&["--bogus", "1"])), Err(ParseError::Bad(_))));
         assert!(matches!(Config::parse(&strings(&["--help"])), Err(ParseError::Help)));
+    }
+
+    #[test]
+    fn the_plot_goes_to_the_bench_crate_unless_told_otherwise() {
+        let default = Config::parse(&[]).unwrap().plot.unwrap();
+        assert!(default.ends_with("bench/results/latest.svg"), "{default:?}");
+        assert!(default.is_absolute());
+        let config = Config::parse(&strings(&["--plot", "out/run.svg"])).unwrap();
+        assert_eq!(config.plot, Some(PathBuf::from("out/run.svg")));
+        assert_eq!(Config::parse(&strings(&["--plot", "none"])).unwrap().plot, None);
+        assert!(matches!(Config::parse(&strings(&["--plot"])), Err(ParseError::Bad(_))));
     }
 }

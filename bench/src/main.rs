@@ -33,8 +33,10 @@
 //! payments, the contender's own applied/duplicate counts, nothing left in the
 //! queue, its DLQ or its wait queues. A failed check is printed loudly and makes
 //! the exit code nonzero. Rounds alternate the contenders; the summary reports
-//! medians and their ratios. The machine is small and shared by the broker and the
-//! database: compare within one invocation, never absolute numbers across them.
+//! medians and their ratios, and the same medians are written as a bar chart (SVG)
+//! with a JSON file beside it (`--plot`, default `bench/results/latest.svg`). The
+//! machine is small and shared by the broker and the database: compare within one
+//! invocation, never absolute numbers across them.
 //!
 //! Environment: `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
 //! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/idemq_bench`, created
@@ -47,7 +49,9 @@ mod contenders;
 mod metrics;
 mod parent;
 mod plan;
+mod plot;
 mod report;
+mod results;
 mod spawn;
 mod workload;
 

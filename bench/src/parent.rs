@@ -11,6 +11,7 @@ use crate::contenders::Contender;
 use crate::metrics;
 use crate::plan::{Load, Phase, Run, RunResult};
 use crate::report;
+use crate::results::{self, Results};
 use crate::spawn;
 use crate::workload::{publish, Leftovers, RunQueues, Workload};
 use crate::BenchError;
@@ -53,6 +54,9 @@ const BENCH_LOCK: i64 = 0x6964_656d_715f_6265; // "idemq_be"
 
 /// The whole program. `Ok(false)` when a check failed.
 pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError> {
+    if let Some(svg) = &config.plot {
+        results::prepare(svg).map_err(|err| format!("--plot {}: {err}", svg.display()))?;
+    }
     idemq_example_payments::migrate(&urls.database).await?;
     let mut bench = Bench {
         urls,
@@ -62,7 +66,8 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
     };
     lock_database(&mut bench.db).await?;
     let busy_before = machine_busy(report::IDLE_SAMPLE).await;
-    report::header(config, &bench.postgres_version().await?, busy_before);
+    let postgres = bench.postgres_version().await?;
+    report::header(config, &postgres, busy_before);
     let concurrency = match config.baseline_concurrency {
         Some(concurrency) => concurrency,
         None => bench.sweep(config).await?,
@@ -88,7 +93,15 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
         }
     }
     let _ = bench.admin.close(200, "bench done".into()).await;
-    Ok(report::summary(config, concurrency, &bench.results))
+    let ok = report::summary(config, concurrency, &bench.results);
+    if let Some(svg) = &config.plot {
+        let context = results::Context { config, concurrency, postgres: &postgres, busy_before };
+        let json = Results::collect(&context, &bench.results)
+            .write(svg)
+            .map_err(|err| format!("writing the plot to {}: {err}", svg.display()))?;
+        println!("\nplot: {} (the medians above), results: {}", svg.display(), json.display());
+    }
+    Ok(ok)
 }
 
 /// Takes [`BENCH_LOCK`] on `db`'s session, waiting (and saying so) while another

@@ -1,6 +1,8 @@
 //! What the bench prints: a row per run as it ends, then the medians, the ratios,
 //! light-load latency, the RSS check and the verdict.
 
+use serde::Serialize;
+
 use crate::child::ChildReport;
 use crate::config::Config;
 use crate::contenders::Contender;
@@ -172,11 +174,15 @@ fn median_of(reports: &[&ChildReport], metric: impl Fn(&ChildReport) -> Option<f
     median(reports.iter().filter_map(|&r| metric(r)))
 }
 
-fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => format!("x{:.2}", a / b),
-        _ => "-".to_owned(),
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
     }
+}
+
+fn times(ratio: Option<f64>) -> String {
+    ratio.map_or_else(|| "-".to_owned(), |r| format!("x{r:.2}"))
 }
 
 /// The backlog contenders of the summary: number (as in BENCHMARKS.md), label.
@@ -192,6 +198,106 @@ const BACKLOG: [(&str, &str); 9] = [
     ("", "baseline dups-only"),
 ];
 
+/// The ratios of the summary: numbers, what, the two labels divided.
+const RATIOS: [(&str, &str, &str, &str); 11] = [
+    ("3/2", "idemq per-message / baseline", "idemq-per-message", "baseline"),
+    ("4/2", "idemq group commit / baseline", "idemq-group", "baseline"),
+    ("5/2", "idemq group commit + lanes / baseline", "idemq-lanes", "baseline"),
+    ("4/1", "idemq group commit / raw broker", "idemq-group", "raw"),
+    ("5/1", "idemq group commit + lanes / raw broker", "idemq-lanes", "raw"),
+    ("6/5", "idemq-lanes: duplicates only / first deliveries", "idemq-lanes dups-only", "idemq-lanes"),
+    ("7/5", "an outbox event per payment / idemq-lanes", "idemq-outbox", "idemq-lanes"),
+    ("7/2", "idemq-lanes + outbox / baseline (no event)", "idemq-outbox", "baseline"),
+    ("8/7", "batch handler / per-message (lanes, events)", "idemq-batch", "idemq-outbox"),
+    ("8/2", "demo's apply_payment / baseline (no event)", "idemq-batch", "baseline"),
+    ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
+];
+
+/// The light-load contenders of the summary.
+const LIGHT: [&str; 4] = ["baseline", "idemq-per-message", "idemq-group", "idemq-lanes"];
+
+/// One backlog row of the summary: the medians over the rounds' runs that passed
+/// their checks. What the summary prints, the plot draws and the JSON holds.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Medians {
+    /// The contender's number in BENCHMARKS.md (empty for the baseline's dups-only row).
+    pub(crate) number: &'static str,
+    pub(crate) label: &'static str,
+    /// `None`: no run of it passed.
+    pub(crate) msg_per_s: Option<f64>,
+    /// Each passed round's msg/s, in order.
+    pub(crate) rounds_msg_per_s: Vec<f64>,
+    /// In-process latency, received → settled.
+    pub(crate) p50_ms: Option<f64>,
+    pub(crate) p99_ms: Option<f64>,
+    pub(crate) rss_mib: Option<f64>,
+    /// The child's own CPU per delivery.
+    pub(crate) cpu_us: Option<f64>,
+    /// The whole machine's busy CPU per delivery.
+    pub(crate) all_us: Option<f64>,
+}
+
+/// The backlog rows of the summary, in its order.
+pub(crate) fn medians(results: &[RunResult]) -> Vec<Medians> {
+    BACKLOG
+        .into_iter()
+        .map(|(number, label)| {
+            let reports = rounds(results, label);
+            Medians {
+                number,
+                label,
+                msg_per_s: median_of(&reports, |r| Some(r.rate())),
+                rounds_msg_per_s: reports.iter().map(|r| r.rate()).collect(),
+                p50_ms: ms(median_of(&reports, |r| r.latency.p50_us)),
+                p99_ms: ms(median_of(&reports, |r| r.latency.p99_us)),
+                rss_mib: median_of(&reports, mib),
+                cpu_us: median_of(&reports, |r| per_delivery_us(r, r.process_cpu_s)),
+                all_us: median_of(&reports, |r| per_delivery_us(r, r.machine_cpu_s)),
+            }
+        })
+        .collect()
+}
+
+/// A ratio of two rows' median msg/s.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Ratio {
+    /// The rows' numbers (`5/2`; empty for the baseline's dups-only ratio).
+    pub(crate) numbers: &'static str,
+    pub(crate) what: &'static str,
+    pub(crate) value: Option<f64>,
+}
+
+/// The summary's ratios of the median msg/s.
+pub(crate) fn ratios(medians: &[Medians]) -> Vec<Ratio> {
+    let rate = |label: &str| medians.iter().find(|m| m.label == label).and_then(|m| m.msg_per_s);
+    RATIOS
+        .into_iter()
+        .map(|(numbers, what, a, b)| Ratio { numbers, what, value: ratio(rate(a), rate(b)) })
+        .collect()
+}
+
+/// A light-load row: end-to-end latency, publish → settled, medians over the rounds.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct LightMedians {
+    pub(crate) label: &'static str,
+    pub(crate) p50_ms: Option<f64>,
+    pub(crate) p99_ms: Option<f64>,
+}
+
+/// The light-load rows (`None` everywhere without `--light`).
+pub(crate) fn light_medians(results: &[RunResult]) -> Vec<LightMedians> {
+    LIGHT
+        .into_iter()
+        .map(|label| {
+            let reports = rounds(results, &format!("{label} light"));
+            let end_to_end = |p: fn(&Percentiles) -> Option<f64>| {
+                ms(median_of(&reports, |r| r.end_to_end.as_ref().and_then(p)))
+            };
+            LightMedians { label, p50_ms: end_to_end(|p| p.p50_us), p99_ms: end_to_end(|p| p.p99_us) }
+        })
+        .collect()
+}
+
 /// The medians, ratios, light-load latency, RSS check and verdict. `false` when a
 /// check failed.
 pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]) -> bool {
@@ -200,36 +306,25 @@ pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]
         "  # contender                    msg/s   p50 ms   p99 ms  rss MiB  cpu us  all us  runs (msg/s)\
          \n    (p50/p99: in-process, received → settled; baseline and per-message at concurrency {concurrency})"
     );
-    let rate = |label: &str| median_of(&rounds(results, label), |r| Some(r.rate()));
-    for (number, label) in BACKLOG {
-        let reports = rounds(results, label);
-        let runs: Vec<String> = reports.iter().map(|r| format!("{:.0}", r.rate())).collect();
+    let medians = medians(results);
+    for row in &medians {
+        let runs: Vec<String> = row.rounds_msg_per_s.iter().map(|rate| format!("{rate:.0}")).collect();
         println!(
-            "{number:>3} {label:<24} {:>9} {:>8} {:>8} {:>8} {:>7} {:>7}  [{}]",
-            num(rate(label), 0),
-            num(ms(median_of(&reports, |r| r.latency.p50_us)), 2),
-            num(ms(median_of(&reports, |r| r.latency.p99_us)), 2),
-            num(median_of(&reports, mib), 1),
-            num(median_of(&reports, |r| per_delivery_us(r, r.process_cpu_s)), 0),
-            num(median_of(&reports, |r| per_delivery_us(r, r.machine_cpu_s)), 0),
+            "{:>3} {:<24} {:>9} {:>8} {:>8} {:>8} {:>7} {:>7}  [{}]",
+            row.number,
+            row.label,
+            num(row.msg_per_s, 0),
+            num(row.p50_ms, 2),
+            num(row.p99_ms, 2),
+            num(row.rss_mib, 1),
+            num(row.cpu_us, 0),
+            num(row.all_us, 0),
             runs.join(", "),
         );
     }
     println!("\nratios of the median msg/s:");
-    for (numbers, what, a, b) in [
-        ("3/2", "idemq per-message / baseline", "idemq-per-message", "baseline"),
-        ("4/2", "idemq group commit / baseline", "idemq-group", "baseline"),
-        ("5/2", "idemq group commit + lanes / baseline", "idemq-lanes", "baseline"),
-        ("4/1", "idemq group commit / raw broker", "idemq-group", "raw"),
-        ("5/1", "idemq group commit + lanes / raw broker", "idemq-lanes", "raw"),
-        ("6/5", "idemq-lanes: duplicates only / first deliveries", "idemq-lanes dups-only", "idemq-lanes"),
-        ("7/5", "an outbox event per payment / idemq-lanes", "idemq-outbox", "idemq-lanes"),
-        ("7/2", "idemq-lanes + outbox / baseline (no event)", "idemq-outbox", "baseline"),
-        ("8/7", "batch handler / per-message (lanes, events)", "idemq-batch", "idemq-outbox"),
-        ("8/2", "demo's apply_payment / baseline (no event)", "idemq-batch", "baseline"),
-        ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
-    ] {
-        println!("  {numbers:>3}  {what:<48} {:>6}", ratio(rate(a), rate(b)));
+    for ratio in ratios(&medians) {
+        println!("  {:>3}  {:<48} {:>6}", ratio.numbers, ratio.what, times(ratio.value));
     }
     let lag = median_of(&rounds(results, "idemq-outbox"), |r| r.outbox_lag_s);
     println!(
@@ -265,24 +360,16 @@ fn light_summary(config: &Config, results: &[RunResult]) {
         config.light
     );
     println!("  contender                  p50 ms   p99 ms");
-    let percentile = |label: &str, p: fn(&Percentiles) -> Option<f64>| {
-        median_of(&rounds(results, label), |r| r.end_to_end.as_ref().and_then(p))
-    };
-    let p50 = |p: &Percentiles| p.p50_us;
-    let p99 = |p: &Percentiles| p.p99_us;
-    for contender in ["baseline", "idemq-per-message", "idemq-group", "idemq-lanes"] {
-        let label = format!("{contender} light");
-        println!(
-            "  {contender:<24} {:>8} {:>8}",
-            num(ms(percentile(&label, p50)), 2),
-            num(ms(percentile(&label, p99)), 2)
-        );
+    let light = light_medians(results);
+    for row in &light {
+        println!("  {:<24} {:>8} {:>8}", row.label, num(row.p50_ms, 2), num(row.p99_ms, 2));
     }
-    let (group, single) = ("idemq-group light", "idemq-per-message light");
+    let of = |label: &str| light.iter().find(|row| row.label == label);
+    let (group, single) = (of("idemq-group"), of("idemq-per-message"));
     println!(
         "  group commit / per-message: p50 {}, p99 {}",
-        ratio(percentile(group, p50), percentile(single, p50)),
-        ratio(percentile(group, p99), percentile(single, p99))
+        times(ratio(group.and_then(|r| r.p50_ms), single.and_then(|r| r.p50_ms))),
+        times(ratio(group.and_then(|r| r.p99_ms), single.and_then(|r| r.p99_ms)))
     );
 }
 
@@ -319,7 +406,7 @@ fn rss_summary(config: &Config, messages: usize, results: &[RunResult]) -> bool 
             contender.name(),
             num(small, 1),
             num(large, 1),
-            ratio(large, small)
+            times(ratio(large, small))
         );
     }
     ok
