@@ -410,8 +410,8 @@ async fn shutdown_during_the_start_up_wait_returns_ok_promptly() {
 /// (a black hole) past a 1 s `startup_timeout`, with a 60 s shutdown deadline and
 /// nothing in flight: `run` must fail with `Error::StartupTimeout` at once, not after
 /// the shutdown deadline (the stream consumer kept trying, and the drain waited for
-/// it), and every task must stop with it: no connection attempt reaches the broker's
-/// address after `run` returned.
+/// it), and every task must stop with it: no new connection attempt reaches the
+/// broker's address after `run` returned.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_startup_timeout_stops_everything_at_once_with_nothing_in_flight() {
     let bed = Bed::new().await;
@@ -439,8 +439,12 @@ async fn the_startup_timeout_stops_everything_at_once_with_nothing_in_flight() {
         matches!(result, Err(Error::StartupTimeout { dependency: Dependency::Broker, .. })),
         "{result:?}"
     );
+    assert!(gate.accepted.load(Ordering::Relaxed) >= 1, "the broker was tried");
+    // An attempt begun just before `run` returned may still land: lapin opens its
+    // socket on a thread of its own that an aborted task does not stop (CI saw one
+    // accepted 0.2 s after). It is no new attempt; count from after it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let attempts = gate.accepted.load(Ordering::Relaxed);
-    assert!(attempts >= 1, "the broker was tried");
     // Two seconds is several of the 200 ms reconnect waits: a task still trying
     // would be seen.
     tokio::time::sleep(Duration::from_secs(2)).await;
