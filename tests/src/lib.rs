@@ -16,6 +16,7 @@
 
 pub mod app;
 pub mod fixture;
+pub mod logs;
 
 pub use fixture::Mode;
 
@@ -197,10 +198,22 @@ impl Drop for TestDb {
     }
 }
 
+/// A connection to `url`. The server's connection slots are shared by every test
+/// running beside this one: while they are all taken ("too many clients"), it waits
+/// for one, up to a minute.
 async fn connect_pg(url: &str) -> AsyncPgConnection {
-    AsyncPgConnection::establish(url).await.unwrap_or_else(|e| {
-        panic!("{}", idemq::connect::redact(&format!("cannot connect to PostgreSQL at {url}: {e}")))
-    })
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match AsyncPgConnection::establish(url).await {
+            Ok(conn) => return conn,
+            Err(e) if e.to_string().contains("too many clients") && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => {
+                panic!("{}", idemq::connect::redact(&format!("cannot connect to PostgreSQL at {url}: {e}")))
+            }
+        }
+    }
 }
 
 fn quote_ident(name: &str) -> String {
@@ -731,13 +744,11 @@ pub fn free_addr() -> std::net::SocketAddr {
 // Tracing
 // ---------------------------------------------------------------------------
 
-/// Installs a `tracing` subscriber writing to the test output, filtered by
-/// `RUST_LOG` (default `warn`). Safe to call any number of times.
+/// Installs the process's `tracing` subscriber: the test output, filtered by
+/// `RUST_LOG` (default `warn`), and the capture of idemq's log ([`logs`]). Safe to
+/// call any number of times.
 pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    // Fails if a global subscriber is already set, which is fine.
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+    logs::captured();
 }
 
 #[cfg(test)]

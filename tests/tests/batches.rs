@@ -1,11 +1,8 @@
 //! Group commit and lanes: a backlog runs in batches, a failing delivery never sinks
 //! its batch, one lane's messages are applied one at a time, in arrival order, and
-//! batches that collide are told apart by where they collided. The binary installs
-//! the process's subscriber, to read what was logged; each test reads the lines
+//! batches that collide are told apart by where they collided. What was logged is
+//! read from the process's capture ([`idemq_tests::logs`]): each test reads the lines
 //! naming its own queue.
-
-#[path = "support/logs.rs"]
-mod logs;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -15,7 +12,7 @@ use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, FailureKind, HandlerError, Outcome, Permanent};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{payment, Bed, Running};
-use idemq_tests::{eventually, unique};
+use idemq_tests::{eventually, logs, unique};
 
 /// The payments handler, except that an amount of 13 is refused (permanently).
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
@@ -32,7 +29,6 @@ async fn refuses_thirteen(conn: &mut AsyncPgConnection, msg: PaymentRequested) -
 /// alone, its batch neighbours are applied, and none of them is charged an attempt.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backlog_runs_in_batches_and_a_failing_delivery_does_not_sink_its_neighbours() {
-    logs::captured("idemq=info"); // before the fixture installs a subscriber of its own
     let bed = Bed::new().await;
     let payments: Vec<_> = (1..=40).map(payment).collect();
     for p in &payments {
@@ -99,7 +95,6 @@ async fn laned(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<()
 /// the order published, while several accounts (pipelines) proceed side by side.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_lanes_messages_are_applied_one_at_a_time_in_arrival_order() {
-    logs::captured("idemq=info"); // before the fixture installs a subscriber of its own
     let bed = Bed::new().await;
     let accounts: Vec<String> = (0..4).map(|_| unique("lane")).collect();
     let per_account = 30;
@@ -187,7 +182,7 @@ async fn while_a_batch_holds_its_rows(
 /// would not help: nothing but the copies collided).
 #[tokio::test(flavor = "multi_thread")]
 async fn copies_of_one_key_racing_are_called_harmless_without_advising_a_lane() {
-    let captured = logs::captured("idemq=info");
+    let captured = logs::captured();
     let bed = Bed::new().await;
     let held = payment(HOLDS);
     let running = while_a_batch_holds_its_rows(&bed, [&held, &payment(1)], [&held, &payment(2)]).await;
@@ -213,7 +208,7 @@ async fn copies_of_one_key_racing_are_called_harmless_without_advising_a_lane() 
 /// advises a lane on what they share.
 #[tokio::test(flavor = "multi_thread")]
 async fn batches_colliding_on_the_handlers_rows_are_advised_a_lane() {
-    let captured = logs::captured("idemq=info");
+    let captured = logs::captured();
     let bed = Bed::new().await;
     let held = payment(HOLDS);
     let same_account = PaymentRequested { account: held.account.clone(), ..payment(3) };

@@ -3,10 +3,11 @@
 //! lose the node that leads their quorum queue, a node they are connected to, a
 //! node while a batch's transaction is open and one while a retry copy is being
 //! confirmed — and every payment is still applied exactly once. The tests share one
-//! cluster (starting one takes ~25 s) and run one at a time, since they kill nodes.
+//! cluster (starting one takes ~25 s) and run one at a time, since they kill nodes
+//! (`crate::support::cluster`).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
@@ -16,22 +17,18 @@ use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{next_attempt, payment, publish_stream, Bed, ConsumerProcess, Running};
 use idemq_tests::{eventually, unique, Broker};
 
+use crate::support::cluster::{lease, Lease};
+
 const CONSUMER: &str = env!("CARGO_BIN_EXE_consumer");
 
-static CLUSTER: tokio::sync::OnceCell<Cluster> = tokio::sync::OnceCell::const_new();
-
-/// The cluster, started by the first test that needs it and torn down when the
-/// test binary exits (by the kit's watchdog), with the lock that runs the tests one
-/// at a time.
-async fn cluster() -> (&'static Cluster, tokio::sync::MutexGuard<'static, ()>) {
-    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-    let serial = SERIAL.lock().await;
-    let cluster = CLUSTER
-        .get_or_init(|| async { Cluster::start().await.expect("start the private RabbitMQ cluster") })
-        .await;
+/// The cluster, started by the first test that needs it and kept for the next
+/// (torn down when the process ends, by the kit's watchdog), lent to one test at a
+/// time.
+async fn cluster() -> Lease {
+    let cluster = lease("three nodes", Cluster::builder).await;
     // A test that failed midway may have left a node down.
     cluster.heal().await.expect("every node up");
-    (cluster, serial)
+    cluster
 }
 
 /// A vhost of the test's own on the cluster, and a bed (database, queue) in it
@@ -102,8 +99,8 @@ async fn consumer_node(cluster: &Cluster, vhost: &str, except: Option<usize>) ->
 /// dead-lettered, the queue drained, every process exits 0 on SIGTERM.
 #[tokio::test(flavor = "multi_thread")]
 async fn three_processes_lose_the_queue_leader_then_a_connected_node_and_apply_every_payment_once() {
-    let (cluster, _serial) = cluster().await;
-    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let cluster = cluster().await;
+    let (vhost, bed) = bed_on(&cluster, |queue| queue).await;
     let mut payments = publish_stream(&bed, 900).await;
     for _ in 0..60 {
         let p = payment(1);
@@ -121,17 +118,17 @@ async fn three_processes_lose_the_queue_leader_then_a_connected_node_and_apply_e
         .collect();
 
     applied(&bed, n / 5).await;
-    let lead = leader(cluster, &vhost, &bed.queue).await;
+    let lead = leader(&cluster, &vhost, &bed.queue).await;
     cluster.kill(lead).await.expect("kill the queue's leader");
     applied(&bed, n * 2 / 5).await;
     cluster.restart(lead).await.expect("the old leader back");
 
-    let connected = consumer_node(cluster, &vhost, Some(lead)).await;
+    let connected = consumer_node(&cluster, &vhost, Some(lead)).await;
     cluster.kill(connected).await.expect("kill a node consumers are connected to");
     applied(&bed, n * 3 / 5).await;
     cluster.restart(connected).await.expect("the node back");
 
-    exactly_once(cluster, &vhost, &bed, n).await;
+    exactly_once(&cluster, &vhost, &bed, n).await;
     for consumer in consumers {
         assert!(consumer.terminate(Duration::from_secs(30)).await.success(), "exit 0 on SIGTERM");
     }
@@ -141,7 +138,7 @@ async fn three_processes_lose_the_queue_leader_then_a_connected_node_and_apply_e
 
 /// The payment whose handler kills the runtime's node from inside its batch's
 /// transaction (set by the test).
-static TRIGGER: OnceLock<(String, String)> = OnceLock::new();
+static TRIGGER: OnceLock<(String, String, Weak<Cluster>)> = OnceLock::new();
 static KILLED_IN_BATCH: AtomicBool = AtomicBool::new(false);
 
 /// Records the payment; the trigger payment first kills the runtime's node, with
@@ -149,10 +146,10 @@ static KILLED_IN_BATCH: AtomicBool = AtomicBool::new(false);
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
 async fn node_lost_in_batch(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
     record_payment(conn, &msg).await?;
-    if let Some((trigger, vhost)) = TRIGGER.get() {
+    if let Some((trigger, vhost, cluster)) = TRIGGER.get() {
         if *trigger == msg.payment_id && !KILLED_IN_BATCH.swap(true, Ordering::SeqCst) {
-            let cluster = CLUSTER.get().expect("the cluster");
-            let node = consumer_node(cluster, vhost, None).await;
+            let cluster = cluster.upgrade().expect("the test's cluster");
+            let node = consumer_node(&cluster, vhost, None).await;
             cluster.kill(node).await.map_err(|err| HandlerError::transient(err.to_string()))?;
         }
     }
@@ -171,11 +168,11 @@ async fn node_lost_in_batch(conn: &mut AsyncPgConnection, msg: PaymentRequested)
 /// was acked. Every payment once, nothing dead-lettered, the queue drained.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doubles_nothing() {
-    let (cluster, _serial) = cluster().await;
-    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let cluster = cluster().await;
+    let (vhost, bed) = bed_on(&cluster, |queue| queue).await;
     let first = publish_stream(&bed, 200).await;
     let trigger = first[100].payment_id.clone();
-    TRIGGER.set((trigger.clone(), vhost.clone())).expect("one test sets the trigger");
+    TRIGGER.set((trigger.clone(), vhost.clone(), cluster.weak())).expect("one test sets the trigger");
 
     // The copy hook: once armed with the node the runtime is on, the first
     // confirmed retry copy loses that node. (Quickly: the signal goes before the
@@ -183,9 +180,11 @@ async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doub
     let armed = Arc::new(AtomicUsize::new(usize::MAX));
     let killed_at_copy = Arc::new(AtomicUsize::new(usize::MAX));
     let hook: idemq::testing::fault::FaultHook = {
-        let (armed, killed_at_copy) = (Arc::clone(&armed), Arc::clone(&killed_at_copy));
+        let (armed, killed_at_copy, cluster) =
+            (Arc::clone(&armed), Arc::clone(&killed_at_copy), cluster.weak());
         Arc::new(move |ctx: idemq::testing::fault::FaultContext| {
-            let (armed, killed_at_copy) = (Arc::clone(&armed), Arc::clone(&killed_at_copy));
+            let (armed, killed_at_copy, cluster) =
+                (Arc::clone(&armed), Arc::clone(&killed_at_copy), cluster.clone());
             Box::pin(async move {
                 if ctx.point != idemq::testing::fault::FaultPoint::AfterCopy {
                     return;
@@ -193,7 +192,9 @@ async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doub
                 let node = armed.swap(usize::MAX, Ordering::SeqCst);
                 if node != usize::MAX {
                     killed_at_copy.store(node, Ordering::SeqCst);
-                    let _ = CLUSTER.get().expect("the cluster").kill(node).await;
+                    if let Some(cluster) = cluster.upgrade() {
+                        let _ = cluster.kill(node).await;
+                    }
                 }
             })
         })
@@ -210,14 +211,14 @@ async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doub
     assert!(KILLED_IN_BATCH.load(Ordering::SeqCst), "a node was lost inside a batch");
     cluster.heal().await.expect("the node back");
 
-    armed.store(consumer_node(cluster, &vhost, None).await, Ordering::SeqCst);
+    armed.store(consumer_node(&cluster, &vhost, None).await, Ordering::SeqCst);
     let second = publish_stream(&bed, 200).await;
     applied(&bed, first.len() + second.len()).await;
     let node = killed_at_copy.load(Ordering::SeqCst);
     assert!(node < 3, "a node was lost after a copy's confirm");
     cluster.restart(node).await.expect("the node back");
 
-    exactly_once(cluster, &vhost, &bed, first.len() + second.len()).await;
+    exactly_once(&cluster, &vhost, &bed, first.len() + second.len()).await;
     let events = running.events();
     running.stop().await.expect("clean shutdown");
     let of_trigger: Vec<Outcome> = events
@@ -238,7 +239,7 @@ async fn a_node_lost_while_a_batch_is_open_or_a_copy_is_confirmed_loses_and_doub
 /// queue); without it the broker's default (every node) applies.
 #[tokio::test(flavor = "multi_thread")]
 async fn quorum_queues_get_the_replica_count_asked_for() {
-    let (cluster, _serial) = cluster().await;
+    let cluster = cluster().await;
     let vhost = unique("cluster");
     cluster.add_vhost(&vhost).await.expect("add the test's vhost");
     let broker = Broker::connect(&cluster.amqp_urls(&vhost)).await;
@@ -261,8 +262,8 @@ async fn quorum_queues_get_the_replica_count_asked_for() {
 /// publishes to is skipped with a warning instead of failing every (re)connect.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_classic_queue_whose_node_is_down_does_not_stop_consumption() {
-    let (cluster, _serial) = cluster().await;
-    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let cluster = cluster().await;
+    let (vhost, bed) = bed_on(&cluster, |queue| queue).await;
     let events = Queue::new(unique("events")).classic();
     // Declared through node 2, so it lives there.
     let on_node_2 = Broker::connect(&cluster.nodes()[2].amqp_url(&vhost)).await;
@@ -313,8 +314,8 @@ async fn apply_and_announce(
 /// message id per payment, and the outbox drains.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_relay_publishes_every_event_after_the_events_queues_leader_is_lost() {
-    let (cluster, _serial) = cluster().await;
-    let (vhost, bed) = bed_on(cluster, |queue| queue).await;
+    let cluster = cluster().await;
+    let (vhost, bed) = bed_on(&cluster, |queue| queue).await;
     let events = Queue::new(unique("events"));
     EVENTS.set(events.name().to_owned()).expect("one test sets it");
     // Declared through node 0 (the bed's client), so node 0 leads it.
@@ -324,7 +325,7 @@ async fn the_relay_publishes_every_event_after_the_events_queues_leader_is_lost(
         .await
         .expect("declare");
     let payments = publish_stream(&bed, 1500).await;
-    assert_eq!(leader(cluster, &vhost, events.name()).await, 0, "the events queue is led by node 0");
+    assert_eq!(leader(&cluster, &vhost, events.name()).await, 0, "the events queue is led by node 0");
     let running = Running::start(
         bed.runtime()
             .amqp_url(cluster.amqp_urls_from(0, &vhost))
@@ -354,7 +355,7 @@ async fn the_relay_publishes_every_event_after_the_events_queues_leader_is_lost(
         .collect();
     assert!(delivered.len() >= payments.len(), "{} events for {} payments", delivered.len(), payments.len());
     assert_eq!(ids.len(), payments.len(), "one message id per payment (a re-send repeats its id)");
-    exactly_once(cluster, &vhost, &bed, payments.len()).await;
+    exactly_once(&cluster, &vhost, &bed, payments.len()).await;
     drop(bed);
     cluster.delete_vhost(&vhost).await.expect("delete the vhost");
 }

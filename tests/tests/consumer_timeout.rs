@@ -14,6 +14,8 @@ use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{next_attempt, payment, Bed, Running};
 use idemq_tests::{eventually, unique};
 
+use crate::support::cluster::lease;
+
 /// The node's consumer_timeout.
 const BROKER_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -45,13 +47,13 @@ async fn slow_first_payment(
 /// reconnects; the redelivery is settled as `Outcome::Duplicate`; the queue drains.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_delivery_held_past_the_brokers_consumer_timeout_commits_once_and_comes_back_a_duplicate() {
-    let node = Cluster::builder()
-        .nodes(1)
-        .conf(format!("consumer_timeout = {}", BROKER_TIMEOUT.as_millis()))
-        .rabbit_env("channel_tick_interval", "1000")
-        .start()
-        .await
-        .expect("start a private RabbitMQ node");
+    let node = lease("one node, consumer_timeout 5s", || {
+        Cluster::builder()
+            .nodes(1)
+            .conf(format!("consumer_timeout = {}", BROKER_TIMEOUT.as_millis()))
+            .rabbit_env("channel_tick_interval", "1000")
+    })
+    .await;
     let vhost = unique("ct");
     node.add_vhost(&vhost).await.expect("add the test's vhost");
     let bed = Bed::on_cluster(node.amqp_urls(&vhost), |queue| queue).await;

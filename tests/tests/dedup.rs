@@ -1,9 +1,6 @@
 //! The dedup core against real RabbitMQ and PostgreSQL: duplicates are skipped,
 //! racing duplicates apply once, and a lost ack after COMMIT is harmless.
 
-#[path = "support/faults.rs"]
-mod faults;
-
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -14,6 +11,8 @@ use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::with_timeout;
+
+use crate::support::faults;
 
 in_both_modes! {
 /// The same message published twice: one ledger row, both deliveries acked, queue empty.

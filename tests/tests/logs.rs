@@ -1,15 +1,8 @@
 //! What the runtime logs when a channel is lost with deliveries in flight: one WARN
 //! when the first ack (or copy) cannot be sent and one with the count once the lost
 //! session's last delivery is done — not one per delivery (a network cut wrote 3,808
-//! lines to one consumer's log). A test binary of its own: it installs the process's
-//! global subscriber, to read what was logged; each test reads the lines naming its
-//! own queue.
-
-#[path = "support/faults.rs"]
-mod faults;
-
-#[path = "support/logs.rs"]
-mod logs;
+//! lines to one consumer's log). What was logged is read from the process's capture
+//! ([`idemq_tests::logs`]): each test reads the lines naming its own queue.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +12,9 @@ use diesel_async::AsyncPgConnection;
 use idemq::{idempotent_handler, HandlerError, Outcome};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
+use idemq_tests::logs;
+
+use crate::support::faults;
 
 /// Stages a batch whose COMMIT succeeded and whose channel is then closed before the
 /// ack (a fault hook at `AfterCommit`), with more batches in flight: every delivery of
@@ -27,7 +23,7 @@ use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
 /// deliveries reported `settled_with_broker: false` — and no line per delivery.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_channel_logs_one_line_and_a_count_not_one_line_per_unsettled_delivery() {
-    let captured = logs::captured("idemq=warn");
+    let captured = logs::captured();
     let bed = Bed::new().await;
     const PAYMENTS: usize = 96;
     for i in 0..PAYMENTS {
@@ -72,7 +68,7 @@ async fn always_down(_conn: &mut AsyncPgConnection, _msg: PaymentRequested) -> R
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_publishing_channel_logs_one_line_and_a_count_not_an_error_per_copy() {
     use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
-    let captured = logs::captured("idemq=warn");
+    let captured = logs::captured();
     let bed = Bed::new().await;
     const PAYMENTS: usize = 32;
     for i in 0..PAYMENTS {

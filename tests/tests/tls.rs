@@ -5,6 +5,7 @@
 //! client's). Traffic goes through `NetworkProxy`, which keeps what each client
 //! sent: the tests check that nothing crossed the wire in the clear.
 
+use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,36 +15,51 @@ use idemq_example_payments::demo::{self, DemoConfig};
 use idemq_tests::{unique, with_timeout, TestDb};
 use tokio::sync::OnceCell;
 
-/// What the tests share: starting a RabbitMQ node takes ~10 s.
-struct Servers {
+use crate::support::cluster::{lease, Lease};
+
+/// What the tests share, made once per process: the certificates and a PostgreSQL
+/// server with TLS.
+struct Shared {
     certs: TestCertificates,
-    broker: Cluster,
     postgres: PostgresServer,
 }
 
-/// The shared servers, started once per test binary (the kits' watchdogs stop them
-/// when the binary ends).
-async fn servers() -> &'static Servers {
-    static SERVERS: OnceCell<Servers> = OnceCell::const_new();
-    SERVERS
+/// What a test has: the shared servers and the RabbitMQ node with a TLS listener
+/// (starting one takes ~10 s: it is kept between the tests that lease it, one at a
+/// time, `crate::support::cluster`). The kits' watchdogs stop them when the process
+/// ends.
+struct Servers {
+    shared: &'static Shared,
+    broker: Lease,
+}
+
+impl Deref for Servers {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        self.shared
+    }
+}
+
+async fn servers() -> Servers {
+    static SHARED: OnceCell<Shared> = OnceCell::const_new();
+    let shared = SHARED
         .get_or_init(|| async {
             idemq_tests::init_tracing();
             let certs = TestCertificates::generate().expect("make the test certificates");
-            let broker = Cluster::builder()
-                .nodes(1)
-                .tls(&certs)
-                .require_client_certificates()
-                .start()
-                .await
-                .expect("start a RabbitMQ node with a TLS listener");
             let postgres = PostgresServer::builder()
                 .tls(&certs)
                 .start()
                 .await
                 .expect("start a PostgreSQL server with TLS");
-            Servers { certs, broker, postgres }
+            Shared { certs, postgres }
         })
-        .await
+        .await;
+    let broker = lease("one node with TLS, client certificates required", || {
+        Cluster::builder().nodes(1).tls(&shared.certs).require_client_certificates()
+    })
+    .await;
+    Servers { shared, broker }
 }
 
 impl Servers {

@@ -1,4 +1,4 @@
-//! Fault hooks shared by test files (`#[path = "support/faults.rs"] mod faults;`).
+//! Fault hooks shared by the test modules (`crate::support::faults`).
 //! They need idemq's `testing` feature, which only the test targets have (a
 //! dev-dependency's feature): in `idemq-tests`'s library, `cargo build --workspace`
 //! would not compile them.
