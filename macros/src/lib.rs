@@ -13,9 +13,10 @@
 //! through code spanned on the user's tokens and traits whose
 //! `#[diagnostic::on_unimplemented]` says what to write instead.
 //!
-//! `tests/ui` holds what the macros accept (`pass/`) and a snapshot of every
-//! diagnostic they give (`fail/*.stderr`); regenerate them with
-//! `TRYBUILD=overwrite cargo test -p idemq-macros --test ui` and review the diff.
+//! `usage/tests/ui` (the crate `idemq-macros-usage`) holds what the macros accept
+//! (`pass/`) and a snapshot of every diagnostic they give (`fail/*.stderr`);
+//! regenerate them with `TRYBUILD=overwrite cargo test -p idemq-macros-usage --test
+//! ui` and review the diff.
 //! `tests/expand` holds the generated code of the main forms (`IDEMQ_BLESS=1 cargo
 //! test -p idemq-macros --lib` regenerates it).
 

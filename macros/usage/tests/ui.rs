@@ -5,7 +5,7 @@
 //! with codegen, for a case that must run; with only refusals it checks them.
 //!
 //! Regenerate the snapshots with
-//! `TRYBUILD=overwrite cargo test -p idemq-macros --test ui`, then review the diff:
+//! `TRYBUILD=overwrite cargo test -p idemq-macros-usage --test ui`, then review the diff:
 //! the wording of every message, rustc's own help lines included, is part of the
 //! interface.
 //!
