@@ -308,33 +308,38 @@ impl TestVhost {
     /// the unacked count from `list_channels` (each channel answers live) — every
     /// channel of the vhost, so it includes the unacked of its other queues: waiting
     /// for 0 waits for the whole vhost to settle.
+    ///
+    /// `rabbitmqctl` boots an Erlang VM for each call (half a second of CPU), and drain
+    /// waits poll this: while messages are ready it is not asked at all.
     pub async fn unsettled(&self, queue: &str) -> u64 {
-        let listed = self.ctl("list_queues", &["name", "messages"]).await;
-        let Some(listed) = listed
-            .lines()
-            .filter_map(|line| line.split_once('\t'))
-            .find(|(name, _)| *name == queue)
-            .and_then(|(_, messages)| messages.trim().parse::<u64>().ok())
-        else {
-            return u64::MAX;
-        };
         let broker = Broker::connect(&self.amqp_url()).await;
         let passive = lapin::options::QueueDeclareOptions { passive: true, ..Default::default() };
         let declared =
             broker.fresh_channel().await.queue_declare(queue.into(), passive, FieldTable::default()).await;
         let _ = broker.connection.close(200, "counted".into()).await;
-        let Ok(declared) = declared else {
+        let ready = match declared {
+            Ok(declared) => u64::from(declared.message_count()),
+            Err(e) if is_not_found(&e) => return u64::MAX,
             // An exclusive queue of another connection cannot be declared: the listed
-            // count is all there is.
-            return listed;
+            // count (ready and unacked, as of the last tick) is all there is.
+            Err(_) => {
+                let listed = self.ctl("list_queues", &["name", "messages"]).await;
+                return listed
+                    .lines()
+                    .filter_map(|line| line.split_once('\t'))
+                    .find(|(name, _)| *name == queue)
+                    .and_then(|(_, messages)| messages.trim().parse::<u64>().ok())
+                    .unwrap_or(u64::MAX);
+            }
         };
-        let unacked: u64 = self
-            .ctl("list_channels", &["messages_unacknowledged"])
+        if ready > 0 {
+            return ready;
+        }
+        self.ctl("list_channels", &["messages_unacknowledged"])
             .await
             .lines()
             .filter_map(|line| line.trim().parse::<u64>().ok())
-            .sum();
-        u64::from(declared.message_count()) + unacked
+            .sum()
     }
 
     /// `rabbitmqctl -q <command> -p <vhost> --no-table-headers <items>`'s output.
