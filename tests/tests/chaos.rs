@@ -242,8 +242,9 @@ async fn chaos_sigterm_with_a_handler_slower_than_the_shutdown_deadline() {
         bed.publish(p).await;
     }
     let slow = ConsumerProcess::spawn(CONSUMER, &bed, &[("SLOW_MS", "60000"), ("SHUTDOWN_MS", "1000")]);
-    // Wait until all three handlers sleep inside their open transactions.
-    eventually("the slow handlers are in flight", Duration::from_secs(20), || async {
+    // Wait until all three handlers sleep inside their open transactions (the
+    // process starts, migrates and connects first: slow on a loaded machine).
+    eventually("the slow handlers are in flight", Duration::from_secs(60), || async {
         open_transactions(&bed).await >= 3
     })
     .await;

@@ -102,8 +102,10 @@ async fn racing_duplicates_on_two_consumers_apply_exactly_once() {
     }
     eprintln!("{overlapping} of {KEYS} keys had both copies in flight at once, on different consumers");
     assert_eq!(bed.ledger_total().await, KEYS as i64);
+    // A loaded machine stages fewer races (10 of 60 with eight tests beside this
+    // one, 20 or more alone); a handful proves the index settled real races.
     assert!(
-        overlapping >= KEYS / 4,
+        overlapping >= 5,
         "only {overlapping} of {KEYS} keys had copies in flight on both consumers at once; the race was not staged"
     );
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);

@@ -145,7 +145,9 @@ async fn a_replayed_dead_letter_redelivered_before_it_settles_is_applied() {
     let two_attempts = || RetryPolicy::new([Duration::from_millis(10)]);
     let events =
         Running::settle(bed.runtime().consume_with(&bed.queue, pays_once_fixed, two_attempts()), 2).await;
-    assert!(matches!(events[1].outcome, Outcome::DeadLettered { .. }), "{events:?}");
+    // In either order: the first attempt's event is recorded once its retry copy is
+    // confirmed and the delivery acked, and by then the copy may be settled.
+    assert!(events.iter().any(|e| matches!(e.outcome, Outcome::DeadLettered { .. })), "{events:?}");
 
     fix(&p.payment_id);
     dlq(&bed, bed.runtime().consume_with(&bed.queue, pays_once_fixed, two_attempts()), &["replay"]).await;
