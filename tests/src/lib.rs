@@ -17,6 +17,7 @@
 pub mod app;
 pub mod fixture;
 pub mod logs;
+mod management;
 
 pub use fixture::Mode;
 
@@ -266,11 +267,14 @@ fn left_by_dead_process(name: &str, prefix: &str) -> bool {
 /// A fresh RabbitMQ virtual host (with full permissions for `guest`) that is
 /// deleted, together with everything in it, when the value is dropped.
 ///
-/// Managed with `rabbitmqctl`, which must be on `PATH` and allowed to talk to
-/// the local node.
+/// Created and deleted through RabbitMQ's HTTP API (the management plugin, enabled
+/// if it is not: see `management.rs`), or with `rabbitmqctl` where that cannot be
+/// had; its faults and live counts use `rabbitmqctl`, which must be on `PATH` and
+/// allowed to talk to the local node.
 #[derive(Debug)]
 pub struct TestVhost {
     name: String,
+    api: Option<&'static management::Api>,
 }
 
 impl TestVhost {
@@ -280,10 +284,20 @@ impl TestVhost {
         static STALE_CLEANUP: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
         STALE_CLEANUP.get_or_init(delete_stale_vhosts).await;
         let name = unique(TEST_VHOST_PREFIX);
-        rabbitmqctl(&["add_vhost", &name]).await;
+        let api = management::api().await;
+        match api {
+            Some(api) => api.expect("PUT", format!("/api/vhosts/{name}"), None).await,
+            None => rabbitmqctl(&["add_vhost", &name]).await,
+        }
         // From here on, Drop deletes the vhost even if the next step panics.
-        let vhost = TestVhost { name };
-        rabbitmqctl(&["set_permissions", "-p", &vhost.name, "guest", ".*", ".*", ".*"]).await;
+        let vhost = TestVhost { name, api };
+        match api {
+            Some(api) => {
+                let everything = r#"{"configure":".*","write":".*","read":".*"}"#;
+                api.expect("PUT", format!("/api/permissions/{}/guest", vhost.name), Some(everything)).await;
+            }
+            None => rabbitmqctl(&["set_permissions", "-p", &vhost.name, "guest", ".*", ".*", ".*"]).await,
+        }
         vhost
     }
 
@@ -389,6 +403,15 @@ impl TestVhost {
 
 impl Drop for TestVhost {
     fn drop(&mut self) {
+        if let Some(api) = self.api {
+            match api.request("DELETE", &format!("/api/vhosts/{}", self.name), None) {
+                Ok(status) if (200..300).contains(&status) => return,
+                other => eprintln!(
+                    "warning: deleting vhost {} through the HTTP API: {other:?}; trying rabbitmqctl",
+                    self.name
+                ),
+            }
+        }
         match std::process::Command::new("rabbitmqctl")
             .args(["-q", "delete_vhost", &self.name])
             .stdin(std::process::Stdio::null())
