@@ -176,8 +176,7 @@
 //! | [`guide`] | the guide, one chapter per topic (`docs/` in the repository), every example a doctest |
 //!
 //! [`diesel`], [`diesel_async`] and [`lapin`] are re-exported at the versions idemq
-//! is built with, as their types appear in idemq's signatures. The old root names of
-//! 0.1 still work for one release, deprecated with their new path (CHANGELOG.md).
+//! is built with, as their types appear in idemq's signatures.
 //!
 //! ## Layers
 //!
@@ -330,7 +329,6 @@ mod base;
 mod broker;
 mod config;
 pub mod connect;
-mod deprecated;
 mod engine;
 mod error;
 mod handler;
@@ -409,10 +407,6 @@ pub mod key {
         MAX_STORED_KEY_BYTES,
     };
 }
-
-#[doc(hidden)]
-#[allow(deprecated)]
-pub use deprecated::*;
 
 // The chapters link to each other with references (`[Retries][failures.md#retries]`),
 // each defined at the chapter's end for the repository's page (`failures.md#retries`).

@@ -39,17 +39,15 @@ async fn never_retried(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> R
     Err(HandlerError::transient("the downstream is down"))
 }
 
-/// `queue = "..."` and the deprecated `RuntimeBuilder::handler` (kept for one
-/// release beside `.consume(queue, handler)`): the handler brings its queue.
+/// `queue = "..."`: a handler that names its queue consumes it when registered there.
 #[tokio::test(flavor = "multi_thread")]
-#[allow(deprecated)]
 async fn a_handler_that_names_its_queue_consumes_it() {
     let bed = Bed::isolated().await;
     let payment = payment(100);
     let topology = Topology::new().queue(Queue::new(ORDERS));
     let channel = bed.broker.connection().create_channel().await.expect("a channel");
     topology.declare(&channel).await.expect("declare the orders queue");
-    let running = Running::start(bed.runtime().topology(topology).handler(on_orders));
+    let running = Running::start(bed.runtime().topology(topology).consume(ORDERS, on_orders));
     idemq_tests::eventually("the queue declared", std::time::Duration::from_secs(20), || async {
         bed.broker.consumer_count(ORDERS).await == 1
     })
@@ -61,13 +59,10 @@ async fn a_handler_that_names_its_queue_consumes_it() {
     assert_eq!(bed.ledger_rows(&payment.payment_id).await, 1);
 }
 
-/// `.handler(h)` without a queue, or a `queue` that disagrees with `.consume`, is
-/// refused when the runtime is built, saying what to write.
+/// A `queue` that disagrees with `.consume` is refused when the runtime is built,
+/// naming both.
 #[test]
-#[allow(deprecated)]
-fn a_handler_without_a_queue_or_with_another_one_is_refused_at_build() {
-    let err = idemq::Runtime::builder().handler(tolerant).build().unwrap_err().to_string();
-    assert!(err.contains("names no queue") && err.contains(".consume(queue, handler)"), "{err}");
+fn a_handler_registered_on_another_queue_than_it_names_is_refused_at_build() {
     let err = idemq::Runtime::builder().consume("elsewhere", on_orders).build().unwrap_err().to_string();
     assert!(err.contains("'orders.placed'") && err.contains("'elsewhere'"), "{err}");
 }

@@ -1,9 +1,7 @@
 //! The one observation seam: everything the runtime reports goes to a list of
-//! subscribers implementing [`Observe`] — the built-in [`Stats`], the callbacks of
-//! [`RuntimeBuilder::observer`](crate::RuntimeBuilder::observer) and
-//! [`on_connection_event`](crate::RuntimeBuilder::on_connection_event), and any
-//! number added with [`RuntimeBuilder::observe`](crate::RuntimeBuilder::observe)
-//! (a metrics exporter, tracing, a test). The hot path knows only this trait.
+//! subscribers implementing [`Observe`] — the built-in [`Stats`], and any number
+//! added with [`RuntimeBuilder::observe`](crate::RuntimeBuilder::observe): a
+//! callback ([`on_settled`], [`on_connection`]), a metrics exporter, tracing, a test. The hot path knows only this trait.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +10,7 @@ use crate::base::outcome::{Settled, Stats};
 
 /// A change in the runtime's connection to the broker — or, at start-up, an attempt
 /// that found the broker or the database unreachable — for an
-/// [observer](crate::RuntimeBuilder::on_connection_event).
+/// subscriber ([`on_connection`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConnectionEvent {

@@ -73,8 +73,8 @@ pub trait Handler: Send + Sync + 'static {
         None
     }
 
-    /// The queue the handler consumes (`queue = "..."`), for
-    /// [`RuntimeBuilder::handler`](crate::RuntimeBuilder::handler).
+    /// The queue the handler names (`queue = "..."`): [`RuntimeBuilder::consume`](crate::RuntimeBuilder::consume)
+    /// refuses another, and the test kit consumes it.
     fn queue(&self) -> Option<&'static str> {
         None
     }

@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY};
-use crate::base::observe::ConnectionEvent;
-use crate::base::observe::{on_connection, on_settled, Observe, Observers};
-use crate::base::outcome::Settled;
+use crate::base::observe::{Observe, Observers};
 use crate::base::retry::RetryPolicy;
 use crate::base::verdict::OnConflict;
 use crate::broker::topology::Topology;
@@ -206,16 +204,6 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Consumes the queue the handler names (`#[idempotent_handler(queue = "...")]`).
-    /// A handler that names none is refused by [`build`](Self::build).
-    #[deprecated(since = "0.2.0", note = "use `.consume(queue, handler)`: one way to register a handler")]
-    #[doc(hidden)]
-    pub fn handler<H: Handler>(mut self, handler: H) -> Self {
-        let queue = handler.queue().map(str::to_owned).unwrap_or_default();
-        self.consumers.push(Registration::new(queue, handler, None));
-        self
-    }
-
     /// Like [`consume`](Self::consume), with this handler's own retry policy.
     pub fn consume_with<H: Handler>(
         mut self,
@@ -411,20 +399,6 @@ impl RuntimeBuilder {
     pub fn consumer_timeout(mut self, timeout: Duration) -> Self {
         self.consumer_timeout = timeout;
         self
-    }
-
-    /// Calls `on_event` for every connection event.
-    #[deprecated(since = "0.2.0", note = "use `.observe(idemq::observe::on_connection(on_event))`")]
-    #[doc(hidden)]
-    pub fn on_connection_event(self, on_event: impl Fn(&ConnectionEvent) + Send + Sync + 'static) -> Self {
-        self.observe(on_connection(on_event))
-    }
-
-    /// Calls `observer` for every settled delivery.
-    #[deprecated(since = "0.2.0", note = "use `.observe(idemq::observe::on_settled(observer))`")]
-    #[doc(hidden)]
-    pub fn observer(self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.observe(on_settled(observer))
     }
 
     /// Adds a subscriber to everything the runtime reports (settled deliveries,

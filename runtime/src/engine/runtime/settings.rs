@@ -75,9 +75,9 @@ pub(crate) const SETTINGS: &[Setting] = &[
     },
 ];
 
-/// Public setters of `builder.rs` that are no settings of their own: deprecated
-/// spellings of listed ones, and the test kit's hook.
-const NOT_SETTINGS: &[&str] = &["handler", "on_connection_event", "observer", "fault_hook"];
+/// Public setters of `builder.rs` that are no settings of their own: the test kit's
+/// hook.
+const NOT_SETTINGS: &[&str] = &["fault_hook"];
 
 #[cfg(test)]
 mod tests {

@@ -56,7 +56,7 @@ pub(crate) fn main() {
     assert_eq!(<Refund as idemq::Message>::TYPE, Some("payment.refunded"));
     assert_eq!(<Refund as idemq::Message>::VERSION, Some(2));
     assert_eq!(<RefundV1 as idemq::Versioned>::VERSION, 1);
-    assert_eq!(<PaymentRequested as idemq::KeyedMessage>::KEY_PATH, "paymentId");
+    assert_eq!(<PaymentRequested as idemq::key::KeyedMessage>::KEY_PATH, "paymentId");
     assert_eq!(<PaymentApplied as idemq::Message>::ROUTING_KEY, "payment.applied");
     let _ = (apply_payment, Topology::new().message::<PaymentApplied>());
 }
