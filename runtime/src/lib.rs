@@ -372,9 +372,6 @@ pub use app::otel;
 pub use app::testing;
 pub use base::headers;
 // The fault hooks' old path (feature `fault-injection`, folded into `testing`).
-#[cfg(feature = "testing")]
-#[doc(hidden)]
-pub use engine::fault;
 
 /// Watching the runtime: the [`observe::Observe`] trait every report goes through,
 /// its events, and the built-in counters ([`observe::Stats`]).
@@ -385,8 +382,8 @@ pub use engine::fault;
 pub mod observe {
     pub use crate::base::observe::Sweep;
     pub use crate::base::observe::{
-        on_connection, on_settled, Batch, Commit, ConnectionEvent, InfrastructureRetry, Observe, RelayPass,
-        StreamEvent, StreamState,
+        on_connection, on_settled, Commit, ConnectionEvent, DecidedBatch, InfrastructureRetry, Observe,
+        RelayPass, StreamEvent, StreamState,
     };
     pub use crate::base::outcome::{Settled, Stats, StatsSnapshot};
 }

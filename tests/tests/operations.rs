@@ -20,7 +20,7 @@ impl Observe for Counter {
         self.settled.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn batch(&self, _: &idemq::observe::Batch<'_>) {
+    fn batch(&self, _: &idemq::observe::DecidedBatch<'_>) {
         self.batches.fetch_add(1, Ordering::Relaxed);
     }
 }

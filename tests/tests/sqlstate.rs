@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use idemq::{idempotent_handler, observe::Batch, observe::Observe, HandlerError, Outcome};
+use idemq::{idempotent_handler, observe::DecidedBatch, observe::Observe, HandlerError, Outcome};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{ignores_an_error, next_attempt, payment, Bed, Running};
 use idemq_tests::{in_both_modes, with_timeout, Mode};
@@ -45,7 +45,7 @@ async fn speak_german(bed: &Bed) -> bool {
 struct Batches(Mutex<Vec<(usize, bool)>>);
 
 impl Observe for Batches {
-    fn batch(&self, batch: &Batch<'_>) {
+    fn batch(&self, batch: &DecidedBatch<'_>) {
         self.0.lock().expect("batches lock").push((batch.deliveries, batch.contended));
     }
 }

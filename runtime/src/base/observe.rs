@@ -151,7 +151,7 @@ pub trait Observe: Send + Sync + 'static {
     }
 
     /// A batch (group commit) was decided.
-    fn batch(&self, batch: &Batch<'_>) {
+    fn batch(&self, batch: &DecidedBatch<'_>) {
         let _ = batch;
     }
 
@@ -176,10 +176,11 @@ pub struct InfrastructureRetry<'a> {
     pub fault: &'a str,
 }
 
-/// A decided batch.
+/// A decided batch (`Observe::batch`). Not [`crate::Batch`], the messages a batch
+/// handler is given.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
-pub struct Batch<'a> {
+pub struct DecidedBatch<'a> {
     /// The consumer's queue.
     pub queue: &'a str,
     /// Deliveries in it.
@@ -278,7 +279,7 @@ impl Observers {
         self.0.iter().for_each(|o| o.committed(commit));
     }
 
-    pub(crate) fn batch(&self, batch: &Batch<'_>) {
+    pub(crate) fn batch(&self, batch: &DecidedBatch<'_>) {
         self.0.iter().for_each(|o| o.batch(batch));
     }
 
@@ -309,7 +310,7 @@ impl<T: Observe> Observe for Arc<T> {
         (**self).stream(event);
     }
 
-    fn batch(&self, batch: &Batch<'_>) {
+    fn batch(&self, batch: &DecidedBatch<'_>) {
         (**self).batch(batch);
     }
 
@@ -339,7 +340,7 @@ impl Observe for Stats {
         self.count_infrastructure_retry();
     }
 
-    fn batch(&self, batch: &Batch<'_>) {
+    fn batch(&self, batch: &DecidedBatch<'_>) {
         self.count_batch_splits(batch.splits);
     }
 }

@@ -58,8 +58,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::base::observe::{Batch, InfrastructureRetry, Observe, RelayPass};
 use crate::base::observe::{ConnectionEvent, StreamEvent, StreamState};
+use crate::base::observe::{DecidedBatch, InfrastructureRetry, Observe, RelayPass};
 use crate::base::outcome::{FailureKind, Outcome, Settled};
 
 type Labels = Vec<(&'static str, String)>;
@@ -427,7 +427,7 @@ impl Observe for Metrics {
         }
     }
 
-    fn batch(&self, batch: &Batch<'_>) {
+    fn batch(&self, batch: &DecidedBatch<'_>) {
         let queue = self.consumer(batch.queue);
         self.transaction_seconds.get_or_create(&queue).observe(batch.took.as_secs_f64());
         if batch.splits > 0 {

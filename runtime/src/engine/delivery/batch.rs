@@ -14,7 +14,7 @@ use super::faults::{panic_message, Fault, InfraFault};
 use super::{Collision, Consumer, Decision, Delivered, Ran};
 use crate::base::backoff::Backoff;
 use crate::base::duration::human;
-use crate::base::observe::{Batch, InfrastructureRetry};
+use crate::base::observe::{DecidedBatch, InfrastructureRetry};
 use crate::base::outcome::{FailureKind, Outcome};
 use crate::base::verdict;
 use crate::handler::prepare::{Prepared, Rejection};
@@ -93,7 +93,7 @@ impl Consumer {
         for on in collided {
             self.collided(on);
         }
-        self.shared.observers.batch(&Batch {
+        self.shared.observers.batch(&DecidedBatch {
             queue: &self.queue,
             deliveries: items.len(),
             splits,
