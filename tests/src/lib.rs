@@ -313,7 +313,8 @@ impl TestVhost {
     }
 
     /// Messages of `queue` in this vhost that are not yet settled: ready plus
-    /// delivered-but-unacked; `u64::MAX` if the queue does not exist.
+    /// delivered-but-unacked; while any are ready, only the ready (enough to say
+    /// that it has not settled); `u64::MAX` if the queue does not exist.
     ///
     /// Read fresh, not from `rabbitmqctl list_queues`: its counts of a quorum queue are
     /// as of the queue's last metrics tick (seen up to ~5 s old, both ways: 10 ready
