@@ -131,7 +131,7 @@ impl Outcome {
     }
 }
 
-/// One settled delivery, as handed to an [observer](crate::RuntimeBuilder::observer).
+/// One settled delivery, as handed to an [observer](crate::RuntimeBuilder::observe).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Settled {

@@ -336,7 +336,7 @@ impl RuntimeBuilder {
     /// Without one, a consumer started during an outage waits: each attempt is
     /// logged with the delay to the next (the reconnect backoff, see
     /// [`reconnect_max_backoff`](Self::reconnect_max_backoff)) and reported as
-    /// [`ConnectionEvent::Unreachable`]; `/readyz` answers 503 with the reason and
+    /// [`ConnectionEvent::Unreachable`](crate::observe::ConnectionEvent::Unreachable); `/readyz` answers 503 with the reason and
     /// `/healthz` 200 meanwhile; it starts consuming once both answer, and cancelling
     /// the shutdown token ends the wait (`run` returns `Ok`). Set one where an
     /// orchestrator should restart the process instead; zero is one attempt at each.
