@@ -208,9 +208,7 @@ impl Cluster {
         for node in &cluster.nodes {
             let tls_port = options.tls.as_ref().map(|_| node.tls_port);
             for port in [Some(node.port), Some(node.dist_port()), tls_port].into_iter().flatten() {
-                if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
-                    return Err(ClusterError::PortInUse { port, node: node.name.clone() });
-                }
+                await_port_free(port, &node.name).await?;
             }
         }
         for node in &cluster.nodes {
@@ -516,6 +514,25 @@ impl Drop for Cluster {
         let _ = self.watchdog.wait();
     }
 }
+
+/// Waits until `port` can be bound on 127.0.0.1. A node killed by the cluster
+/// before this one (a test's earlier shape, a stale run) may still hold its ports
+/// for a moment after its pid is gone from view: SIGKILL tears a VM of dozens of
+/// threads down one thread at a time, and its sockets close with the last one.
+/// Anything still listening after [`PORT_WAIT`] was not started by the kit.
+async fn await_port_free(port: u16, node: &str) -> Result<(), ClusterError> {
+    let deadline = Instant::now() + PORT_WAIT;
+    while std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+        if Instant::now() >= deadline {
+            return Err(ClusterError::PortInUse { port, node: node.to_owned() });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// How long a port a node needs may stay taken before it is reported in use.
+const PORT_WAIT: Duration = Duration::from_secs(15);
 
 /// A vhost in a URL path: `/` is `%2f`.
 fn encode_vhost(vhost: &str) -> String {
