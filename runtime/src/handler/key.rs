@@ -80,6 +80,23 @@ impl Key {
     /// together: tenant `a:b` with id `c` is `3#a:b:1#c`, tenant `a` with id `b:c` is
     /// `1#a:3#b:c` — one template never maps two different value lists to one key.
     ///
+    /// A `key_fn` that must keep the keys of `key = "{tenant}:{id}"`:
+    ///
+    /// ```
+    /// use idemq::key::{KeyError, KeyField, TemplatePart};
+    /// use idemq::Key;
+    ///
+    /// # fn main() -> Result<(), KeyError> {
+    /// let (tenant, id) = ("acme", String::from("p-42"));
+    /// let key = Key::from_template(&[
+    ///     TemplatePart::Value(tenant.to_key()),
+    ///     TemplatePart::Literal(":"),
+    ///     TemplatePart::Value(id.to_key()),
+    /// ])?;
+    /// assert_eq!(key.as_str(), "4#acme:4#p-42");
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Errors
     /// The first value's error (a missing, empty or NUL value).
     pub fn from_template(parts: &[TemplatePart<'_>]) -> Result<Self, KeyError> {
@@ -99,6 +116,12 @@ impl Key {
 }
 
 /// A part of a key template, for [`Key::from_template`].
+///
+/// `#[idempotent_handler(key = "{tenant}:{id}")]` writes these; they are public so
+/// that a handler written by hand (or a `key_fn`) can make **the same key** as the
+/// template it replaces. A dedup key that changes when a handler is rewritten makes
+/// every redelivery across that deploy look new, so the encoding is API, not an
+/// implementation detail of the macro.
 #[derive(Debug)]
 pub enum TemplatePart<'a> {
     /// Text written in the template.
