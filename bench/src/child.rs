@@ -18,9 +18,10 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ChildSpec, LightSpec, Shape, Urls};
+use crate::config::{ChildSpec, LightSpec, Shape};
 use crate::contenders::Consumer;
 use crate::metrics::{self, Counts, Histogram, Percentiles, Recorder};
+use crate::urls::Urls;
 use crate::workload::{confirmed, properties, Workload, PUBLISH};
 use crate::BenchError;
 

@@ -4,9 +4,6 @@ use std::path::PathBuf;
 
 use crate::contenders::Contender;
 
-/// The bench's own database (created if missing, tables truncated between runs).
-pub(crate) const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/idemq_bench";
-
 pub(crate) const USAGE: &str = "\
 usage: bench [flags]
   --messages N              distinct payments per backlog run (default 20000)
@@ -24,24 +21,6 @@ usage: bench [flags]
                             ratios and configuration as JSON beside it (PATH with .json); default
                             bench/results/latest.svg in this checkout; none: neither
 environment: AMQP_URL, DATABASE_URL (default postgres://postgres@127.0.0.1:5432/idemq_bench), RUST_LOG";
-
-/// Where the broker and the database are.
-#[derive(Debug, Clone)]
-pub(crate) struct Urls {
-    pub(crate) amqp: String,
-    pub(crate) database: String,
-}
-
-impl Urls {
-    /// `AMQP_URL` and `DATABASE_URL`, with local defaults.
-    pub(crate) fn from_env() -> Self {
-        let env = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
-        Self {
-            amqp: env("AMQP_URL", idemq::connect::DEFAULT_AMQP_URL),
-            database: env("DATABASE_URL", DEFAULT_DATABASE_URL),
-        }
-    }
-}
 
 /// What a run's messages look like (see [`crate::workload::Workload`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -53,11 +53,13 @@ mod plot;
 mod report;
 mod results;
 mod spawn;
+mod urls;
 mod workload;
 
 use std::process::ExitCode;
 
-use config::{Config, ParseError, Urls, USAGE};
+use config::{Config, ParseError, USAGE};
+use urls::Urls;
 
 type BenchError = Box<dyn std::error::Error + Send + Sync>;
 

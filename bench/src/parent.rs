@@ -6,23 +6,16 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use lapin::{Connection, ConnectionProperties};
 
 use crate::check;
-use crate::config::{ChildSpec, Config, LightSpec, Shape, Urls};
+use crate::config::{ChildSpec, Config, LightSpec, Shape};
 use crate::contenders::Contender;
 use crate::metrics;
-use crate::plan::{Load, Phase, Run, RunResult};
+use crate::plan::{light_warmup, Load, Phase, Run, RunResult};
 use crate::report;
 use crate::results::{self, Results};
 use crate::spawn;
+use crate::urls::Urls;
 use crate::workload::{publish, Leftovers, RunQueues, Workload};
 use crate::BenchError;
-
-/// Light load: the first messages of each run, not counted in its latency.
-const LIGHT_WARMUP: usize = 20;
-
-/// The warm-up messages of a light-load run of `messages`.
-pub(crate) fn light_warmup(messages: usize) -> usize {
-    LIGHT_WARMUP.min(messages / 2)
-}
 
 /// The backlog contenders of a round, in order (the numbers of BENCHMARKS.md).
 fn round_runs(concurrency: usize, shape: Shape) -> Vec<Run> {

@@ -90,3 +90,11 @@ impl RunResult {
         self.report.as_ref().filter(|_| self.ok())
     }
 }
+
+/// Light load: the first messages of each run, not counted in its latency.
+const LIGHT_WARMUP: usize = 20;
+
+/// The warm-up messages of a light-load run of `messages`.
+pub(crate) fn light_warmup(messages: usize) -> usize {
+    LIGHT_WARMUP.min(messages / 2)
+}

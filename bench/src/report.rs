@@ -353,7 +353,7 @@ pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]
 }
 
 fn light_summary(config: &Config, results: &[RunResult]) {
-    let warmup = crate::parent::light_warmup(config.light);
+    let warmup = crate::plan::light_warmup(config.light);
     println!(
         "\nlight load: one message at a time, {} per run (the first {warmup} not counted); end-to-end latency, \
          publish → settled; medians over the rounds",

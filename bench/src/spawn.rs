@@ -5,7 +5,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::child::ChildReport;
-use crate::config::{ChildSpec, Urls};
+use crate::config::ChildSpec;
+use crate::urls::Urls;
 
 /// A child still running after this is killed (it has its own, shorter timeouts).
 const CHILD_TIMEOUT: Duration = Duration::from_secs(900);

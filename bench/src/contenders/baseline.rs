@@ -30,8 +30,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::Consumer;
-use crate::config::Urls;
 use crate::metrics::{Recorder, Settle};
+use crate::urls::Urls;
 use crate::BenchError;
 
 use idemq::store::schema::idemq_dedup;

@@ -13,8 +13,8 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Urls;
 use crate::metrics::Recorder;
+use crate::urls::Urls;
 use crate::BenchError;
 
 /// Subscribes to `queue` with manual acks (the default `no_ack: false`).

@@ -12,8 +12,8 @@ use lapin::{Connection, ConnectionProperties, Consumer as Deliveries};
 use tokio_util::sync::CancellationToken;
 
 use super::Consumer;
-use crate::config::Urls;
 use crate::metrics::{Recorder, Settle};
+use crate::urls::Urls;
 use crate::BenchError;
 
 /// Deliveries per `multiple` ack.

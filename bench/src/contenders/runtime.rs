@@ -12,8 +12,8 @@ use idemq_example_payments::{record_payment, record_payments, PaymentApplied, Pa
 use tokio_util::sync::CancellationToken;
 
 use super::Consumer;
-use crate::config::Urls;
 use crate::metrics::{Recorder, Settle};
+use crate::urls::Urls;
 use crate::BenchError;
 
 /// The demo's payment effect (`record_payment`, without the demo's outbox event:

@@ -40,7 +40,7 @@ pub enum ConnectionEvent {
     /// failed attempt; the broker's `Connected { session: 1 }` ends the wait.
     Unreachable {
         /// What could not be reached.
-        dependency: crate::Dependency,
+        dependency: crate::error::Dependency,
         /// Failed attempts so far (1 for the first).
         attempt: u32,
         /// When the next attempt is made.

@@ -77,7 +77,7 @@ impl Topology {
     /// `#[message(exchange = "...")]`): its exchange, as a topic exchange (nothing for
     /// the default exchange `""`). Registration is explicit: a type is declared where
     /// you name it here, never through a hidden global registry.
-    pub fn message<M: crate::Message>(mut self) -> Self {
+    pub fn message<M: crate::base::outgoing::Message>(mut self) -> Self {
         let kind = MessageKind {
             rust_type: std::any::type_name::<M>(),
             exchange: M::EXCHANGE,
@@ -103,7 +103,7 @@ impl Topology {
 
     /// Adds partitioned streams: their direct exchange and each stream (with its
     /// dead-letter queue), bound by its number. See [`Partitions`](crate::Partitions).
-    pub fn partitions(mut self, partitions: crate::Partitions) -> Self {
+    pub fn partitions(mut self, partitions: crate::broker::partitions::Partitions) -> Self {
         if !self.exchanges.iter().any(|exchange| exchange.name == partitions.name()) {
             self.exchanges.push(partitions.exchange());
         }

@@ -466,7 +466,7 @@ impl Drop for Serving {
 /// # Errors
 /// [`Error::ConfigIo`](crate::Error::ConfigIo): the address cannot be bound (in use,
 /// not local).
-pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, crate::Error> {
+pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, crate::error::Error> {
     let stop = Arc::new(AtomicBool::new(false));
     let serving = Serving(Arc::clone(&stop));
     // The liveness beat: a task on the async runtime, so `/healthz` (answered by a
@@ -478,7 +478,7 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
             tokio::time::sleep(BEAT_EVERY).await;
         }
     });
-    let server = tiny_http::Server::http(addr).map_err(|err| crate::Error::ConfigIo {
+    let server = tiny_http::Server::http(addr).map_err(|err| crate::error::Error::ConfigIo {
         message: format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR)"),
         // tiny_http boxes the socket's I/O error.
         source: err.downcast::<std::io::Error>().map_or_else(std::io::Error::other, |err| *err),
@@ -519,7 +519,7 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
                 let _ = request.respond(response);
             }
         })
-        .map_err(|source| crate::Error::ConfigIo {
+        .map_err(|source| crate::error::Error::ConfigIo {
             message: "cannot start the metrics thread".into(),
             source,
         })?;

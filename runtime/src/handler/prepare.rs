@@ -7,6 +7,8 @@ use std::sync::Arc;
 use diesel_async::AsyncPgConnection;
 
 use crate::base::outcome::FailureKind;
+use crate::base::retry::RetryPolicy;
+use crate::base::verdict::OnConflict;
 use crate::handler::batch::Batch;
 use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::key::{Key, KeyError, Metadata};
@@ -74,8 +76,8 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     /// The lane path (`lane = "..."`), if the handler has one.
     fn lane_path(&self) -> Option<&'static str>;
     fn queue(&self) -> Option<&'static str>;
-    fn retry(&self) -> Option<crate::RetryPolicy>;
-    fn on_conflict(&self) -> Option<crate::OnConflict>;
+    fn retry(&self) -> Option<RetryPolicy>;
+    fn on_conflict(&self) -> Option<OnConflict>;
     fn batch_size(&self) -> Option<usize>;
     fn dedup(&self) -> bool;
     fn idempotency_key_lifetime(&self) -> Option<std::time::Duration>;
@@ -137,11 +139,11 @@ impl<H: Handler> ErasedHandler for Arc<H> {
         H::queue(self)
     }
 
-    fn retry(&self) -> Option<crate::RetryPolicy> {
+    fn retry(&self) -> Option<RetryPolicy> {
         H::retry(self)
     }
 
-    fn on_conflict(&self) -> Option<crate::OnConflict> {
+    fn on_conflict(&self) -> Option<OnConflict> {
         H::on_conflict(self)
     }
 

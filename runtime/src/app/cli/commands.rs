@@ -38,7 +38,7 @@ pub(super) async fn run(builder: RuntimeBuilder, app: &App) -> CliResult {
     let url = builder.configured_database_url().to_owned();
     let mut startup = builder.startup();
     let mut runtime = builder.build()?;
-    let signals = crate::shutdown_signals();
+    let signals = crate::engine::runtime::shutdown_signals();
     // The set-up and the migrations need the server: wait for it as `run`
     // would (any answer will do: the set-up may create the database).
     if !startup.database_server(&url, &signals.graceful).await? {

@@ -10,6 +10,7 @@ use clap::ArgMatches;
 use crate::base::verdict::OnConflict;
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::{redact, Error};
+use crate::store::replication::ReplicationCheck;
 use crate::store::retention::Retention;
 
 /// A URL from the flags and the environment (`--amqp-url` / `AMQP_URL`, or its file
@@ -106,7 +107,7 @@ pub(super) struct Settings {
     #[serde(default, deserialize_with = "on_conflict")]
     on_conflict: Option<OnConflict>,
     #[serde(default, deserialize_with = "replication_check")]
-    replication_check: Option<crate::ReplicationCheck>,
+    replication_check: Option<ReplicationCheck>,
     namespace: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     shutdown_deadline: Option<Duration>,
@@ -130,9 +131,9 @@ const KEYS: &str = "amqp_url, amqp_url_file, database_url, database_url_file, co
 
 fn replication_check<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
-) -> Result<Option<crate::ReplicationCheck>, D::Error> {
+) -> Result<Option<ReplicationCheck>, D::Error> {
     let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
-    text.map(|text| crate::ReplicationCheck::parse(&text).map_err(serde::de::Error::custom)).transpose()
+    text.map(|text| ReplicationCheck::parse(&text).map_err(serde::de::Error::custom)).transpose()
 }
 
 fn on_conflict<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<OnConflict>, D::Error> {
@@ -256,7 +257,7 @@ impl Settings {
         if let Some(on_conflict) = setting::<OnConflict>(sub, "on-conflict").or(self.on_conflict) {
             builder = builder.on_conflict(on_conflict);
         }
-        let check = setting::<crate::ReplicationCheck>(sub, "replication-check").or(self.replication_check);
+        let check = setting::<ReplicationCheck>(sub, "replication-check").or(self.replication_check);
         if let Some(check) = check {
             builder = builder.replication_check(check);
         }
@@ -290,6 +291,7 @@ impl Settings {
 mod tests {
     use super::*;
     use crate::engine::runtime::settings::SETTINGS;
+    use crate::engine::runtime::Runtime;
 
     /// The application's command as `Cli::command` makes it, with `run`.
     fn command() -> clap::Command {
@@ -345,7 +347,7 @@ mod tests {
     #[test]
     fn flags_and_the_file_reach_the_builder() {
         let builder = || {
-            crate::Runtime::builder()
+            Runtime::builder()
                 .amqp_url("amqp://guest:guest@127.0.0.1:5672/%2f")
                 .database_url("postgres://postgres@127.0.0.1:5432/idemq")
                 .consume("payments", crate::engine::runtime::Noop)

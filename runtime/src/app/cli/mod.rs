@@ -532,7 +532,7 @@ fn run_command() -> Command {
                 .env("IDEMQ_REPLICATION_CHECK")
                 .hide_env_values(true)
                 .value_name("WHAT")
-                .value_parser(crate::ReplicationCheck::parse)
+                .value_parser(crate::store::replication::ReplicationCheck::parse)
                 .help(
                     "when the database could lose acknowledged COMMITs (asynchronous standbys, \
                      synchronous_commit = off): warn (the default), refuse to start, or off",

@@ -29,6 +29,7 @@ use crate::base::trace::Trace;
 use crate::base::verdict;
 use crate::handler::batch::length_mismatch;
 use crate::handler::context::Context;
+use crate::handler::key::Key;
 use crate::handler::prepare::{Erased, Fingerprint, Payload, Prepared};
 use crate::handler::{ErrorClass, HandlerError};
 use crate::store::db::{self, Conn};
@@ -42,7 +43,7 @@ enum Handled {
 /// A handler that failed in the open transaction.
 struct Failed {
     index: usize,
-    key: crate::Key,
+    key: Key,
     fingerprint: Fingerprint,
     failure: Failure,
     /// The server rolled its statements back for contention (see the module docs).
@@ -187,7 +188,7 @@ impl Consumer {
     }
 
     /// The context of the message at `index`, keyed `key`.
-    fn context(&self, tx: &Tx<'_>, index: usize, key: &crate::Key) -> Context {
+    fn context(&self, tx: &Tx<'_>, index: usize, key: &Key) -> Context {
         let delivered = &tx.items[index];
         let mut ctx = Context::new(
             &self.scope,
@@ -337,7 +338,7 @@ impl Consumer {
         &self,
         conn: &mut Conn,
         item: &Delivered,
-        key: &crate::Key,
+        key: &Key,
         fingerprint: &Fingerprint,
         outcome: &Outcome,
     ) -> Result<(), Fault> {
@@ -374,7 +375,7 @@ impl Consumer {
 /// A decoded message waiting for its batch handler's call, at `index` of the batch.
 struct Waiting {
     index: usize,
-    key: crate::Key,
+    key: Key,
     fingerprint: Fingerprint,
     message: Erased,
 }

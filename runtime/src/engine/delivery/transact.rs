@@ -429,7 +429,7 @@ impl Consumer {
 /// handler: each message of the call, with its own output and published messages).
 pub(super) struct Done {
     pub(super) index: usize,
-    pub(super) key: crate::Key,
+    pub(super) key: crate::handler::key::Key,
     pub(super) fingerprint: Fingerprint,
     pub(super) output: HandlerOutput,
     /// What it published, for the outbox.

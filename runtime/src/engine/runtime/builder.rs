@@ -8,11 +8,13 @@ use super::{DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY};
 use crate::base::observe::{Observe, Observers};
 use crate::base::retry::RetryPolicy;
 use crate::base::verdict::OnConflict;
+use crate::broker::partitions::Partitions;
 use crate::broker::topology::Topology;
 use crate::config::{EnvUrls, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 use crate::error::redact;
 use crate::handler::prepare::{self, ErasedHandler};
 use crate::handler::Handler;
+use crate::store::replication::ReplicationCheck;
 
 /// A handler registered for a queue (`consume`, `consume_with`, `handler`).
 pub(crate) struct Registration {
@@ -69,7 +71,7 @@ pub struct RuntimeBuilder {
     pub(super) database_retry_limit: Duration,
     pub(super) max_body_bytes: usize,
     pub(super) on_conflict: OnConflict,
-    pub(super) replication_check: crate::ReplicationCheck,
+    pub(super) replication_check: ReplicationCheck,
     pub(super) namespace: Option<String>,
     pub(super) shutdown_deadline: Duration,
     pub(super) heartbeat: Duration,
@@ -130,7 +132,7 @@ impl RuntimeBuilder {
             database_retry_limit: Duration::from_secs(25 * 60),
             max_body_bytes: 1024 * 1024,
             on_conflict: OnConflict::default(),
-            replication_check: crate::ReplicationCheck::default(),
+            replication_check: ReplicationCheck::default(),
             namespace: None,
             shutdown_deadline: Duration::from_secs(10),
             heartbeat: Duration::from_secs(20),
@@ -196,7 +198,7 @@ impl RuntimeBuilder {
     /// Consumes every stream of `partitions` with `handler`, sharing them with the
     /// other processes that do (see [`Partitions`](crate::Partitions)): each stream
     /// has its own offset and owner, and a process owns at most its fair share.
-    pub fn consume_partitions<H: Handler>(mut self, partitions: &crate::Partitions, handler: H) -> Self {
+    pub fn consume_partitions<H: Handler>(mut self, partitions: &Partitions, handler: H) -> Self {
         let handler = prepare::erase(handler);
         for stream in partitions.streams() {
             self.consumers.push(Registration { queue: stream, handler: Arc::clone(&handler), retry: None });
@@ -290,7 +292,7 @@ impl RuntimeBuilder {
     /// received), `synchronous_commit = off` — and with them messages idemq acked:
     /// warn (the default), refuse to start, or not check. See the guide, `docs/high-availability.md`, *Database
     /// high availability*.
-    pub fn replication_check(mut self, check: crate::ReplicationCheck) -> Self {
+    pub fn replication_check(mut self, check: ReplicationCheck) -> Self {
         self.replication_check = check;
         self
     }

@@ -306,7 +306,8 @@ pub(crate) mod tests {
 
     #[test]
     fn a_consumed_queue_the_topology_does_not_declare_is_refused_with_the_fix() {
-        let declared = crate::Topology::new().queue(crate::Queue::new("orders"));
+        let declared =
+            crate::broker::topology::Topology::new().queue(crate::broker::topology::Queue::new("orders"));
         let message = config_error(builder().topology(declared.clone()));
         assert!(
             message.contains("queue 'payments' is consumed but the topology does not declare it"),
@@ -316,9 +317,10 @@ pub(crate) mod tests {
             message.contains(r#"Queue::new("payments")"#) && message.contains(".declared_elsewhere()"),
             "{message}"
         );
-        let elsewhere = declared.queue(crate::Queue::new("payments").declared_elsewhere());
+        let elsewhere = declared.queue(crate::broker::topology::Queue::new("payments").declared_elsewhere());
         builder().topology(elsewhere).build().expect("declared elsewhere on purpose");
-        let exchanges_only = crate::Topology::new().exchange(crate::Exchange::topic("events"));
+        let exchanges_only = crate::broker::topology::Topology::new()
+            .exchange(crate::broker::topology::Exchange::topic("events"));
         builder().topology(exchanges_only).build().expect("a topology that names no queue");
         builder().build().expect("no topology: the queue exists already");
     }
@@ -396,13 +398,13 @@ pub(crate) mod tests {
 
     #[test]
     fn a_provider_key_lifetime_shorter_than_the_retry_horizon_is_warned_about_once() {
-        let long = crate::RetryPolicy::new([Duration::from_secs(30), Duration::from_secs(300)]);
+        let long = crate::base::retry::RetryPolicy::new([Duration::from_secs(30), Duration::from_secs(300)]);
         let runtime = builder().consume("charges", ShortKeys).consume("refunds", ShortKeys).retry(long);
         let warnings = runtime.short_idempotency_keys();
         assert_eq!(warnings.len(), 1, "one per handler: {warnings:?}");
         assert!(warnings[0].contains("ShortKeys") && warnings[0].contains("for 1m"), "{warnings:?}");
         runtime.build().expect("a warning, not a refusal");
-        let short = crate::RetryPolicy::new([Duration::from_secs(5), Duration::from_secs(30)]);
+        let short = crate::base::retry::RetryPolicy::new([Duration::from_secs(5), Duration::from_secs(30)]);
         let within = builder().consume("charges", ShortKeys).retry(short);
         assert_eq!(within.short_idempotency_keys(), Vec::<String>::new());
         assert_eq!(builder().short_idempotency_keys(), Vec::<String>::new(), "no lifetime declared");

@@ -59,7 +59,7 @@ impl RuntimeBuilder {
     /// Whether `queue` is declared as a [stream](crate::Queue::stream): its consumer
     /// is a stream consumer (see `engine::stream`).
     pub(crate) fn is_stream(&self, queue: &str) -> bool {
-        self.topology.find_queue(queue).is_some_and(crate::Queue::is_stream)
+        self.topology.find_queue(queue).is_some_and(crate::broker::topology::Queue::is_stream)
     }
 
     /// The retry wait queues of `queue` under `retry`: none for a stream, whose

@@ -60,7 +60,7 @@ pub(crate) struct ConsumerSpec {
     /// The handler's dedup scope (see `Consumer::scope`).
     pub(crate) scope: String,
     pub(crate) retry: RetryPolicy,
-    pub(crate) on_conflict: crate::OnConflict,
+    pub(crate) on_conflict: crate::base::verdict::OnConflict,
     /// Its batches (the runtime's, capped by the handler's `batch = N`).
     pub(crate) batch: crate::engine::delivery::BatchLimits,
     /// Enough for every transaction to fill a batch.

@@ -39,11 +39,11 @@ impl ErasedHandler for Unroutable {
         None
     }
 
-    fn retry(&self) -> Option<crate::RetryPolicy> {
+    fn retry(&self) -> Option<crate::base::retry::RetryPolicy> {
         None
     }
 
-    fn on_conflict(&self) -> Option<crate::OnConflict> {
+    fn on_conflict(&self) -> Option<crate::base::verdict::OnConflict> {
         None
     }
 
@@ -94,7 +94,9 @@ impl ErasedHandler for Unroutable {
         _contexts: Vec<Context>,
     ) -> BoxFuture<'a, BatchRun> {
         // Never called: nothing it prepares is runnable.
-        Box::pin(async { Err(crate::HandlerError::permanent("idemq bug: an unroutable message was run")) })
+        Box::pin(async {
+            Err(crate::handler::HandlerError::permanent("idemq bug: an unroutable message was run"))
+        })
     }
 
     fn prepare(

@@ -110,7 +110,7 @@ impl Runner {
         let mut items = Vec::with_capacity(batch.len());
         for delivery in batch {
             let Some(offset) = offset_of(&delivery) else {
-                return Err(End::Fatal(crate::Error::Config(format!(
+                return Err(End::Fatal(crate::error::Error::Config(format!(
                     "'{}' is consumed as a stream but its deliveries carry no x-stream-offset: is it a stream?",
                     self.stream
                 ))));

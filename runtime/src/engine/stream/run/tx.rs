@@ -15,8 +15,10 @@ use tracing::Instrument;
 use super::{Item, Runner};
 use crate::base::outcome::{FailureKind, Outcome};
 use crate::base::outgoing::{self, Outgoing, Request};
+use crate::base::verdict::OnConflict;
 use crate::engine::delivery::{batch_span, cancel_statement, handler_span, panic_message};
 use crate::handler::context::{Context, HandlerOutput};
+use crate::handler::key::Key;
 use crate::handler::prepare::{Erased, Payload, Prepared};
 use crate::handler::HandlerError;
 use crate::store::db::{self, Conn};
@@ -154,7 +156,7 @@ impl Runner {
 
     /// What a handler ran for the message at `index` into `written`: what it
     /// published, its reply if the message is a request, its result.
-    fn record(&self, written: &mut Written, item: &Item, index: usize, key: &crate::Key, ran: Ran) {
+    fn record(&self, written: &mut Written, item: &Item, index: usize, key: &Key, ran: Ran) {
         let (output, published, took) = ran;
         written.published.extend(published);
         if let Some(request) = Request::of(&item.delivery.properties) {
@@ -209,7 +211,7 @@ impl Runner {
         &self,
         conn: &mut Conn,
         claim: &db::Claim,
-        key: &crate::Key,
+        key: &Key,
         fingerprint: &[u8],
         index: usize,
     ) -> Result<Option<db::Stored>, Tx> {
@@ -222,7 +224,7 @@ impl Runner {
         };
         let conflict =
             stored.as_ref().and_then(|s| s.fingerprint.as_deref()).is_some_and(|f| f != fingerprint);
-        if conflict && self.handler.on_conflict() != Some(crate::OnConflict::Ignore) {
+        if conflict && self.handler.on_conflict() != Some(OnConflict::Ignore) {
             let error =
                 HandlerError::permanent(format!("key '{key}' was applied before with another payload"));
             return Err(Tx::Failed { at: Some(index), error, kind: FailureKind::Conflict, cut: false });
@@ -231,7 +233,7 @@ impl Runner {
     }
 
     /// The context a handler of the message `item`, keyed `key`, runs with.
-    fn context(&self, item: &Item, key: &crate::Key, attempt: u32) -> Context {
+    fn context(&self, item: &Item, key: &Key, attempt: u32) -> Context {
         let mut ctx = Context::new(&self.scope, key.as_str(), attempt, false, &item.delivery.properties);
         if !self.handler.dedup() {
             // Two messages with one key are two messages here: their outbox rows
@@ -276,8 +278,8 @@ impl Runner {
     async fn together(
         &self,
         conn: &mut Conn,
-        batch: Vec<(usize, crate::Key, Erased, Context)>,
-    ) -> Result<Vec<(usize, crate::Key, Ran)>, (Option<usize>, HandlerError, bool)> {
+        batch: Vec<(usize, Key, Erased, Context)>,
+    ) -> Result<Vec<(usize, Key, Ran)>, (Option<usize>, HandlerError, bool)> {
         let count = batch.len();
         let alone = match batch.as_slice() {
             [(index, ..)] => Some(*index),
