@@ -231,91 +231,9 @@ fn id(text: &str) -> String {
         .collect()
 }
 
-#[cfg(any(feature = "cli", test))]
-/// `value` as YAML (block style; strings quoted as JSON quotes them, which YAML reads
-/// as double-quoted scalars).
-pub(crate) fn yaml(value: &Value) -> String {
-    let mut out = String::new();
-    write_yaml(value, 0, &mut out);
-    out
-}
-
-#[cfg(any(feature = "cli", test))]
-fn write_yaml(value: &Value, indent: usize, out: &mut String) {
-    let pad = " ".repeat(indent);
-    match value {
-        Value::Object(map) if !map.is_empty() => {
-            let sorted: std::collections::BTreeMap<&String, &Value> = map.iter().collect();
-            for (key, value) in sorted {
-                out.push_str(&format!("{pad}{}:", yaml_key(key)));
-                nested(value, indent, out);
-            }
-        }
-        Value::Array(items) if !items.is_empty() => {
-            for item in items {
-                out.push_str(&format!("{pad}-"));
-                nested(item, indent, out);
-            }
-        }
-        other => out.push_str(&format!("{pad}{}\n", scalar(other))),
-    }
-}
-
-#[cfg(any(feature = "cli", test))]
-/// What follows a `key:` or a `-`: a scalar (or empty collection) on the same line,
-/// a collection below, indented.
-fn nested(value: &Value, indent: usize, out: &mut String) {
-    match value {
-        Value::Object(map) if !map.is_empty() => {
-            out.push('\n');
-            write_yaml(value, indent + 2, out);
-        }
-        Value::Array(items) if !items.is_empty() => {
-            out.push('\n');
-            write_yaml(value, indent + 2, out);
-        }
-        other => out.push_str(&format!(" {}\n", scalar(other))),
-    }
-}
-
-#[cfg(any(feature = "cli", test))]
-/// A map key: plain when YAML reads it as that string (a name of letters, digits,
-/// `_`, `.`, `-`, not a word YAML 1.1 reads as a boolean or null), quoted otherwise.
-fn yaml_key(key: &str) -> String {
-    let plain = key.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-        && key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
-        && !matches!(
-            key.to_ascii_lowercase().as_str(),
-            "true" | "false" | "null" | "yes" | "no" | "on" | "off" | "y" | "n" | "~"
-        );
-    if plain {
-        key.to_owned()
-    } else {
-        scalar(&Value::String(key.to_owned()))
-    }
-}
-
-#[cfg(any(feature = "cli", test))]
-fn scalar(value: &Value) -> String {
-    match value {
-        Value::Object(_) => "{}".to_owned(),
-        Value::Array(_) => "[]".to_owned(),
-        other => other.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn yaml_nests_maps_and_lists_and_quotes_strings() {
-        let value = json!({ "a": { "b": [1, "two", { "c": null }], "e": {} }, "k:y": "v: w", "no": "$ref" });
-        assert_eq!(
-            yaml(&value),
-            "a:\n  b:\n    - 1\n    - \"two\"\n    -\n      c: null\n  e: {}\n\"k:y\": \"v: w\"\n\"no\": \"$ref\"\n"
-        );
-    }
 
     #[test]
     fn ids_keep_what_asyncapi_accepts() {

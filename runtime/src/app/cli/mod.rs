@@ -326,7 +326,7 @@ impl Cli {
             "asyncapi" => {
                 let document = builder.asyncapi(self.name, self.version);
                 match sub.get_flag("yaml") {
-                    true => print!("{}", crate::broker::asyncapi::yaml(&document)),
+                    true => print!("{}", yaml_serde::to_string(&document)?),
                     false => println!("{}", serde_json::to_string_pretty(&document)?),
                 }
                 Ok(())
