@@ -357,6 +357,41 @@ impl TestVhost {
             .sum()
     }
 
+    /// Waits until `queue` has settled ([`TestVhost::unsettled`] is 0), up to
+    /// `timeout`. On timeout it panics with what was left: the last count, and the
+    /// vhost's queues (ready, unacked, consumers), channels (unacked, prefetch,
+    /// consumers) and connections as the broker lists them, so a failure says whether
+    /// messages sat ready with no one consuming or were held unacked, and by whom.
+    pub async fn await_drained(&self, queue: &str, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = self.unsettled(queue).await;
+        while last != 0 {
+            if tokio::time::Instant::now() >= deadline {
+                let queues = self
+                    .ctl(
+                        "list_queues",
+                        &["name", "type", "messages_ready", "messages_unacknowledged", "consumers"],
+                    )
+                    .await;
+                let channels = self
+                    .ctl(
+                        "list_channels",
+                        &["name", "consumer_count", "messages_unacknowledged", "prefetch_count"],
+                    )
+                    .await;
+                let connections = self.ctl("list_connections", &["name", "state", "client_properties"]).await;
+                panic!(
+                    "{queue} did not settle within {timeout:?}: {last} unsettled at the end\n\
+                     queues (name, type, ready, unacked, consumers):\n{queues}\n\
+                     channels (name, consumers, unacked, prefetch):\n{channels}\n\
+                     connections:\n{connections}"
+                );
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+            last = self.unsettled(queue).await;
+        }
+    }
+
     /// `rabbitmqctl -q <command> -p <vhost> --no-table-headers <items>`'s output.
     async fn ctl(&self, command: &str, items: &[&str]) -> String {
         let out = tokio::process::Command::new("rabbitmqctl")

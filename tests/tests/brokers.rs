@@ -67,10 +67,7 @@ async fn losing_the_connected_node_fails_over_to_the_next_address() {
     })
     .await;
     let vhost = bed.vhost.as_ref().expect("isolated");
-    eventually("the queue drained", Duration::from_secs(60), || async {
-        vhost.unsettled(&bed.queue).await == 0
-    })
-    .await;
+    vhost.await_drained(&bed.queue, Duration::from_secs(60)).await;
     let connections = running.connection_events();
     running.stop().await.expect("clean shutdown");
     assert!(

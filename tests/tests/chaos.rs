@@ -39,10 +39,7 @@ async fn wait_applied(bed: &Bed, at_least: usize) {
 async fn wait_drained(bed: &Bed) {
     let vhost = bed.vhost.as_ref().expect("an isolated bed");
     for _ in 0..2 {
-        eventually("the queue drained", Duration::from_secs(60), || async {
-            vhost.unsettled(&bed.queue).await == 0
-        })
-        .await;
+        vhost.await_drained(&bed.queue, Duration::from_secs(60)).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }

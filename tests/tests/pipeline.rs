@@ -63,10 +63,7 @@ async fn a_two_stage_pipeline_has_one_effect_per_input_in_each_stage() {
     wait_for(&bed, "applied in B", APPLIED_IN_B, PAYMENTS).await;
     let vhost = bed.vhost.as_ref().expect("isolated");
     for queue in [&bed.queue, &next] {
-        eventually("the stage's queue drained", Duration::from_secs(60), || async {
-            vhost.unsettled(queue).await == 0
-        })
-        .await;
+        vhost.await_drained(queue, Duration::from_secs(60)).await;
     }
     assert!(a.terminate(Duration::from_secs(20)).await.success(), "stage A exits 0 on SIGTERM");
     assert!(b.terminate(Duration::from_secs(20)).await.success(), "stage B exits 0 on SIGTERM");
