@@ -53,10 +53,10 @@ fn files(dir: &Path, prefix: &str, out: &mut Vec<(String, PathBuf)>) {
     }
 }
 
-/// The modules a file's code names with `crate::…` (comments skipped), longest
-/// known module prefix of each path.
-fn uses(text: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
-    let mut found = BTreeSet::new();
+/// Every `crate::…` path in a file's code (comments skipped), without its
+/// `crate::`, and whether it was `$crate::` (a macro's path to its own crate).
+fn crate_paths(text: &str) -> Vec<(bool, String)> {
+    let mut found = Vec::new();
     for line in text.lines() {
         let code = line.trim_start();
         if code.starts_with("//") {
@@ -68,44 +68,38 @@ fn uses(text: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
                 .collect();
-            let segments: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
-            let module = (1..=segments.len())
-                .rev()
-                .map(|n| segments[..n].join("::"))
-                .find(|candidate| known.contains(candidate));
-            if let Some(module) = module {
-                found.insert(module);
-            }
+            found.push((code[..i].ends_with('$'), path));
         }
     }
     found
 }
 
-/// The `crate::…` paths of a file's code (comments skipped) whose first segment is
-/// not a module of `src/`: items named through the crate root's re-exports.
+/// The modules a file's code names with `crate::…`, longest known module prefix
+/// of each path.
+fn uses(text: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
+    crate_paths(text)
+        .into_iter()
+        .filter_map(|(_, path)| {
+            let segments: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
+            (1..=segments.len())
+                .rev()
+                .map(|n| segments[..n].join("::"))
+                .find(|candidate| known.contains(candidate))
+        })
+        .collect()
+}
+
+/// The `crate::…` paths of a file's code whose first segment is not a module of
+/// `src/`: items named through the crate root's re-exports. (`$crate::` in a macro
+/// is the crate seen from outside: its root is right.)
 fn through_the_root(text: &str, modules: &BTreeSet<&str>) -> Vec<String> {
-    let mut found = Vec::new();
-    for line in text.lines() {
-        let code = line.trim_start();
-        if code.starts_with("//") {
-            continue;
-        }
-        let code = code.split(" //").next().unwrap_or(code);
-        for (i, _) in code.match_indices("crate::") {
-            // `$crate::` in a macro is the crate seen from outside: its root is right.
-            if code[..i].ends_with('$') {
-                continue;
-            }
-            let first: String = code[i + "crate::".len()..]
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_')
-                .collect();
-            if !modules.contains(first.as_str()) && first != "__private" {
-                found.push(format!("crate::{first}"));
-            }
-        }
-    }
-    found
+    crate_paths(text)
+        .into_iter()
+        .filter(|(dollar, _)| !dollar)
+        .map(|(_, path)| path.split("::").next().unwrap_or_default().to_owned())
+        .filter(|first| !modules.contains(first.as_str()) && first != "__private")
+        .map(|first| format!("crate::{first}"))
+        .collect()
 }
 
 /// The runtime's import graph.
