@@ -22,6 +22,7 @@
 
 use diesel_async::AsyncPgConnection;
 
+use crate::base::BoxFuture;
 use crate::error::Error;
 
 pub use crate::base::redact::redact;
@@ -44,8 +45,8 @@ pub use crate::error::report;
 ///
 /// # Cancel safety
 /// Cancel safe: dropping the future drops the half-made connection.
-pub async fn database(url: &str) -> Result<AsyncPgConnection, Error> {
-    crate::store::db::connect(url).await
+pub fn database(url: &str) -> BoxFuture<'_, Result<AsyncPgConnection, Error>> {
+    Box::pin(crate::store::db::connect(url))
 }
 
 /// Connects to the first address of `urls` (an `AMQP_URL`: one URL or several,
@@ -59,6 +60,6 @@ pub async fn database(url: &str) -> Result<AsyncPgConnection, Error> {
 ///
 /// # Cancel safety
 /// Cancel safe: dropping the future drops the half-made connection.
-pub async fn broker(urls: &str, role: &str) -> Result<lapin::Connection, Error> {
-    Ok(crate::broker::brokers::Brokers::parse(urls)?.connect(role).await?.0)
+pub fn broker<'a>(urls: &'a str, role: &'a str) -> BoxFuture<'a, Result<lapin::Connection, Error>> {
+    Box::pin(async move { Ok(crate::broker::brokers::Brokers::parse(urls)?.connect(role).await?.0) })
 }

@@ -27,6 +27,7 @@ use diesel_async::AsyncPgConnection;
 use serde::Serialize;
 
 use crate::base::outgoing::Message;
+use crate::base::BoxFuture;
 
 pub use crate::base::outgoing::{Outgoing, MAX_HEADER_BYTES, STATUS_HEADER};
 // Its old path: `PublishError` is at the crate root, shared by the three sinks.
@@ -62,17 +63,22 @@ pub use crate::engine::relay::{Relay, RelayBuilder};
 ///
 /// # Errors
 /// [`PublishError::Database`].
-pub async fn enqueue(conn: &mut AsyncPgConnection, outgoing: Outgoing) -> Result<String, PublishError> {
-    let mut ids = Outbox::new(conn).publish_all([outgoing]).await?;
-    Ok(ids.pop().unwrap_or_default())
+pub fn enqueue(
+    conn: &mut AsyncPgConnection,
+    outgoing: Outgoing,
+) -> BoxFuture<'_, Result<String, PublishError>> {
+    Box::pin(async move {
+        let mut ids = Outbox::new(conn).publish_all([outgoing]).await?;
+        Ok(ids.pop().unwrap_or_default())
+    })
 }
 
 /// Rows waiting in the outbox (due or postponed): the relay's backlog.
 ///
 /// # Errors
 /// The database's.
-pub async fn backlog(conn: &mut AsyncPgConnection) -> diesel::QueryResult<i64> {
-    crate::store::db::outbox_backlog(conn).await
+pub fn backlog(conn: &mut AsyncPgConnection) -> BoxFuture<'_, diesel::QueryResult<i64>> {
+    Box::pin(crate::store::db::outbox_backlog(conn))
 }
 
 /// The outbox as a sink, in the caller's open transaction: the calls of the
@@ -145,8 +151,8 @@ impl<'c> Outbox<'c> {
     ///
     /// # Errors
     /// As [`enqueue`].
-    pub async fn publish_outgoing(&mut self, outgoing: Outgoing) -> Result<String, PublishError> {
-        enqueue(self.conn, outgoing).await
+    pub fn publish_outgoing(&mut self, outgoing: Outgoing) -> BoxFuture<'_, Result<String, PublishError>> {
+        enqueue(self.conn, outgoing)
     }
 
     /// Writes every message in one statement; returns their ids, in order (each
@@ -154,10 +160,10 @@ impl<'c> Outbox<'c> {
     ///
     /// # Errors
     /// As [`enqueue`].
-    pub async fn publish_all(
+    pub fn publish_all(
         &mut self,
         messages: impl IntoIterator<Item = Outgoing>,
-    ) -> Result<Vec<String>, PublishError> {
+    ) -> BoxFuture<'_, Result<Vec<String>, PublishError>> {
         let rows = messages
             .into_iter()
             .map(|outgoing| {
@@ -165,8 +171,20 @@ impl<'c> Outbox<'c> {
                 let id = outgoing.message_id.clone().unwrap_or_else(crate::base::random_id);
                 Ok(Outgoing { message_id: Some(id), ..outgoing })
             })
-            .collect::<Result<Vec<_>, PublishError>>()?;
-        crate::store::db::insert_outbox(self.conn, &rows).await.map_err(PublishError::Database)?;
-        Ok(rows.into_iter().filter_map(|row| row.message_id).collect())
+            .collect();
+        insert_rows(self.conn, rows)
     }
+}
+
+/// [`Outbox::publish_all`] past its one generic step, boxed: compiled once, in
+/// idemq, not in each crate that publishes.
+fn insert_rows(
+    conn: &mut AsyncPgConnection,
+    rows: Result<Vec<Outgoing>, PublishError>,
+) -> BoxFuture<'_, Result<Vec<String>, PublishError>> {
+    Box::pin(async move {
+        let rows = rows?;
+        crate::store::db::insert_outbox(conn, &rows).await.map_err(PublishError::Database)?;
+        Ok(rows.into_iter().filter_map(|row| row.message_id).collect())
+    })
 }

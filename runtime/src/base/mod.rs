@@ -14,6 +14,23 @@ pub(crate) mod trace;
 pub(crate) mod verdict;
 pub(crate) mod width;
 
+use std::future::Future;
+use std::pin::Pin;
+
+/// A boxed, `Send` future borrowing for `'a`, as returned by
+/// [`Handler::handle`](crate::handler::Handler::handle).
+///
+/// Public because it is part of [`Handler`](crate::handler::Handler)'s signature: a handler written by hand
+/// returns one (`Box::pin(async move { … })`). It is the same type as `futures`'
+/// `BoxFuture`, so either name works in an impl.
+///
+/// idemq's own entry points that do I/O (`Runtime::run`, the publisher, `migrate`,
+/// `connect`…) return one too, rather than being `async fn`s: a future's code is
+/// compiled in the crate that awaits it, and a release build shares none between
+/// crates, so each application compiled idemq's runtime again, whole. Boxed, it
+/// is compiled once, in idemq (`docs/performance.md`, *Build time*).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
 /// Lower-case hexadecimal of `bytes` (keys, fingerprints, lineages).
 pub(crate) fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;

@@ -15,6 +15,7 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, ExchangeKind};
 
+use crate::base::BoxFuture;
 use crate::error::Error;
 
 /// The runtime dead-letters a message itself when its recorded handler starts reach
@@ -173,14 +174,16 @@ impl Topology {
     ///
     /// # Cancel safety
     /// Cancel safe: declarations are idempotent; run it again.
-    pub async fn declare(&self, channel: &Channel) -> Result<(), Error> {
-        for exchange in &self.exchanges {
-            exchange.declare(channel).await?;
-        }
-        for queue in self.queues.iter().filter(|queue| !queue.elsewhere) {
-            queue.declare(channel).await?;
-        }
-        Ok(())
+    pub fn declare<'a>(&'a self, channel: &'a Channel) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            for exchange in &self.exchanges {
+                exchange.declare(channel).await?;
+            }
+            for queue in self.queues.iter().filter(|queue| !queue.elsewhere) {
+                queue.declare(channel).await?;
+            }
+            Ok(())
+        })
     }
 
     /// What the runtime declares at every (re)connect: the topology, then `waits`

@@ -12,8 +12,6 @@ pub(crate) mod prepare;
 pub(crate) mod wire;
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 
 use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
@@ -24,12 +22,7 @@ use crate::handler::batch::Batch;
 use crate::handler::context::{Context, HandlerOutput};
 use crate::handler::key::{Key, KeyError, Metadata};
 
-/// A boxed, `Send` future borrowing for `'a`, as returned by [`Handler::handle`].
-///
-/// Public because it is part of [`Handler`]'s signature: a handler written by hand
-/// returns one (`Box::pin(async move { … })`). It is the same type as `futures`'
-/// `BoxFuture`, so either name works in an impl.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use crate::base::BoxFuture;
 
 /// An idempotent message handler: decode target, dedup key and the effect.
 ///

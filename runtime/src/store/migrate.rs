@@ -10,6 +10,7 @@ use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Text;
 
+use crate::base::BoxFuture;
 use crate::error::Error;
 
 /// The migrations in the repository's `migrations/` folder (the dedup table).
@@ -43,12 +44,14 @@ pub const MIGRATION_LOCK: i64 = 0x6964_656d_715f_6d67;
 ///
 /// # Cancel safety
 /// Not cancel safe: the migration runs to completion on a blocking thread.
-pub async fn migrate(database_url: &str) -> Result<(), Error> {
-    let mut conn = crate::store::db::connect(database_url).await?;
-    if nothing_to_do(&mut conn).await? {
-        return Ok(());
-    }
-    apply(conn, MIGRATIONS).await
+pub fn migrate(database_url: &str) -> BoxFuture<'_, Result<(), Error>> {
+    Box::pin(async move {
+        let mut conn = crate::store::db::connect(database_url).await?;
+        if nothing_to_do(&mut conn).await? {
+            return Ok(());
+        }
+        apply(conn, MIGRATIONS).await
+    })
 }
 
 /// Applies the pending migrations of `source` — an application's own, embedded with
@@ -66,10 +69,7 @@ pub async fn migrate_with<S>(database_url: &str, source: S) -> Result<(), Error>
 where
     S: MigrationSource<Pg> + Send + 'static,
 {
-    let mut conn = crate::store::db::connect(database_url).await?;
-    let applied = crate::store::db::applied_migrations(&mut conn)
-        .await
-        .map_err(migration("read the applied migrations"))?;
+    let (conn, applied) = connect_and_read_applied(database_url).await?;
     // Not held across an await: diesel's migrations are not `Send`.
     let pending = source
         .migrations()
@@ -80,6 +80,21 @@ where
         return Ok(());
     }
     apply(conn, source).await
+}
+
+/// A connection and the versions applied on it: [`migrate_with`]'s part that does
+/// not depend on the source, boxed so that it is compiled once, in idemq, not in
+/// each caller's crate.
+fn connect_and_read_applied(
+    database_url: &str,
+) -> BoxFuture<'_, Result<(AsyncPgConnection, Vec<String>), Error>> {
+    Box::pin(async move {
+        let mut conn = crate::store::db::connect(database_url).await?;
+        let applied = crate::store::db::applied_migrations(&mut conn)
+            .await
+            .map_err(migration("read the applied migrations"))?;
+        Ok((conn, applied))
+    })
 }
 
 /// Applies `source`'s pending migrations on `conn`, holding [`MIGRATION_LOCK`].

@@ -14,6 +14,8 @@ pub mod schema;
 
 use diesel_async::AsyncPgConnection;
 
+use crate::base::BoxFuture;
+
 pub use migrate::{migrate_with, MIGRATIONS, MIGRATION_LOCK};
 pub use retention::{sweep, CheckedRetention, Retention, GC_LOCK};
 
@@ -37,6 +39,10 @@ pub use retention::{sweep, CheckedRetention, Retention, GC_LOCK};
 ///
 /// # Errors
 /// The database's.
-pub async fn forget(conn: &mut AsyncPgConnection, handler: &str, key: &str) -> diesel::QueryResult<bool> {
-    db::forget(conn, handler, key).await
+pub fn forget<'a>(
+    conn: &'a mut AsyncPgConnection,
+    handler: &'a str,
+    key: &'a str,
+) -> BoxFuture<'a, diesel::QueryResult<bool>> {
+    Box::pin(db::forget(conn, handler, key))
 }

@@ -22,6 +22,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection};
 
 use crate::base::observe::Sweep;
 use crate::base::retry::RetryPolicy;
+use crate::base::BoxFuture;
 use crate::error::Error;
 
 /// The advisory lock key a sweep holds per batch (the bytes spell `idemq_gc`).
@@ -173,7 +174,14 @@ impl CheckedRetention {
 ///
 /// # Errors
 /// The database's.
-pub async fn sweep(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -> diesel::QueryResult<Sweep> {
+pub fn sweep<'a>(
+    conn: &'a mut AsyncPgConnection,
+    retention: &'a CheckedRetention,
+) -> BoxFuture<'a, diesel::QueryResult<Sweep>> {
+    Box::pin(sweep_now(conn, retention))
+}
+
+async fn sweep_now(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -> diesel::QueryResult<Sweep> {
     let retention = &retention.retention;
     let mut total = Sweep::default();
     let keep_ms = i64::try_from(retention.keep.as_millis()).unwrap_or(i64::MAX);

@@ -136,6 +136,7 @@ use crate::app::cli::common::CliResult;
 use crate::app::cli::config::{
     parse_consumer_timeout, parse_duration, parse_on_conflict, parse_switch, setting, Settings,
 };
+use crate::base::BoxFuture;
 use crate::engine::runtime::RuntimeBuilder;
 use crate::error::{redact, Error};
 
@@ -274,7 +275,14 @@ impl Cli {
     /// default level `info` (`RUST_LOG` and `--log-format` decide), unless one was
     /// installed before: the application's own stays. With `--log-format json` (and
     /// the CLI's subscriber), a failure's message is a JSON line (level `ERROR`) too.
-    pub async fn run_matches(self, matches: &ArgMatches) -> ExitCode {
+    ///
+    /// The future is boxed so that the CLI and the runtime are compiled once, in
+    /// idemq, not again in each application (see [`Runtime::run`](crate::Runtime::run)).
+    pub fn run_matches(self, matches: &ArgMatches) -> BoxFuture<'_, ExitCode> {
+        Box::pin(self.run_matched(matches))
+    }
+
+    async fn run_matched(self, matches: &ArgMatches) -> ExitCode {
         let json_logs = logging::install(matches, logging::DEFAULT_LEVEL);
         let name = self.name;
         let code = match self.dispatch(matches).await {

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use crate::base::backoff::Backoff;
 use crate::base::outgoing::{Message, Outgoing, PublishError};
+use crate::base::BoxFuture;
 use crate::broker::brokers::{self, Brokers};
 use crate::error::Error;
 
@@ -153,7 +154,11 @@ impl PublisherBuilder {
     /// [`Error::Config`] for a zero timeout or a URL that cannot be used;
     /// [`Error::AmqpConnect`], [`Error::Tls`] or [`Error::Amqp`] when no address
     /// could be connected to.
-    pub async fn connect(self) -> Result<Publisher, Error> {
+    pub fn connect(self) -> BoxFuture<'static, Result<Publisher, Error>> {
+        Box::pin(self.connect_now())
+    }
+
+    async fn connect_now(self) -> Result<Publisher, Error> {
         if self.timeout.is_zero() {
             return Err(Error::Config(
                 "the publisher's timeout is zero: give it time to be confirmed, e.g. 30s".into(),
@@ -223,9 +228,11 @@ impl Publisher {
     ///
     /// # Errors
     /// See [`publish_all`](Self::publish_all).
-    pub async fn publish_outgoing(&self, outgoing: Outgoing) -> Result<String, PublishError> {
-        let mut ids = self.publish_all([outgoing]).await?;
-        Ok(ids.pop().unwrap_or_default())
+    pub fn publish_outgoing(&self, outgoing: Outgoing) -> BoxFuture<'_, Result<String, PublishError>> {
+        Box::pin(async move {
+            let mut ids = self.publish_all([outgoing]).await?;
+            Ok(ids.pop().unwrap_or_default())
+        })
     }
 
     /// Publishes every message at once, pipelined (their confirms awaited together),
@@ -241,23 +248,36 @@ impl Publisher {
     /// On an error the others may have been published: publishing the batch again is
     /// safe for consumers keyed on the message ids if each was given one
     /// ([`Outgoing::message_id`]).
-    pub async fn publish_all(
+    pub fn publish_all(
         &self,
         messages: impl IntoIterator<Item = Outgoing>,
-    ) -> Result<Vec<String>, PublishError> {
-        let prepared = messages.into_iter().map(prepare).collect::<Result<Vec<_>, _>>()?;
-        self.deliver(&prepared).await?;
-        Ok(prepared.into_iter().map(|message| message.id).collect())
+    ) -> BoxFuture<'_, Result<Vec<String>, PublishError>> {
+        self.publish_prepared(messages.into_iter().map(prepare).collect())
+    }
+
+    /// [`publish_all`](Self::publish_all) past its one generic step: idemq's code,
+    /// compiled once in idemq rather than in each crate that publishes.
+    fn publish_prepared(
+        &self,
+        prepared: Result<Vec<Prepared>, PublishError>,
+    ) -> BoxFuture<'_, Result<Vec<String>, PublishError>> {
+        Box::pin(async move {
+            let prepared = prepared?;
+            self.deliver(&prepared).await?;
+            Ok(prepared.into_iter().map(|message| message.id).collect())
+        })
     }
 
     /// Closes the connection; every later call fails with [`PublishError::Closed`].
-    pub async fn close(&self) {
-        self.shared.closed.store(true, Ordering::Relaxed);
-        let link = self.shared.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-        if let Some(link) = link {
-            link.break_off();
-            link.close("closed").await;
-        }
+    pub fn close(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.shared.closed.store(true, Ordering::Relaxed);
+            let link = self.shared.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            if let Some(link) = link {
+                link.break_off();
+                link.close("closed").await;
+            }
+        })
     }
 
     /// Publishes `messages` until each is confirmed, one is refused, or the deadline.

@@ -7,6 +7,7 @@ use tokio::time::Instant;
 
 use crate::base::backoff::Backoff;
 use crate::base::outgoing::{Message, Outgoing, PublishError, STATUS_HEADER};
+use crate::base::BoxFuture;
 
 use super::link::DIRECT_REPLY_TO;
 use super::{prepare, Publisher, FIRST_BACKOFF, MAX_BACKOFF};
@@ -149,11 +150,15 @@ impl Publisher {
     ///
     /// # Errors
     /// As [`request`](Self::request), but for [`RequestError::Decode`].
-    pub async fn request_outgoing(
+    pub fn request_outgoing(
         &self,
         outgoing: Outgoing,
         timeout: Duration,
-    ) -> Result<Vec<u8>, RequestError> {
+    ) -> BoxFuture<'_, Result<Vec<u8>, RequestError>> {
+        Box::pin(self.request_now(outgoing, timeout))
+    }
+
+    async fn request_now(&self, outgoing: Outgoing, timeout: Duration) -> Result<Vec<u8>, RequestError> {
         let started = Instant::now();
         let deadline = started + timeout;
         let correlation_id = outgoing.correlation_id.clone().unwrap_or_else(crate::base::random_id);

@@ -8,6 +8,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::observe::{Observe, Observers};
+use crate::base::BoxFuture;
 use crate::config::EnvUrls;
 use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
 use crate::error::{redact, Error};
@@ -159,7 +160,14 @@ impl Relay {
     ///
     /// # Errors
     /// Start-up failures: the database unreachable, idemq's migrations not applied.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+    ///
+    /// Boxed, as [`Runtime::run`](crate::engine::runtime::Runtime::run) is: compiled
+    /// once, in idemq.
+    pub fn run(self, shutdown: CancellationToken) -> BoxFuture<'static, Result<(), Error>> {
+        Box::pin(self.run_until(shutdown))
+    }
+
+    async fn run_until(self, shutdown: CancellationToken) -> Result<(), Error> {
         let RelayBuilder { amqp_url, database_url, env_urls: _, settings, observers } = self.builder;
         let pool = relay_pool(&database_url)?;
         let connect_error = |err: Box<dyn std::error::Error + Send + Sync>| Error::DatabaseConnect {

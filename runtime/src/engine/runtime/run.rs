@@ -29,6 +29,7 @@ use super::builder::{Registration, RuntimeBuilder};
 use super::{dedup_scope, with_heartbeat, Runtime};
 use crate::base::backoff::Backoff;
 use crate::base::observe::{ConnectionEvent, Observe, Observers};
+use crate::base::BoxFuture;
 use crate::broker::brokers::Brokers;
 use crate::engine::delivery::{BatchLimits, Fatal, Shared};
 use crate::engine::relay::{relay_pool, OutboxSignal, Worker};
@@ -69,7 +70,15 @@ impl Runtime {
     /// Not cancel safe: dropping the future drops the connections, so the broker
     /// requeues every unacked delivery (safe, but not graceful). Cancel `shutdown`
     /// instead.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+    ///
+    /// The future is boxed so that the runtime is compiled once, in idemq: an
+    /// `async fn` here would be compiled again, whole, in every crate that awaits it
+    /// (a release build does not share a future's code between crates).
+    pub fn run(self, shutdown: CancellationToken) -> BoxFuture<'static, Result<(), Error>> {
+        Box::pin(self.run_until(shutdown))
+    }
+
+    async fn run_until(self, shutdown: CancellationToken) -> Result<(), Error> {
         announce(&self.builder);
         let Some(assembly) = Assembly::assemble(self, &shutdown).await? else {
             // Shut down while start-up waited for the database: nothing was started.
