@@ -277,7 +277,7 @@ impl Cli {
     /// the CLI's subscriber), a failure's message is a JSON line (level `ERROR`) too.
     ///
     /// The future is boxed so that the CLI and the runtime are compiled once, in
-    /// idemq, not again in each application (see [`Runtime::run`](crate::Runtime::run)).
+    /// idemq, not again in each application (see [`Runtime::run`](crate::engine::runtime::Runtime::run)).
     pub fn run_matches(self, matches: &ArgMatches) -> BoxFuture<'_, ExitCode> {
         Box::pin(self.run_matched(matches))
     }
