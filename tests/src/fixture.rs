@@ -135,6 +135,16 @@ impl Bed {
         Self::build_at(shape, None, Some(amqp_urls)).await
     }
 
+    /// A bed whose database is on `server`, a private PostgreSQL, for tests that
+    /// restart or stop the server (the machine's is shared by every test running);
+    /// in a vhost of its own if `isolated`. The bed must be dropped before `server`.
+    pub async fn on_postgres(server: &idemq::testing::PostgresServer, isolated: bool) -> Bed {
+        crate::init_tracing();
+        let db = TestDb::create_on(&server.url("postgres")).await;
+        let vhost = if isolated { Some(TestVhost::create().await) } else { None };
+        Self::build_with(|q| q, db, vhost, None).await
+    }
+
     async fn build(shape: impl FnOnce(Queue) -> Queue, vhost: Option<TestVhost>) -> Bed {
         Self::build_at(shape, vhost, None).await
     }
@@ -145,7 +155,15 @@ impl Bed {
         urls: Option<String>,
     ) -> Bed {
         crate::init_tracing();
-        let db = TestDb::create().await;
+        Self::build_with(shape, TestDb::create().await, vhost, urls).await
+    }
+
+    async fn build_with(
+        shape: impl FnOnce(Queue) -> Queue,
+        db: TestDb,
+        vhost: Option<TestVhost>,
+        urls: Option<String>,
+    ) -> Bed {
         idemq_example_payments::migrate(&db.url()).await.expect("migrate the test database");
         let queue = unique("q");
         let declared = shape(Queue::new(queue.clone()));

@@ -129,7 +129,16 @@ impl TestDb {
         let admin_url = database_admin_url();
         let mut admin = connect_pg(&admin_url).await;
         STALE_CLEANUP.get_or_init(|| drop_stale_databases(&mut admin)).await;
+        Self::create_with(admin, admin_url).await
+    }
 
+    /// Creates a new database on the server whose maintenance database `admin_url`
+    /// names (a private server: [`idemq::testing::PostgresServer`]).
+    pub async fn create_on(admin_url: &str) -> TestDb {
+        Self::create_with(connect_pg(admin_url).await, admin_url.to_owned()).await
+    }
+
+    async fn create_with(mut admin: AsyncPgConnection, admin_url: String) -> TestDb {
         let name = unique(TEST_DB_PREFIX);
         // template0 never has connected sessions, so parallel creates cannot
         // fail with "source database is being accessed by other users".

@@ -4,8 +4,8 @@
 //!
 //! Every test has its own vhost and database, so faults scoped by vhost (closing
 //! connections) or by database (killing sessions) run beside other tests. Faults
-//! that touch the whole broker or server live in `broker_faults.rs` and
-//! `database_faults.rs`, which run serially.
+//! that touch the whole broker live in `broker_faults.rs`, which runs serially;
+//! those of a whole PostgreSQL server in `database_faults.rs`, on a server of its own.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -2,22 +2,21 @@
 //! Database faults are not handler failures: nothing may be dead-lettered, no
 //! attempt burned, nothing lost, nothing doubled.
 //!
-//! These tests disturb the whole PostgreSQL server (a restart drops every session on
-//! the machine), so they live in their own test binary — `cargo test` runs binaries
-//! one after another — and take a lock so they run one at a time.
+//! A test that restarts or stops PostgreSQL does it to a server of its own
+//! (`idemq::testing::PostgresServer`: the same binaries as the machine's, a private
+//! data directory and port), and one that kills sessions kills only its own
+//! database's: they run beside the suite's other tests, and the machine's server,
+//! which every test shares, is never restarted.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use idemq::observe::{Settled, StatsSnapshot};
+use idemq::testing::PostgresServer;
 use idemq::Outcome;
 use idemq_tests::fixture::{publish_stream, slower_payment, stream_deliveries, Bed, Running};
 use idemq_tests::in_both_modes;
 use idemq_tests::Mode;
-use tokio::process::Command;
-use tokio::sync::Mutex;
-
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 /// Streams 400 payments (+20% duplicates) and runs `fault` once 60 have settled;
 /// returns the runtime's counters after everything settled. The handler takes 25 ms a
@@ -63,77 +62,31 @@ async fn stream_through<F: std::future::Future<Output = ()>>(bed: &Bed, fault: F
     stats
 }
 
-async fn psql(sql: &str) {
-    let status = Command::new("psql")
-        .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-qAtc", sql])
-        .stdout(std::process::Stdio::null())
-        .status()
-        .await
-        .expect("run psql");
-    assert!(status.success(), "psql {sql}");
+/// A private PostgreSQL server for one test.
+async fn private_postgres() -> PostgresServer {
+    idemq_tests::with_timeout(
+        "start a private PostgreSQL",
+        Duration::from_secs(120),
+        PostgresServer::builder().start(),
+    )
+    .await
+    .expect("start a private PostgreSQL server")
 }
 
-/// Restarts the machine's PostgreSQL and waits until it accepts connections.
-async fn restart_postgres() {
-    let status = Command::new("sh")
-        .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main restart"])
-        .status()
-        .await
-        .expect("run pg_ctlcluster");
-    wait_for_postgres().await;
-    assert!(status.success(), "pg_ctlcluster restart failed");
+/// Ends every other session of the bed's database (`pg_terminate_backend`).
+async fn kill_sessions(bed: &Bed) {
+    use diesel_async::RunQueryDsl;
+    let kill = format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
+        bed.db.name()
+    );
+    diesel::sql_query(kill).execute(&mut bed.db.connect().await).await.expect("kill the sessions");
 }
 
-async fn wait_for_postgres() {
-    idemq_tests::eventually("PostgreSQL accepts connections", Duration::from_secs(60), || async {
-        Command::new("pg_isready")
-            .args(["-h", "127.0.0.1", "-p", "5432"])
-            .status()
-            .await
-            .is_ok_and(|s| s.success())
-    })
-    .await;
-}
-
-/// The PostgreSQL cluster, stopped; started again when dropped (so a failing test
-/// still leaves the service running) or by [`PostgresDown::start`].
-struct PostgresDown;
-
-impl PostgresDown {
-    async fn stop() -> PostgresDown {
-        let down = PostgresDown;
-        let status = Command::new("sh")
-            .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main stop"])
-            .status()
-            .await
-            .expect("run pg_ctlcluster");
-        assert!(status.success(), "pg_ctlcluster stop failed");
-        down
-    }
-
-    async fn start(self) {
-        tokio::task::spawn_blocking(move || drop(self)).await.expect("start PostgreSQL");
-        wait_for_postgres().await;
-    }
-}
-
-impl Drop for PostgresDown {
-    fn drop(&mut self) {
-        // Blocking, so it also runs while a failed test unwinds; "already running"
-        // is fine.
-        let _ = std::process::Command::new("sh")
-            .args(["-c", "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"])
-            .status();
-        for _ in 0..600 {
-            let ready =
-                std::process::Command::new("pg_isready").args(["-h", "127.0.0.1", "-p", "5432"]).status();
-            if ready.is_ok_and(|s| s.success()) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        eprintln!("warning: PostgreSQL did not come back within 60 s");
-    }
+/// Restarts `server` (fast shutdown: every session ends) and waits until it
+/// accepts connections again.
+async fn restart_postgres(server: &PostgresServer) {
+    server.restart().await.expect("restart the private PostgreSQL server");
 }
 
 in_both_modes! {
@@ -141,15 +94,11 @@ in_both_modes! {
 /// mid-stream: in-flight transactions fail, their deliveries stay unacked and are
 /// retried in-process on fresh connections.
 async fn killed_database_sessions_mid_stream_lose_nothing_and_double_nothing() {
-    let _serial = SERIAL.lock().await;
+    // Only the test's own database's sessions: the machine's server will do.
     let bed = Bed::new().await;
-    let kill = format!(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
-        bed.db.name()
-    );
     let stats = stream_through(&bed, async {
         for _ in 0..3 {
-            psql(&kill).await;
+            kill_sessions(&bed).await;
             tokio::time::sleep(Duration::from_millis(150)).await;
         }
     })
@@ -162,10 +111,10 @@ in_both_modes! {
 /// The PostgreSQL server restarts mid-stream. Every pooled connection is dead
 /// afterwards; the runtime rides it out without a handler failure.
 async fn a_postgres_restart_mid_stream_loses_nothing_and_doubles_nothing() {
-    let _serial = SERIAL.lock().await;
-    let bed = Bed::new().await;
+    let server = private_postgres().await;
+    let bed = Bed::on_postgres(&server, false).await;
     let stats = stream_through(&bed, async {
-        restart_postgres().await;
+        restart_postgres(&server).await;
     })
     .await;
     eprintln!("after a PostgreSQL restart: {stats:?}");
@@ -180,8 +129,8 @@ in_both_modes! {
 /// burned. Once PostgreSQL is back, every payment is
 /// applied exactly once.
 async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_the_queue() {
-    let _serial = SERIAL.lock().await;
-    let bed = Bed::new().await;
+    let server = private_postgres().await;
+    let bed = Bed::on_postgres(&server, false).await;
     let payments = publish_stream(&bed, 200).await;
     let total = stream_deliveries(payments.len());
     let limit = Duration::from_secs(2);
@@ -189,7 +138,7 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
         Running::start(bed.runtime().consume(&bed.queue, slower_payment).database_retry_limit(limit));
     running.wait_settled(30).await;
 
-    let down = PostgresDown::stop().await;
+    server.stop().await.expect("stop the private PostgreSQL server");
     let stopped = std::time::Instant::now();
     // A transaction that committed just before the stop may still be acked now.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -197,7 +146,7 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
     // Down for three limits: every held delivery comes back at least once.
     tokio::time::sleep(limit * 3).await;
     let while_down = running.events()[from..].to_vec();
-    down.start().await;
+    restart_postgres(&server).await;
 
     assert!(!while_down.is_empty(), "deliveries were returned while the database was down");
     for settled in &while_down {
@@ -286,8 +235,8 @@ async fn stream_ledger(
 async fn a_postgres_restart_mid_stream_loses_and_doubles_nothing_on_a_stream() {
     use diesel::prelude::*;
     use diesel_async::RunQueryDsl;
-    let _serial = SERIAL.lock().await;
-    let bed = Bed::isolated().await;
+    let server = private_postgres().await;
+    let bed = Bed::on_postgres(&server, true).await;
     let stream = idemq_tests::unique("stream");
     let topology = idemq::Topology::new().queue(idemq::Queue::stream(&stream));
     let channel = bed.broker.connection().create_channel().await.expect("a channel");
@@ -299,7 +248,7 @@ async fn a_postgres_restart_mid_stream_loses_and_doubles_nothing_on_a_stream() {
     let running =
         Running::start(bed.runtime().topology(topology).batch_size(4).consume(&stream, stream_ledger));
     running.wait_settled(60).await;
-    restart_postgres().await;
+    restart_postgres(&server).await;
     idemq_tests::with_timeout("every payment settled after the restart", Duration::from_secs(120), async {
         while running.events().len() < payments.len() {
             tokio::time::sleep(Duration::from_millis(50)).await;

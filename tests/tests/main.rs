@@ -4,11 +4,11 @@
 //! database. Each test has its own database, queues or vhost (`idemq_tests`), so
 //! none sees another's messages or rows.
 //!
-//! Three files are binaries of their own, because they take the whole process or
-//! the whole server: `broker_faults.rs` (stops the broker's app, raises a memory
-//! alarm) and `database_faults.rs` (restarts and stops PostgreSQL) run while no
-//! other test does; `otel.rs` installs the process's OpenTelemetry subscriber.
-//! Cargo runs test binaries one after another.
+//! Two files are binaries of their own, because they take the whole process or the
+//! whole server: `broker_faults.rs` (stops the broker's app, raises a memory alarm)
+//! runs while no other test does; `otel.rs` installs the process's OpenTelemetry
+//! subscriber. Cargo runs test binaries one after another. (`database_faults`
+//! restarts and stops a PostgreSQL server of its own, so it runs here.)
 
 mod support;
 
@@ -23,6 +23,7 @@ mod connect;
 mod consumer_timeout;
 mod copies;
 mod crash;
+mod database_faults;
 mod dedup;
 mod failures;
 mod handler_options;

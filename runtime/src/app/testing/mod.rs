@@ -45,8 +45,9 @@
 //!
 //! [`TestCertificates`] (feature `testing`) makes a CA and certificates at test
 //! time — a server's, an expired one, one for another host, a client's — and
-//! [`PostgresServer`] starts a private PostgreSQL server with TLS on (only TLS
-//! accepted; client certificates required if asked); [`ClusterBuilder::tls`] gives
+//! [`PostgresServer`] starts a private PostgreSQL server, with TLS on if asked (only
+//! TLS accepted; client certificates required if asked), that a test may restart or
+//! stop without touching the machine's; [`ClusterBuilder::tls`] gives
 //! private RabbitMQ nodes a TLS listener. Together they test what crosses the wire.
 //!
 //! [`PostgresPair`] (feature `testing`) starts a private PostgreSQL primary and a

@@ -1,6 +1,7 @@
 //! A private PostgreSQL server on this host, beside the machine's own:
 //! [`PostgresServer`], for tests that need a server configured otherwise (TLS on,
-//! client certificates required, a certificate that does not verify).
+//! client certificates required, a certificate that does not verify) or one they
+//! may restart and stop.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -133,27 +134,7 @@ impl PostgresServer {
             ])
             .await?;
         server.configure(&options)?;
-        let log = server.dir.join("log").display().to_string();
-        server
-            .run(&[
-                &server.bin.join("pg_ctl").display().to_string(),
-                "start",
-                "-w",
-                "-t",
-                &START_TIMEOUT.as_secs().to_string(),
-                "-D",
-                &server.data(),
-                "-l",
-                &log,
-            ])
-            .await
-            .map_err(|err| match err {
-                ClusterError::Command { command, output } => ClusterError::Command {
-                    command,
-                    output: format!("{output}\n{}", std::fs::read_to_string(&log).unwrap_or_default()),
-                },
-                other => other,
-            })?;
+        server.pg_ctl(&["start", "-w", "-t", &START_TIMEOUT.as_secs().to_string()]).await?;
         tracing::info!(port = server.port, tls = options.tls.is_some(), "private PostgreSQL server up");
         Ok(server)
     }
@@ -169,8 +150,51 @@ impl PostgresServer {
         format!("postgres://postgres@localhost:{}/{database}", self.port)
     }
 
+    /// Restarts the server as an operator would (`pg_ctl restart`, fast shutdown:
+    /// every session is ended, then it comes back on the same port with the same
+    /// data), or starts it again after [`stop`](Self::stop); returns once it accepts
+    /// connections.
+    ///
+    /// # Errors
+    /// `pg_ctl` failed (its output and the server's log say why).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: the server may be down, or up again.
+    pub async fn restart(&self) -> Result<(), ClusterError> {
+        self.pg_ctl(&["restart", "-m", "fast", "-w", "-t", &START_TIMEOUT.as_secs().to_string()]).await
+    }
+
+    /// Stops the server (`pg_ctl stop`, fast shutdown: every session is ended) and
+    /// keeps its data: [`restart`](Self::restart) starts it again. Dropping the
+    /// server, stopped or not, removes it.
+    ///
+    /// # Errors
+    /// `pg_ctl` failed (its output and the server's log say why).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: the server may be stopping.
+    pub async fn stop(&self) -> Result<(), ClusterError> {
+        self.pg_ctl(&["stop", "-m", "fast", "-w"]).await
+    }
+
+    /// `pg_ctl <args> -D <data> -l <log>`; a failure's output holds the log's tail.
+    async fn pg_ctl(&self, args: &[&str]) -> Result<(), ClusterError> {
+        let pg_ctl = self.bin.join("pg_ctl").display().to_string();
+        let (data, log) = (self.data(), self.log());
+        let mut command = vec![pg_ctl.as_str()];
+        command.extend_from_slice(args);
+        // The log file, not our pipe: a server holding pg_ctl's stdout open would
+        // keep the wait for its output from ever ending.
+        command.extend_from_slice(&["-D", &data, "-l", &log]);
+        self.run(&command).await.map_err(|err| with_log(err, &log))
+    }
+
     fn data(&self) -> String {
         self.dir.join("data").display().to_string()
+    }
+
+    fn log(&self) -> String {
+        self.dir.join("log").display().to_string()
     }
 
     fn configure(&self, options: &PostgresServerBuilder) -> Result<(), ClusterError> {
@@ -220,6 +244,17 @@ impl Drop for PostgresServer {
             .stderr(std::process::Stdio::null())
             .status();
         let _ = self.watchdog.wait();
+    }
+}
+
+/// `err` with the server's log (at `log`) added to a failed command's output.
+fn with_log(err: ClusterError, log: &str) -> ClusterError {
+    match err {
+        ClusterError::Command { command, output } => ClusterError::Command {
+            command,
+            output: format!("{output}\n{}", std::fs::read_to_string(log).unwrap_or_default()),
+        },
+        other => other,
     }
 }
 
