@@ -177,7 +177,7 @@ impl PostgresServer {
         self.pg_ctl(&["stop", "-m", "fast", "-w"]).await
     }
 
-    /// `pg_ctl <args> -D <data> -l <log>`; a failure's output holds the log's tail.
+    /// `pg_ctl <args> -D <data> -l <log>`; a failure's output holds the server's log.
     async fn pg_ctl(&self, args: &[&str]) -> Result<(), ClusterError> {
         let pg_ctl = self.bin.join("pg_ctl").display().to_string();
         let (data, log) = (self.data(), self.log());
