@@ -166,6 +166,18 @@ impl TestDb {
         connect_pg(&self.url).await
     }
 
+    /// Ends every session of this database but the one asking
+    /// (`pg_terminate_backend`): what a database fault does to a consumer's
+    /// connections, scoped to this test. Returns how many it ended.
+    pub async fn kill_sessions(&self) -> i64 {
+        self.count(&format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = '{}' \
+             AND pid <> pg_backend_pid()",
+            self.name
+        ))
+        .await
+    }
+
     /// Runs `sql`, a query of one `bigint` (e.g. `SELECT count(*) FROM …`), on a new
     /// connection and returns its value. Panics on failure.
     pub async fn count(&self, sql: &str) -> i64 {

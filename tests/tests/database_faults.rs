@@ -73,16 +73,6 @@ async fn private_postgres() -> PostgresServer {
     .expect("start a private PostgreSQL server")
 }
 
-/// Ends every other session of the bed's database (`pg_terminate_backend`).
-async fn kill_sessions(bed: &Bed) {
-    use diesel_async::RunQueryDsl;
-    let kill = format!(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}' AND pid <> pg_backend_pid()",
-        bed.db.name()
-    );
-    diesel::sql_query(kill).execute(&mut bed.db.connect().await).await.expect("kill the sessions");
-}
-
 /// Restarts `server` (fast shutdown: every session ends) and waits until it
 /// accepts connections again.
 async fn restart_postgres(server: &PostgresServer) {
@@ -98,7 +88,7 @@ async fn killed_database_sessions_mid_stream_lose_nothing_and_double_nothing() {
     let bed = Bed::new().await;
     let stats = stream_through(&bed, async {
         for _ in 0..3 {
-            kill_sessions(&bed).await;
+            bed.db.kill_sessions().await;
             tokio::time::sleep(Duration::from_millis(150)).await;
         }
     })

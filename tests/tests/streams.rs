@@ -348,14 +348,7 @@ async fn killed_database_sessions_lose_and_double_nothing() {
     publish(&bed, &stream, &payments).await;
     let running = Running::start(runtime(&bed, &stream).batch_size(4));
     running.wait_until("some applied", |events| events.len() >= 40).await;
-    let killed = bed
-        .db
-        .count(&format!(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = '{}' \
-             AND pid <> pg_backend_pid()",
-            bed.db.name()
-        ))
-        .await;
+    let killed = bed.db.kill_sessions().await;
     assert!(killed >= 2, "the lock's connection and the pool's at least: {killed}");
     running.wait_settled(payments.len()).await;
     running.stop().await.expect("clean shutdown");
