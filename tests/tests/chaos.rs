@@ -151,26 +151,32 @@ in_both_modes! {
 /// to the test's database) three times mid-stream.
 async fn chaos_postgres_kills_the_consumers_sessions() {
     let bed = Bed::isolated().await;
-    let payments = publish_stream(&bed, PAYMENTS).await;
+    let mut payments = publish_stream(&bed, PAYMENTS).await;
     let runtimes = two_runtimes(&bed, |b| b);
     // Early in the stream a kill must hit a transaction: group commit applies the
     // stream fast, and a kill landing between batches only closes idle pooled
     // connections (seen twice in fresh-clone CI runs, once after waiting for an open
     // transaction: the 3 ms window had closed before `psql` started). So the first
     // kill aims at the sessions inside a handler's transaction, in one statement,
-    // until the runtimes report a transaction retried.
+    // until the runtimes report a transaction retried. And the stream may end before
+    // one lands (seen with six tests at a time: 60 s of kills after the last
+    // payment): while none has, more payments keep transactions coming.
     wait_applied(&bed, PAYMENTS / 8).await;
-    eventually("a kill hits a handler's transaction", Duration::from_secs(60), || async {
+    let retried = || runtimes.iter().map(|running| running.stats.snapshot().infrastructure_retries).sum::<u64>();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while retried() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no kill hit a handler's transaction in 60 s");
+        if bed.ledger_total().await >= payments.len() as i64 {
+            payments.extend(publish_stream(&bed, PAYMENTS / 4).await);
+        }
         kill_open_transactions(&bed).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
-        runtimes.iter().map(|running| running.stats.snapshot().infrastructure_retries).sum::<u64>() > 0
-    })
-    .await;
+    }
     for fraction in 2..=3 {
         wait_applied(&bed, PAYMENTS * fraction / 8).await;
         bed.db.kill_sessions().await;
     }
-    wait_applied(&bed, PAYMENTS).await;
+    wait_applied(&bed, payments.len()).await;
     wait_drained(&bed).await;
     let mut infrastructure_retries = 0;
     for running in runtimes {
