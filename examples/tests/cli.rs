@@ -9,24 +9,21 @@ use std::time::{Duration, Instant};
 struct Isolated {
     vhost: String,
     database: String,
+    /// Made and removed through RabbitMQ's HTTP API (`rabbitmqctl` where it cannot
+    /// be had): each `rabbitmqctl` boots an Erlang VM, half a second of CPU.
+    _vhost: idemq_tests::TestVhost,
 }
 
 impl Isolated {
     fn new() -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
         let id = format!("{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
-        let vhost = format!("idemq_cli_{id}");
-        run_ok(Command::new("rabbitmqctl").args(["add_vhost", &vhost]));
-        run_ok(Command::new("rabbitmqctl").args([
-            "set_permissions",
-            "-p",
-            &vhost,
-            "guest",
-            ".*",
-            ".*",
-            ".*",
-        ]));
-        Self { vhost, database: format!("idemq_cli_{id}") }
+        let vhost = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime to create the vhost on")
+            .block_on(idemq_tests::TestVhost::create());
+        Self { vhost: vhost.name().to_owned(), database: format!("idemq_cli_{id}"), _vhost: vhost }
     }
 
     fn payments(&self, args: &[&str]) -> Command {
@@ -42,7 +39,6 @@ impl Isolated {
 
 impl Drop for Isolated {
     fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl").args(["delete_vhost", &self.vhost]).output();
         let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.database);
         let _ = Command::new("psql")
             .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-c", &sql])
