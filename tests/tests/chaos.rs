@@ -159,8 +159,8 @@ async fn chaos_postgres_kills_the_consumers_sessions() {
     // transaction: the 3 ms window had closed before `psql` started). So the first
     // kill aims at the sessions inside a handler's transaction, in one statement,
     // until the runtimes report a transaction retried. And the stream may end before
-    // one lands (seen with six tests at a time: 60 s of kills after the last
-    // payment): while none has, more payments keep transactions coming.
+    // one lands (the likely cause of 60 s of kills without a hit, seen once with six
+    // tests at a time): while none has, more payments keep transactions coming.
     wait_applied(&bed, PAYMENTS / 8).await;
     let retried = || runtimes.iter().map(|running| running.stats.snapshot().infrastructure_retries).sum::<u64>();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
