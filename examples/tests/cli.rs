@@ -7,11 +7,10 @@ use std::time::{Duration, Instant};
 
 /// A vhost and a database name for one test; removed on drop.
 struct Isolated {
-    vhost: String,
-    database: String,
     /// Made and removed through RabbitMQ's HTTP API (`rabbitmqctl` where it cannot
     /// be had): each `rabbitmqctl` boots an Erlang VM, half a second of CPU.
-    _vhost: idemq_tests::TestVhost,
+    vhost: idemq_tests::TestVhost,
+    database: String,
 }
 
 impl Isolated {
@@ -23,14 +22,19 @@ impl Isolated {
             .build()
             .expect("a runtime to create the vhost on")
             .block_on(idemq_tests::TestVhost::create());
-        Self { vhost: vhost.name().to_owned(), database: format!("idemq_cli_{id}"), _vhost: vhost }
+        Self { vhost, database: format!("idemq_cli_{id}") }
+    }
+
+    /// The vhost's name.
+    fn vhost(&self) -> &str {
+        self.vhost.name()
     }
 
     fn payments(&self, args: &[&str]) -> Command {
         let mut command = Command::new(env!("CARGO_BIN_EXE_payments"));
         command
             .args(args)
-            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:5672/{}", self.vhost))
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:5672/{}", self.vhost()))
             .env("DATABASE_URL", format!("postgres://postgres@127.0.0.1:5432/{}", self.database))
             .env_remove("RUST_LOG");
         command
@@ -101,7 +105,7 @@ fn migrate_exits_zero_and_run_stops_cleanly_on_sigterm() {
         let listed = run_ok(Command::new("rabbitmqctl").args([
             "list_queues",
             "-p",
-            &env.vhost,
+            env.vhost(),
             "name",
             "consumers",
             "-q",
@@ -212,7 +216,7 @@ fn declare_shows_what_is_missing_and_apply_declares_it() {
     assert!(dry.lines().any(|l| l.contains("queue payments.applied") && l.contains("missing")), "{dry}");
     assert!(dry.contains("payments.retry.1000ms"), "the wait queues are listed: {dry}");
     let listed =
-        stdout(&run_ok(Command::new("rabbitmqctl").args(["list_queues", "-p", &env.vhost, "name", "-q"])));
+        stdout(&run_ok(Command::new("rabbitmqctl").args(["list_queues", "-p", env.vhost(), "name", "-q"])));
     assert!(!listed.lines().any(|l| l.trim() == "payments"), "a dry run declared: {listed}");
     run_ok(&mut env.payments(&["declare", "--apply"]));
     let again = stdout(&run_ok(&mut env.payments(&["declare"])));
@@ -253,7 +257,7 @@ fn status_counts_exactly_lists_the_wait_queues_and_says_what_it_cannot_read() {
         "INSERT INTO idemq_dedup (handler, key, processed_at) \
          SELECT 'h', 'k' || i, now() FROM generate_series(1, 32689) AS i",
     );
-    publish(&env.vhost, "payments.retry.600000ms", 2);
+    publish(env.vhost(), "payments.retry.600000ms", 2);
     let status = stdout(&run_ok(&mut env.payments(&["status"])));
     assert!(status.lines().any(|l| l == "dedup rows: 32689"), "{status}");
     // The queue's line sums its retries and names its wait queues' delays; a wait
@@ -393,7 +397,7 @@ fn dlq_lists_shows_replays_and_purges_dead_letters() {
     assert!(!left.contains("decode"), "{left}");
     // The replayed one waits in `payments` (no consumer runs).
     let queues = || {
-        let listed = ["list_queues", "-p", &env.vhost, "name", "messages", "-q"];
+        let listed = ["list_queues", "-p", env.vhost(), "name", "messages", "-q"];
         stdout(&run_ok(Command::new("rabbitmqctl").args(listed)))
     };
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -418,7 +422,7 @@ fn run_gives_up_after_idemq_startup_timeout_naming_the_unreachable_broker() {
     let env = Isolated::new();
     let stderr = run_fails(
         env.payments(&["run"])
-            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:{}/{}", refusing_port(), env.vhost))
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:{}/{}", refusing_port(), env.vhost()))
             .env("IDEMQ_STARTUP_TIMEOUT", "2s"),
     );
     assert!(stderr.contains("cannot connect to RabbitMQ") && stderr.contains("startup timeout"), "{stderr}");
@@ -510,7 +514,7 @@ fn a_failed_run_with_log_format_json_reports_its_failure_as_a_json_line() {
     let env = Isolated::new();
     let stderr = run_fails(
         env.payments(&["run", "--log-format", "json", "--startup-timeout", "1s"])
-            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:{}/{}", refusing_port(), env.vhost)),
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:{}/{}", refusing_port(), env.vhost())),
     );
     let objects: Vec<serde_json::Value> = stderr
         .lines()
@@ -529,7 +533,7 @@ fn a_failed_run_with_log_format_json_reports_its_failure_as_a_json_line() {
 fn a_refused_login_prints_idemqs_message_without_lapins_error_lines() {
     let env = Isolated::new();
     run_ok(&mut env.payments(&["migrate"]));
-    let wrong = format!("amqp://guest:wrong-pw@127.0.0.1:5672/{}", env.vhost);
+    let wrong = format!("amqp://guest:wrong-pw@127.0.0.1:5672/{}", env.vhost());
     let stderr = run_fails(env.payments(&["run"]).env("AMQP_URL", &wrong));
     assert!(
         stderr.contains("payments: cannot connect to RabbitMQ") && stderr.contains("ACCESS_REFUSED"),
@@ -585,7 +589,7 @@ fn run_logs_its_start_and_stop_without_colour_codes_when_stderr_is_no_terminal()
     let text = lines.join("\n");
     let start = lines.iter().find(|line| line.contains("INFO") && line.contains("starting")).expect(&text);
     assert!(start.contains("consumers=payments (apply_payment)"), "{start}");
-    assert!(start.contains(&format!("broker=amqp://guest:***@127.0.0.1:5672/{}", env.vhost)), "{start}");
+    assert!(start.contains(&format!("broker=amqp://guest:***@127.0.0.1:5672/{}", env.vhost())), "{start}");
     assert!(!text.contains("guest:guest"), "the broker's password is logged: {text}");
     assert!(lines.iter().any(|line| line.contains("INFO") && line.contains("shutting down")), "{text}");
     assert!(lines.iter().any(|line| line.contains("INFO") && line.contains("stopped")), "{text}");
