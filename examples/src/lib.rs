@@ -1,6 +1,6 @@
 //! The `payments` demo: exactly-once ledger updates from RabbitMQ.
 //!
-//! Run with: `cargo run --release -p idemq-example-payments -- demo`
+//! Run with: `cargo run -p idemq-example-payments -- demo`
 //!
 //! A `payments` queue (quorum, dead-letter queue `payments.dlq`) carries
 //! `{"payment_id": string, "account": string, "amount_cents": integer}`. The handler

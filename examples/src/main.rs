@@ -1,6 +1,6 @@
 //! The `payments` binary: idemq's CLI for the payments handler, plus the demo.
 //!
-//! Run with: `cargo run --release -p idemq-example-payments -- demo`
+//! Run with: `cargo run -p idemq-example-payments -- demo`
 //!
 //! ```text
 //! payments run       declare the topology and consume the queue and the stream until
