@@ -40,7 +40,8 @@
 //!
 //! ## Design
 //!
-//! The life of a delivery is one state machine, in one module (`engine/delivery/`, whose `mod.rs` tells it):
+//! The life of a delivery is one state machine, in one file (`engine/delivery/life.rs`,
+//! its stages as a type; each stage is done in a file of its own beside it):
 //!
 //! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
 //! batch's rows in one statement, which also reads the rows of the duplicates) →

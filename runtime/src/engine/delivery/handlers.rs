@@ -1,4 +1,4 @@
-//! The handler phase of the transaction (see `transact`): each new message's
+//! The handler stage of the transaction (see `life`): each new message's
 //! handler in the open transaction, in arrival order — or a batch handler once, with
 //! all of them — and what a failure means: in a batch of several a split (around the
 //! failing message, or in halves when a batch handler failed, naming none), alone a
@@ -19,9 +19,10 @@ use diesel_async::{AnsiTransactionManager, AsyncConnection, TransactionManager};
 use futures_util::FutureExt;
 use tracing::Instrument;
 
+use super::contention::Collision;
 use super::faults::{answers, cancel_statement, panic_message, Failure, Fault, InfraFault};
-use super::transact::{infra, rerun_repeats, split, Done, Step, Tx};
-use super::{Collision, Consumer, Delivered};
+use super::tx::{infra, rerun_repeats, split, Done, Step, Tx};
+use super::{Consumer, Delivered};
 use crate::base::duration::human;
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{self, Outgoing, Request};
@@ -237,7 +238,7 @@ impl Consumer {
             Unfinished::Returned(error) => Failure::Returned(error),
             // Both leave the transaction open and maybe a statement running: cancel
             // it on the server (dropping the connection alone would not stop it, and
-            // it would keep its locks); `attempt` then drops the connection (it is in
+            // it would keep its locks); `life`'s `run` then drops the connection (it is in
             // a transaction, so broken), which ends the transaction server-side.
             Unfinished::Panicked(message) => {
                 cancel_statement(cancel).await;
@@ -365,10 +366,6 @@ impl Consumer {
             self.shared.outbox.committed();
         }
         Ok(())
-    }
-
-    pub(super) fn handler_failed(&self, error: HandlerError, attempt: u32) -> Outcome {
-        verdict::handler_failed(error.class(), error.to_string(), attempt, &self.retry)
     }
 }
 
