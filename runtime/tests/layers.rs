@@ -8,9 +8,10 @@
 //!                     └─> base (pure) · error · config
 //! ```
 //!
-//! This test reads `src/` and fails on any `crate::…` path in code that points up or
-//! sideways or names an item through the crate root, and on any import circle
-//! between files (of the runtime, and of the workspace's other crates).
+//! This test reads `src/` and fails on any `crate::…` or `super::…` path in code
+//! that points up or sideways, on any `crate::…` path that names an item through
+//! the crate root, and on any import circle between files (of the runtime, and of
+//! the workspace's other crates).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -56,6 +57,12 @@ fn files(dir: &Path, prefix: &str, out: &mut Vec<(String, PathBuf)>) {
 /// Every `crate::…` path in a file's code (comments skipped), without its
 /// `crate::`, and whether it was `$crate::` (a macro's path to its own crate).
 fn crate_paths(text: &str) -> Vec<(bool, String)> {
+    paths_after(text, "crate::").into_iter().map(|(before, path)| (before.ends_with('$'), path)).collect()
+}
+
+/// Every path in a file's code (comments skipped) that follows `prefix`, without
+/// it, with the code before it on its line.
+fn paths_after<'a>(text: &'a str, prefix: &str) -> Vec<(&'a str, String)> {
     let mut found = Vec::new();
     for line in text.lines() {
         let code = line.trim_start();
@@ -63,23 +70,49 @@ fn crate_paths(text: &str) -> Vec<(bool, String)> {
             continue;
         }
         let code = code.split(" //").next().unwrap_or(code);
-        for (i, _) in code.match_indices("crate::") {
-            let path: String = code[i + "crate::".len()..]
+        for (i, _) in code.match_indices(prefix) {
+            // `super::` inside `super::super::` is counted once, from the first.
+            if prefix == "super::" && code[..i].ends_with("super::") {
+                continue;
+            }
+            let path: String = code[i + prefix.len()..]
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
                 .collect();
-            found.push((code[..i].ends_with('$'), path));
+            found.push((&code[..i], path));
         }
     }
     found
 }
 
-/// The modules a file's code names with `crate::…`, longest known module prefix
-/// of each path.
-fn uses(text: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
-    crate_paths(text)
+/// The `super::…` paths of the file of `module`, made absolute (without
+/// `crate::`): `super` is the module's parent (for a `mod.rs` too, whose module
+/// is its folder's).
+fn super_paths(text: &str, module: &str) -> Vec<String> {
+    paths_after(text, "super::")
         .into_iter()
         .filter_map(|(_, path)| {
+            let mut base: Vec<&str> = module.split("::").filter(|s| !s.is_empty()).collect();
+            base.pop()?;
+            let mut rest = path.as_str();
+            while let Some(after) = rest.strip_prefix("super::") {
+                base.pop()?;
+                rest = after;
+            }
+            base.extend(rest.split("::").filter(|s| !s.is_empty()));
+            Some(base.join("::"))
+        })
+        .collect()
+}
+
+/// The modules a file's code names with `crate::…` or `super::…` (the file's
+/// module is `module`), longest known module prefix of each path.
+fn uses(text: &str, module: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
+    crate_paths(text)
+        .into_iter()
+        .map(|(_, path)| path)
+        .chain(super_paths(text, module))
+        .filter_map(|path| {
             let segments: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
             (1..=segments.len())
                 .rev()
@@ -117,7 +150,7 @@ fn graph_of(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     all.iter()
         .map(|(module, path)| {
             let text = std::fs::read_to_string(path).expect("read a source file");
-            let mut used = uses(&text, &known);
+            let mut used = uses(&text, module, &known);
             used.remove(module);
             (module.clone(), used)
         })
@@ -219,4 +252,16 @@ fn code_names_items_by_their_home_not_through_the_crate_root() {
         }
     }
     assert!(wrong.is_empty(), "items named through the crate root:\n  {}", wrong.join("\n  "));
+}
+
+#[test]
+fn super_paths_resolve_from_the_files_module() {
+    let text =
+        "use super::tx::{Step, Tx};\n// use super::gone;\nlet x = super::super::base::verdict::around(1, 0);";
+    assert_eq!(
+        super_paths(text, "engine::delivery::claim"),
+        ["engine::delivery::tx", "engine::base::verdict::around"],
+        "a file's super is its folder's module; super::super the one above"
+    );
+    assert_eq!(super_paths("use super::faults::Fault;", "engine::delivery"), ["engine::faults::Fault"]);
 }

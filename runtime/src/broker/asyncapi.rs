@@ -14,6 +14,16 @@ use serde_json::{json, Map, Value};
 
 use super::topology::{Queue, QueueType, Topology};
 
+impl Topology {
+    /// The topology as an AsyncAPI 3.0 document (JSON): its queues and exchanges as
+    /// channels, a `send` operation per [message type](Self::message). A runtime's
+    /// document ([`RuntimeBuilder::asyncapi`](crate::RuntimeBuilder::asyncapi)) adds
+    /// its handlers.
+    pub fn asyncapi(&self, title: &str, version: &str) -> Value {
+        document(self, &[], title, version)
+    }
+}
+
 /// A handler as the document shows it: the queue it consumes and what it reads.
 pub(crate) struct Receiver<'a> {
     pub(crate) queue: &'a str,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use super::topology::{Exchange, Queue};
+use super::topology::{Exchange, Queue, Topology};
 
 /// A handler's streams, `<name>.0` … `<name>.<count - 1>`, behind the direct exchange
 /// `<name>`, each bound with its number as routing key. A publisher routes a message
@@ -108,6 +108,18 @@ impl Partitions {
         (0..self.count).map(|partition| {
             self.template.renamed(self.stream(partition)).bind(self.name.clone(), partition.to_string())
         })
+    }
+}
+
+impl Topology {
+    /// Adds partitioned streams: their direct exchange and each stream (with its
+    /// dead-letter queue), bound by its number. See [`Partitions`].
+    pub fn partitions(mut self, partitions: Partitions) -> Self {
+        if !self.exchanges.iter().any(|exchange| exchange.name() == partitions.name()) {
+            self.exchanges.push(partitions.exchange());
+        }
+        self.queues.extend(partitions.queues());
+        self
     }
 }
 

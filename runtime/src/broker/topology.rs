@@ -40,8 +40,9 @@ pub(crate) const DEAD_LETTER_DELIVERY_LIMIT: i64 = i32::MAX as i64;
 #[derive(Debug, Clone, Default)]
 #[must_use = "a topology does nothing until it is given to the runtime builder"]
 pub struct Topology {
-    exchanges: Vec<Exchange>,
-    queues: Vec<Queue>,
+    // Seen by the files that extend it: `partitions`, `asyncapi`.
+    pub(super) exchanges: Vec<Exchange>,
+    pub(super) queues: Vec<Queue>,
     /// The message types named with [`Topology::message`], for the AsyncAPI
     /// document.
     messages: Vec<MessageKind>,
@@ -102,29 +103,11 @@ impl Topology {
         self
     }
 
-    /// Adds partitioned streams: their direct exchange and each stream (with its
-    /// dead-letter queue), bound by its number. See [`Partitions`](crate::Partitions).
-    pub fn partitions(mut self, partitions: crate::broker::partitions::Partitions) -> Self {
-        if !self.exchanges.iter().any(|exchange| exchange.name == partitions.name()) {
-            self.exchanges.push(partitions.exchange());
-        }
-        self.queues.extend(partitions.queues());
-        self
-    }
-
     /// Whether it names any queue (declared, or [declared
     /// elsewhere](Queue::declared_elsewhere)): then it must name every consumed queue
     /// (see [`RuntimeBuilder::consume`](crate::RuntimeBuilder::consume)).
     pub(crate) fn names_queues(&self) -> bool {
         !self.queues.is_empty()
-    }
-
-    /// The topology as an AsyncAPI 3.0 document (JSON): its queues and exchanges as
-    /// channels, a `send` operation per [message type](Self::message). A runtime's
-    /// document ([`RuntimeBuilder::asyncapi`](crate::RuntimeBuilder::asyncapi)) adds
-    /// its handlers.
-    pub fn asyncapi(&self, title: &str, version: &str) -> serde_json::Value {
-        super::asyncapi::document(self, &[], title, version)
     }
 
     /// The queue named `name`, if declared here.
