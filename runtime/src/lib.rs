@@ -345,6 +345,7 @@ pub use base::verdict::OnConflict;
 pub use broker::partitions::Partitions;
 pub use broker::publisher::Publisher;
 pub use broker::topology::{Exchange, Queue, Topology};
+pub use engine::flow::{KillSwitch, KillSwitchParseError};
 pub use engine::runtime::{shutdown_signal, shutdown_signals, Runtime, RuntimeBuilder, ShutdownSignals};
 pub use error::{Dependency, Error};
 pub use handler::batch::Batch;
@@ -383,8 +384,8 @@ pub use base::headers;
 pub mod observe {
     pub use crate::base::observe::Sweep;
     pub use crate::base::observe::{
-        on_connection, on_settled, Commit, ConnectionEvent, DecidedBatch, InfrastructureRetry, Observe,
-        RelayPass, StreamEvent, StreamState,
+        on_connection, on_settled, Commit, ConnectionEvent, DecidedBatch, InfrastructureRetry,
+        KillSwitchEvent, Observe, RelayPass, StreamEvent, StreamState,
     };
     pub use crate::base::outcome::{Settled, Stats, StatsSnapshot};
 }

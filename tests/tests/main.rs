@@ -26,6 +26,7 @@ mod crash;
 mod database_faults;
 mod dedup;
 mod failures;
+mod flow_control;
 mod handler_options;
 mod handlers;
 mod identity;

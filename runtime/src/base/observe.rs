@@ -164,6 +164,25 @@ pub trait Observe: Send + Sync + 'static {
     fn swept(&self, sweep: &Sweep) {
         let _ = sweep;
     }
+
+    /// A handler's kill switch opened (its queue is paused) or closed (see
+    /// [`RuntimeBuilder::kill_switch`](crate::RuntimeBuilder::kill_switch)).
+    fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
+        let _ = event;
+    }
+}
+
+/// A handler's kill switch opened or closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KillSwitchEvent<'a> {
+    /// The handler's queue.
+    pub queue: &'a str,
+    /// The handler's name.
+    pub handler: &'static str,
+    /// For an open switch (the queue is paused), how long until one message is
+    /// tried; `None` when it closed (consuming again).
+    pub open_for: Option<Duration>,
 }
 
 /// A database fault a transaction is retried after.
@@ -290,6 +309,10 @@ impl Observers {
     pub(crate) fn swept(&self, sweep: &Sweep) {
         self.0.iter().for_each(|o| o.swept(sweep));
     }
+
+    pub(crate) fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
+        self.0.iter().for_each(|o| o.kill_switch(event));
+    }
 }
 
 /// A shared subscriber (keep a clone to read what it gathered).
@@ -328,6 +351,10 @@ impl<T: Observe> Observe for Arc<T> {
 
     fn swept(&self, sweep: &Sweep) {
         (**self).swept(sweep);
+    }
+
+    fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
+        (**self).kill_switch(event);
     }
 }
 

@@ -109,6 +109,10 @@ pub enum Outcome {
         /// The error, as in `x-idemq-error`.
         error: String,
     },
+    /// Returned to the queue unprocessed because its handler's kill switch is open
+    /// (see [`RuntimeBuilder::kill_switch`](crate::RuntimeBuilder::kill_switch)): not an
+    /// attempt.
+    Paused,
     /// Cut off before it was settled — by the shutdown deadline, or because its
     /// channel closed while it waited: any open transaction is rolled back and the
     /// delivery returns to the queue.
@@ -117,7 +121,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// `applied`, `duplicate`, `already_copied`, `retried`, `requeued`,
-    /// `dead_lettered` or `abandoned` (the `outcome` label of the metrics).
+    /// `dead_lettered`, `paused` or `abandoned` (the `outcome` label of the metrics).
     pub fn name(&self) -> &'static str {
         match self {
             Self::Applied => "applied",
@@ -126,6 +130,7 @@ impl Outcome {
             Self::Retry { .. } => "retried",
             Self::Requeued { .. } => "requeued",
             Self::DeadLettered { .. } => "dead_lettered",
+            Self::Paused => "paused",
             Self::Abandoned => "abandoned",
         }
     }
@@ -178,6 +183,7 @@ pub struct Stats {
     retried: AtomicU64,
     dead_lettered: AtomicU64,
     requeued: AtomicU64,
+    paused: AtomicU64,
     abandoned: AtomicU64,
     unsettled: AtomicU64,
     infrastructure_retries: AtomicU64,
@@ -200,6 +206,8 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Deliveries returned to the queue because their copy could not be published.
     pub requeued: u64,
+    /// Deliveries returned to the queue unprocessed by an open kill switch.
+    pub paused: u64,
     /// Deliveries cut off by the shutdown deadline (returned to the queue).
     pub abandoned: u64,
     /// Deliveries whose ack/nack could not be sent (channel gone): the broker redelivers.
@@ -222,6 +230,7 @@ impl Stats {
             retried: get(&self.retried),
             dead_lettered: get(&self.dead_lettered),
             requeued: get(&self.requeued),
+            paused: get(&self.paused),
             abandoned: get(&self.abandoned),
             unsettled: get(&self.unsettled),
             infrastructure_retries: get(&self.infrastructure_retries),
@@ -237,6 +246,7 @@ impl Stats {
             Outcome::Retry { .. } => &self.retried,
             Outcome::Requeued { .. } => &self.requeued,
             Outcome::DeadLettered { .. } => &self.dead_lettered,
+            Outcome::Paused => &self.paused,
             Outcome::Abandoned => &self.abandoned,
         };
         counter.fetch_add(1, Ordering::Relaxed);

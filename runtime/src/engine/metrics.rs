@@ -22,7 +22,7 @@
 //!
 //! | series | |
 //! |---|---|
-//! | `idemq_deliveries_total{queue, handler, outcome, kind}` | settled deliveries: `applied`, `duplicate`, `already_copied`, `retried`, `requeued`, `dead_lettered` (with the failure `kind`), `abandoned` |
+//! | `idemq_deliveries_total{queue, handler, outcome, kind}` | settled deliveries: `applied`, `duplicate`, `already_copied`, `retried`, `requeued`, `dead_lettered` (with the failure `kind`), `paused` (an open kill switch), `abandoned` |
 //! | `idemq_in_flight{queue, handler}` | deliveries received and not yet settled |
 //! | `idemq_delivery_duration_seconds{queue, handler}` | received → settled |
 //! | `idemq_handler_duration_seconds{queue, handler}` | a handler's run (its last, for a re-run one) |
@@ -39,6 +39,8 @@
 //! | `idemq_outbox_backlog` | rows waiting in the outbox (refreshed every 5 s) |
 //! | `idemq_outbox_oldest_seconds` | the age of the oldest row waiting in the outbox: the relay's lag (refreshed every 5 s) |
 //! | `idemq_stream_owned{stream, handler}` | 1 while this process owns the stream for the handler |
+//! | `idemq_kill_switch_open{queue, handler}` | 1 while the handler's kill switch holds its queue paused (`RuntimeBuilder::kill_switch`) |
+//! | `idemq_kill_switch_trips_total{queue, handler}` | times it opened, a failed try after a pause included |
 //! | `idemq_dedup_rows_deleted_total` | rows the retention sweep deleted |
 //!
 //! `handler` is the name of the handler consuming the queue (as in the
@@ -107,6 +109,8 @@ pub(crate) struct Metrics {
     outbox_backlog: Gauge,
     outbox_oldest: Gauge,
     stream_owned: Family<Labels, Gauge>,
+    kill_switch_open: Family<Labels, Gauge>,
+    kill_switch_trips: Family<Labels, Counter>,
     dedup_deleted: Counter,
     database_ok: AtomicBool,
     /// Each stream consumer's state and since when: (stream, handler) → …
@@ -121,7 +125,8 @@ pub(crate) struct Metrics {
     handlers: HashMap<String, String>,
 }
 
-const OUTCOMES: [&str; 6] = ["applied", "duplicate", "already_copied", "retried", "requeued", "abandoned"];
+const OUTCOMES: [&str; 7] =
+    ["applied", "duplicate", "already_copied", "retried", "requeued", "paused", "abandoned"];
 
 impl Metrics {
     /// Every series, at zero for each of `consumers` (a queue and its handler's name).
@@ -146,6 +151,8 @@ impl Metrics {
             outbox_backlog: Gauge::default(),
             outbox_oldest: Gauge::default(),
             stream_owned: Family::default(),
+            kill_switch_open: Family::default(),
+            kill_switch_trips: Family::default(),
             dedup_deleted: Counter::default(),
             database_ok: AtomicBool::new(false),
             streams: std::sync::Mutex::default(),
@@ -241,6 +248,16 @@ impl Metrics {
             self.stream_owned.clone(),
         );
         registry.register(
+            "idemq_kill_switch_open",
+            "1 while the handler's kill switch holds its queue paused",
+            self.kill_switch_open.clone(),
+        );
+        registry.register(
+            "idemq_kill_switch_trips",
+            "Times the handler's kill switch opened (a failed try after a pause included)",
+            self.kill_switch_trips.clone(),
+        );
+        registry.register(
             "idemq_dedup_rows_deleted",
             "Dedup rows deleted by the retention sweep",
             self.dedup_deleted.clone(),
@@ -265,6 +282,8 @@ impl Metrics {
         let _ = self.batch_splits.get_or_create(&queue_only);
         let _ = self.contended_batches.get_or_create(&queue_only);
         let _ = self.infrastructure_retries.get_or_create(&queue_only);
+        let _ = self.kill_switch_open.get_or_create(&queue_only);
+        let _ = self.kill_switch_trips.get_or_create(&queue_only);
     }
 
     /// The text exposition of every series.
@@ -447,6 +466,14 @@ impl Observe for Metrics {
 
     fn swept(&self, sweep: &crate::base::observe::Sweep) {
         self.dedup_deleted.inc_by(sweep.dedup_rows);
+    }
+
+    fn kill_switch(&self, event: &crate::base::observe::KillSwitchEvent<'_>) {
+        let queue = self.consumer(event.queue);
+        self.kill_switch_open.get_or_create(&queue).set(i64::from(event.open_for.is_some()));
+        if event.open_for.is_some() {
+            self.kill_switch_trips.get_or_create(&queue).inc();
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 pub(crate) mod delivery;
 #[cfg(feature = "testing")]
 pub mod fault;
+pub(crate) mod flow;
 #[cfg(feature = "metrics")]
 pub(crate) mod metrics;
 pub(crate) mod relay;

@@ -215,6 +215,9 @@ fn outcome(outcome: &Outcome) -> String {
         Outcome::DeadLettered { kind, error } => {
             format!("dead-lettered (x-idemq-error-kind: {kind}; x-idemq-error: {error})")
         }
+        Outcome::Paused => {
+            "paused (its handler's kill switch is open: it returns to the queue unprocessed)".to_owned()
+        }
         Outcome::Abandoned => "abandoned (cut off before it settled: it returns to the queue)".to_owned(),
     }
 }

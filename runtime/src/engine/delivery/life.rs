@@ -197,7 +197,11 @@ impl Consumer {
         let mut guard = Unsettled::new(&self.acks, items.iter());
         // A batch whose channel closed while it waited cannot be settled: the broker
         // has already requeued it. Running it would only apply what is redelivered.
-        let decided = if self.channel.status().connected() {
+        // An open kill switch returns what reaches it unprocessed (not an attempt);
+        // the intake is pausing the consumer meanwhile (`session::intake`).
+        let decided = if self.flow.is_open() {
+            Some(items.iter().map(|_| Decision::new(Outcome::Paused)).collect())
+        } else if self.channel.status().connected() {
             let span = tracing::debug_span!("batch", queue = %self.queue, deliveries = items.len());
             tokio::select! {
                 decisions = tracing::Instrument::instrument(self.decide(&items, prepared), span) => Some(decisions),
@@ -250,6 +254,14 @@ impl Consumer {
         let (mut splits, mut collided) = (0_u64, Vec::new());
         let started = Instant::now();
         while let Some(part) = parts.pop_front() {
+            // The kill switch tripped (on this batch's failures or another's): what
+            // is not yet decided goes back to the queue unprocessed, not charged.
+            if self.flow.is_open() {
+                for index in part {
+                    decisions[index] = Some(Decision::new(Outcome::Paused));
+                }
+                continue;
+            }
             let ran = self.run_part(items, &part, &mut prepared).await;
             if !ran.next.is_empty() {
                 splits += 1;
@@ -258,6 +270,9 @@ impl Consumer {
                 collided.push(on);
             }
             for (index, decision) in ran.decided {
+                // As decided, not as settled: a batch's failures trip the switch
+                // before the rest of it is run.
+                self.flow.record(&decision.outcome, items[index].received_at);
                 decisions[index] = Some(decision);
             }
             for next in ran.next.into_iter().rev() {

@@ -98,6 +98,8 @@ pub(crate) struct Consumer {
     pub(crate) batch: BatchLimits,
     /// The handler's `on_conflict`, else the runtime's.
     pub(crate) on_conflict: OnConflict,
+    /// Its kill switch: told every outcome; while open, batches go back unprocessed.
+    pub(crate) flow: Arc<crate::engine::flow::Flow>,
     pub(crate) shared: Arc<Shared>,
 }
 

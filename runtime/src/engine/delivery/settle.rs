@@ -28,7 +28,7 @@ pub(super) const COPY_GRACE: Duration = Duration::from_secs(5);
 impl Consumer {
     /// Clears a settled delivery's start marks and reports it.
     pub(super) async fn finish(&self, item: &Delivered, decision: Decision, settled_with_broker: bool) {
-        if decision.marked && !matches!(decision.outcome, Outcome::Requeued { .. } | Outcome::Abandoned) {
+        if decision.marked && !needs_requeue(&decision.outcome) {
             if let Some(key) = &decision.key {
                 self.bookkeeping("clear the start marks", async |conn| {
                     db::clear_starts(conn, &self.scope, key).await
@@ -285,7 +285,7 @@ enum Bookkeeping {
 
 /// Whether the delivery goes back to the queue (the rest without a copy is acked).
 fn needs_requeue(outcome: &Outcome) -> bool {
-    matches!(outcome, Outcome::Abandoned | Outcome::Requeued { .. })
+    matches!(outcome, Outcome::Abandoned | Outcome::Paused | Outcome::Requeued { .. })
 }
 
 /// Nacks (requeue) the deliveries of a batch whose task ends without settling them:

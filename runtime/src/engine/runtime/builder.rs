@@ -11,6 +11,7 @@ use crate::base::verdict::OnConflict;
 use crate::broker::partitions::Partitions;
 use crate::broker::topology::Topology;
 use crate::config::{EnvUrls, DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+use crate::engine::flow::KillSwitch;
 use crate::error::redact;
 use crate::handler::prepare::{self, ErasedHandler};
 use crate::handler::Handler;
@@ -67,6 +68,9 @@ pub struct RuntimeBuilder {
     pub(super) batch_size: usize,
     pub(super) linger: Duration,
     pub(super) retry: RetryPolicy,
+    pub(super) kill_switch: Option<KillSwitch>,
+    /// `handler_kill_switch`'s, by handler name: over the runtime's.
+    pub(super) handler_kill_switches: Vec<(String, Option<KillSwitch>)>,
     pub(super) handler_timeout: Duration,
     pub(super) database_retry_limit: Duration,
     pub(super) max_body_bytes: usize,
@@ -128,6 +132,8 @@ impl RuntimeBuilder {
             batch_size: DEFAULT_BATCH_SIZE,
             linger: Duration::ZERO,
             retry: RetryPolicy::default(),
+            kill_switch: None,
+            handler_kill_switches: Vec::new(),
             handler_timeout: Duration::from_secs(60),
             database_retry_limit: Duration::from_secs(25 * 60),
             max_body_bytes: 1024 * 1024,
@@ -252,6 +258,27 @@ impl RuntimeBuilder {
     /// `attempts-exhausted`). Default [`RetryPolicy::default`]: 6 attempts.
     pub fn retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
+        self
+    }
+
+    /// Every handler's kill switch (default: none): when a handler's attempts keep
+    /// failing — a dependency of its own is down — its queue is paused instead of its
+    /// messages spending their retries and filling the dead-letter queue; after a
+    /// pause one message is tried, and consuming resumes once one applies. See
+    /// [`KillSwitch`] for the defaults (MassTransit's) and what counts as a failure.
+    /// It applies to each handler with a queue of its own; not to streams, nor to a
+    /// queue several handlers share (see [`handler_kill_switch`](Self::handler_kill_switch)).
+    pub fn kill_switch(mut self, switch: impl Into<Option<KillSwitch>>) -> Self {
+        self.kill_switch = switch.into();
+        self
+    }
+
+    /// `handler`'s own kill switch, over the runtime's ([`kill_switch`](Self::kill_switch));
+    /// `None` turns it off for that handler. [`build`](Self::build) refuses a name no
+    /// consumed handler has, and a switch for a handler whose queue other handlers
+    /// share (pausing that queue would pause them too).
+    pub fn handler_kill_switch(mut self, handler: &str, switch: impl Into<Option<KillSwitch>>) -> Self {
+        self.handler_kill_switches.push((handler.to_owned(), switch.into()));
         self
     }
 

@@ -67,6 +67,7 @@ impl RuntimeBuilder {
             }
         }
         self.check_handler_names()?;
+        self.check_kill_switches()?;
         if self.relay.is_none() && self.relay_poll_interval.is_some() {
             return Err(Error::Config(
                 "relay_poll_interval is set but the relay is off (`.relay(false)`): drop one of the two"
@@ -242,6 +243,54 @@ impl RuntimeBuilder {
             }
         }
         Ok(())
+    }
+}
+
+impl RuntimeBuilder {
+    /// Each `handler_kill_switch` names a handler consuming a queue of its own (see
+    /// [`crate::engine::flow`]: pausing a shared queue would pause its other handlers).
+    fn check_kill_switches(&self) -> Result<(), Error> {
+        for (name, _) in &self.handler_kill_switches {
+            let queues: Vec<&str> = self
+                .consumers
+                .iter()
+                .filter(|r| r.handler.name() == name && !self.is_stream(&r.queue))
+                .map(|r| r.queue.as_str())
+                .collect();
+            if queues.is_empty() {
+                return Err(Error::Config(format!(
+                    "handler_kill_switch names {name:?}, but no handler of that name consumes a queue \
+                     (streams have no kill switch: a stream consumer retries in place)"
+                )));
+            }
+            for queue in queues {
+                let sharing = self.consumers.iter().filter(|r| r.queue == queue).count();
+                if sharing > 1 {
+                    return Err(Error::Config(format!(
+                        "handler_kill_switch for {name:?}: its queue '{queue}' is consumed by {sharing} handlers, \
+                         and pausing it would pause them all; give the handler a queue of its own"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The kill switch of `handler` on `queue`: its own, else the runtime's; none
+    /// on a queue several handlers share.
+    pub(super) fn kill_switch_of(
+        &self,
+        handler: &str,
+        queue: &str,
+    ) -> Option<crate::engine::flow::KillSwitch> {
+        if self.consumers.iter().filter(|r| r.queue == queue).count() > 1 {
+            return None;
+        }
+        self.handler_kill_switches
+            .iter()
+            .rev()
+            .find(|(name, _)| name == handler)
+            .map_or(self.kill_switch, |(_, switch)| *switch)
     }
 }
 

@@ -32,6 +32,7 @@ use crate::base::observe::{ConnectionEvent, Observe, Observers};
 use crate::base::BoxFuture;
 use crate::broker::brokers::Brokers;
 use crate::engine::delivery::{BatchLimits, Fatal, Shared};
+use crate::engine::flow::Flow;
 use crate::engine::relay::{relay_pool, OutboxSignal, Worker};
 use crate::engine::session::{self, Connections, ConsumerSpec, SessionContext, SessionEnd};
 use crate::engine::startup::Startup;
@@ -278,10 +279,23 @@ impl Assembly {
 /// What every broker session shares: the consumers, with the runtime's settings
 /// and each handler's own options resolved.
 fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionContext, Error> {
+    let switches: Vec<_> = b.consumers.iter().map(|r| b.kill_switch_of(r.handler.name(), &r.queue)).collect();
+    if b.kill_switch.is_some() {
+        for (r, switch) in b.consumers.iter().zip(&switches) {
+            if switch.is_none() && b.consumers.iter().filter(|other| other.queue == r.queue).count() > 1 {
+                tracing::warn!(
+                    queue = %r.queue,
+                    handler = r.handler.name(),
+                    "no kill switch for this handler: its queue is shared with other handlers (pausing it would pause them all)"
+                );
+            }
+        }
+    }
     let consumers = b
         .consumers
         .into_iter()
-        .map(|registration| {
+        .zip(switches)
+        .map(|(registration, switch)| {
             // The handler's own options (`batch = N`, `retry(..)`, `on_conflict`)
             // override the runtime's; `consume_with`'s policy overrides both.
             let (retry, size) = (registration.retry_policy(&b.retry), registration.batch_size(b.batch_size));
@@ -295,6 +309,7 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
                     .prefetch
                     .unwrap_or_else(|| u16::try_from(b.concurrency.saturating_mul(size)).unwrap_or(u16::MAX)),
                 scope: dedup_scope(b.namespace.as_deref(), handler.name()),
+                flow: Arc::new(Flow::new(switch, handler.name(), &queue, shared.observers.clone())),
                 queue,
                 handler,
             }

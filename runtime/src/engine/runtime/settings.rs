@@ -47,6 +47,8 @@ pub(crate) const SETTINGS: &[Setting] = &[
     cli("prefetch", "--prefetch", "IDEMQ_PREFETCH", "100"),
     cli("linger", "--linger", "IDEMQ_LINGER", "5ms"),
     code("retry"),
+    code("kill_switch"),
+    code("handler_kill_switch"),
     cli("handler_timeout", "--handler-timeout", "IDEMQ_HANDLER_TIMEOUT", "60s"),
     cli("max_body_bytes", "--max-body-bytes", "IDEMQ_MAX_BODY_BYTES", "1048576"),
     cli("on_conflict", "--on-conflict", "IDEMQ_ON_CONFLICT", "ignore"),

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::loss::Loss;
+use super::pause::{pause, Ended};
 use super::{bounded, closed};
 use crate::engine::delivery::{Consumer, Item};
 
@@ -63,6 +64,13 @@ pub(super) async fn consume(
                 },
             }
         }
+        if consumer.flow.is_open() {
+            match pause(&consumer, &mut stream, &mut taken.pending, &tag, &intake.hard_stop, &stop).await {
+                Ok(()) => continue,
+                Err(Ended::Stopped) => return Loss::Stopped,
+                Err(Ended::Lost(loss)) => break Some(loss),
+            }
+        }
         let slot = tokio::select! {
             slot = BatchSlot::take(&consumer, &intake.permits) => slot,
             () = stop.cancelled() => break None,
@@ -101,7 +109,7 @@ pub(super) enum Source {
 }
 
 impl Source {
-    async fn next(&mut self, consumer: &Consumer) -> Next {
+    pub(super) async fn next(&mut self, consumer: &Consumer) -> Next {
         match self {
             Self::Broker(stream) => registered(consumer, stream.next().await),
             // The router is gone: it reports why the stream ended.
@@ -216,6 +224,17 @@ async fn consume_in_lanes(
                 Next::Ended(loss) => break Some(loss),
             },
         };
+        if consumer.flow.is_open() {
+            let mut held = VecDeque::from([delivery]);
+            match pause(&consumer, &mut stream, &mut held, &tag, &intake.hard_stop, &stop).await {
+                Ok(()) => continue,
+                Err(Ended::Stopped) => {
+                    drop(pipelines);
+                    return Loss::Stopped;
+                }
+                Err(Ended::Lost(loss)) => break Some(loss),
+            }
+        }
         let prepared = consumer.prepare(&delivery);
         let slot = match prepared.as_ref().ok().and_then(|prepared| prepared.lane.as_ref()) {
             Some(lane) => lane_slot(lane.as_str(), pipelines.len()),
@@ -280,7 +299,7 @@ pub(super) async fn consume_routed(
 
 /// The next delivery of a consumer's stream, registered with its channel's acks.
 #[allow(clippy::large_enum_variant)] // moved once, straight into a batch
-enum Next {
+pub(super) enum Next {
     Delivery(Delivery),
     /// The stream ended: why.
     Ended(Loss),

@@ -11,11 +11,13 @@
 //! A session runs in three phases ([`run`]): start (connect both, declare the
 //! topology, start every consumer's intake: [`start`]), watch (until shutdown or a
 //! loss: [`watch`]), and end (stop the intakes; after a loss, close what is open).
-//! Each consumer's intake — its stream of deliveries into batches — is in `intake`;
-//! why a session was lost, typed, in `loss`.
+//! Each consumer's intake — its stream of deliveries into batches — is in `intake`,
+//! with its pause while the handler's kill switch is open in `pause`; why a session
+//! was lost, typed, in `loss`.
 
 mod intake;
 mod loss;
+mod pause;
 mod route;
 
 use std::sync::Arc;
@@ -65,6 +67,8 @@ pub(crate) struct ConsumerSpec {
     pub(crate) batch: crate::engine::delivery::BatchLimits,
     /// Enough for every transaction to fill a batch.
     pub(crate) prefetch: u16,
+    /// Its kill switch (one that never trips if it has none), kept across sessions.
+    pub(crate) flow: Arc<crate::engine::flow::Flow>,
 }
 
 /// What every session shares.
@@ -416,6 +420,7 @@ impl On<'_> {
             unsent: Unsent::new(&spec.queue, self.session),
             batch: spec.batch,
             on_conflict: spec.on_conflict,
+            flow: Arc::clone(&spec.flow),
             shared: Arc::clone(&self.ctx.shared),
         })
     }

@@ -1,0 +1,121 @@
+//! Flow control: a handler whose dependency is down is paused by its kill switch
+//! instead of spending its messages' retries and filling the dead-letter queue.
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use diesel_async::AsyncPgConnection;
+use idemq::observe::{KillSwitchEvent, Observe};
+use idemq::{idempotent_handler, KillSwitch, Outcome, RetryPolicy};
+use idemq_example_payments::{record_payment, PaymentRequested};
+use idemq_tests::fixture::{payment, Bed, Running};
+
+/// When the ledger service of [`ledger_behind_a_service`] is back.
+static SERVICE_BACK_AT: OnceLock<Instant> = OnceLock::new();
+
+/// Records the payment, once "the ledger service" answers: until
+/// [`SERVICE_BACK_AT`] every attempt fails transiently, as a handler calling a
+/// service that is down does.
+#[idempotent_handler(key = "payment_id")]
+async fn ledger_behind_a_service(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), std::io::Error> {
+    if SERVICE_BACK_AT.get().is_none_or(|back| Instant::now() < *back) {
+        return Err(std::io::Error::other("the ledger service is down (connection refused)"));
+    }
+    record_payment(conn, &msg).await.map_err(std::io::Error::other)
+}
+
+/// Each kill switch change: open (with its pause) or closed.
+#[derive(Default)]
+struct Switches(Mutex<Vec<Option<Duration>>>);
+
+impl Observe for Switches {
+    fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
+        self.0.lock().unwrap().push(event.open_for);
+    }
+}
+
+/// Three attempts within three seconds: without a kill switch, a 30 s outage
+/// spends them all.
+fn three_quick_attempts() -> RetryPolicy {
+    RetryPolicy::new([1, 2].map(Duration::from_secs))
+}
+
+/// A dependency down for 30 s: with the kill switch, the handler trips, its queue
+/// waits, one message is tried after each pause, and once the service is back
+/// every message is applied exactly once — no dead letter. The same backlog
+/// beside it without a switch (the control) is dead-lettered: the test tells
+/// the two apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dependency_down_for_30_seconds_dead_letters_nothing_and_every_message_applies_once() {
+    const MESSAGES: usize = 200;
+    let (guarded, control) = (Bed::new().await, Bed::new().await);
+    let payments: Vec<PaymentRequested> = (0..MESSAGES).map(|i| payment(1_000 + i as i64)).collect();
+    for p in &payments {
+        guarded.publish(p).await;
+        control.publish(p).await;
+    }
+    SERVICE_BACK_AT.set(Instant::now() + Duration::from_secs(30)).expect("one outage per process");
+
+    let switch = KillSwitch::default().window(Duration::from_secs(10)).pause(Duration::from_secs(2));
+    let switches = Arc::new(Switches::default());
+    let guarded_run = Running::start(
+        guarded
+            .runtime()
+            .consume_with(&guarded.queue, ledger_behind_a_service, three_quick_attempts())
+            .kill_switch(switch)
+            .observe(Arc::clone(&switches)),
+    );
+    let control_run = Running::start(control.runtime().consume_with(
+        &control.queue,
+        ledger_behind_a_service,
+        three_quick_attempts(),
+    ));
+
+    let applied =
+        |events: &[idemq::observe::Settled]| events.iter().filter(|e| e.outcome == Outcome::Applied).count();
+    idemq_tests::eventually("every guarded message applied", Duration::from_secs(90), || async {
+        applied(&guarded_run.events()) >= MESSAGES
+    })
+    .await;
+    let events = guarded_run.events();
+    let failed = events.iter().filter(|e| matches!(e.outcome, Outcome::Retry { .. })).count();
+    let dead: Vec<_> = events.iter().filter(|e| matches!(e.outcome, Outcome::DeadLettered { .. })).collect();
+    let switches = switches.0.lock().unwrap().clone();
+    let run = format!("{failed} failed attempts; switch changes {switches:?}");
+    guarded_run.stop().await.expect("clean shutdown");
+
+    assert!(dead.is_empty(), "no dead letter through the outage ({run}): {dead:?}");
+    assert_eq!(guarded.broker.message_count(&guarded.dlq).await, 0);
+    assert_eq!(applied(&events), MESSAGES, "{run}");
+    assert_eq!(guarded.ledger_total().await, MESSAGES as i64, "every payment recorded");
+    assert!(guarded.doubled().await.is_empty(), "none twice");
+    // The switch stopped the attempts: the messages in flight when it tripped and
+    // one try per pause, not three attempts for each of the 200.
+    assert!(
+        failed < MESSAGES / 2,
+        "{failed} failed attempts (a control without the switch makes {}): the switch did not hold the queue",
+        MESSAGES * 3
+    );
+
+    // It opened for 2 s, then each failed try doubled the pause (at most 16 s),
+    // and it closed once the service was back.
+    assert_eq!(switches.first(), Some(&Some(Duration::from_secs(2))), "{switches:?}");
+    assert_eq!(switches.last(), Some(&None), "closed at the end: {switches:?}");
+    let pauses: Vec<Duration> = switches.iter().flatten().copied().collect();
+    assert!(pauses.windows(2).all(|p| p[1] == (p[0] * 2).min(Duration::from_secs(16))), "{switches:?}");
+
+    // Without the switch, the same outage spends every message's attempts.
+    idemq_tests::eventually("the control's messages dead-lettered", Duration::from_secs(30), || async {
+        control.broker.message_count(&control.dlq).await > 0
+    })
+    .await;
+    control_run.stop().await.expect("clean shutdown");
+    for bed in [&guarded, &control] {
+        for (wait_queue, _) in three_quick_attempts().wait_queues(&bed.queue) {
+            bed.broker.delete_queue(&wait_queue).await;
+        }
+    }
+}
