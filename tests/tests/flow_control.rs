@@ -8,7 +8,7 @@ use diesel_async::AsyncPgConnection;
 use idemq::observe::{KillSwitchEvent, Observe};
 use idemq::{idempotent_handler, KillSwitch, Outcome, RetryPolicy};
 use idemq_example_payments::{record_payment, PaymentRequested};
-use idemq_tests::fixture::{payment, Bed, Running};
+use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};
 
 /// When the ledger service of [`ledger_behind_a_service`] is back.
 static SERVICE_BACK_AT: OnceLock<Instant> = OnceLock::new();
@@ -118,4 +118,81 @@ async fn a_dependency_down_for_30_seconds_dead_letters_nothing_and_every_message
             bed.broker.delete_queue(&wait_queue).await;
         }
     }
+}
+
+/// Records the payment; no lane (its batches are formed from what has arrived).
+#[idempotent_handler(key = "payment_id")]
+async fn record_unlaned(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    record_payment(conn, &msg).await
+}
+
+/// How many of `events` were applied within `window` of the first one applied.
+fn applied_within(events: &[idemq::observe::Settled], window: Duration) -> usize {
+    let applied: Vec<Instant> =
+        events.iter().filter(|e| e.outcome == Outcome::Applied).map(|e| e.settled_at).collect();
+    let Some(first) = applied.iter().min().copied() else { return 0 };
+    applied.iter().filter(|at| at.duration_since(first) <= window).count()
+}
+
+/// A rate limit holds within 10 % over a minute, under group commit (batches of
+/// up to 64 formed from a backlog) and with lanes alike: a backlog far above the
+/// limit, 40 per second for a minute is 2,400 (plus the bucket's first second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rate_limit_holds_within_ten_percent_over_a_minute_with_batches_and_lanes() {
+    const PER_SECOND: u32 = 40;
+    const BACKLOG: usize = 3_200;
+    let (batched, laned) = (Bed::new().await, Bed::new().await);
+    for i in 0..BACKLOG {
+        let p = payment(2_000 + i as i64);
+        batched.publish(&p).await;
+        laned.publish(&p).await;
+    }
+    let runs = [
+        Running::start(
+            batched
+                .runtime()
+                .batch_size(64)
+                .consume(&batched.queue, record_unlaned)
+                .rate_limit("record_unlaned", PER_SECOND),
+        ),
+        Running::start(
+            laned
+                .runtime()
+                .batch_size(64)
+                .consume(&laned.queue, ledger_payment)
+                .rate_limit("apply_payment", PER_SECOND),
+        ),
+    ];
+    let minute = Duration::from_secs(60);
+    for run in &runs {
+        idemq_tests::eventually("a minute of deliveries applied", Duration::from_secs(120), || async {
+            let events = run.events();
+            let applied: Vec<Instant> =
+                events.iter().filter(|e| e.outcome == Outcome::Applied).map(|e| e.settled_at).collect();
+            let (Some(first), Some(last)) = (applied.iter().min(), applied.iter().max()) else {
+                return false;
+            };
+            last.duration_since(*first) > minute
+        })
+        .await;
+    }
+    let expected = f64::from(PER_SECOND) * 60.0;
+    for (run, shape) in runs.iter().zip(["batches", "lanes"]) {
+        let applied = applied_within(&run.events(), minute);
+        let ratio = applied as f64 / expected;
+        eprintln!(
+            "{shape}: {applied} applied in the first minute at {PER_SECOND}/s ({ratio:.3} of {expected})"
+        );
+        assert!(
+            (0.9..=1.1).contains(&ratio),
+            "{shape}: {applied} applied in a minute at {PER_SECOND}/s: {ratio:.3} of {expected}"
+        );
+    }
+    for run in runs {
+        run.stop().await.expect("clean shutdown");
+    }
+    assert!(batched.doubled().await.is_empty() && laned.doubled().await.is_empty(), "none twice");
 }

@@ -407,6 +407,76 @@ impl Flow {
     }
 }
 
+/// A handler's rate limit: a token bucket of one second's worth, shared by its
+/// consumers across sessions. The intake takes a token for each delivery it starts
+/// (a batch takes as many as it holds, and gives back what it did not use), so the
+/// limit holds under group commit and lanes alike: at most `per_second × t` plus one
+/// second's worth start in any `t`.
+#[derive(Debug)]
+pub(crate) struct Rate {
+    per_second: f64,
+    state: Mutex<(f64, tokio::time::Instant)>,
+}
+
+impl Rate {
+    pub(crate) fn new(per_second: u32) -> Self {
+        let per_second = f64::from(per_second.max(1));
+        Self { per_second, state: Mutex::new((per_second, tokio::time::Instant::now())) }
+    }
+
+    /// The limit, per second.
+    pub(crate) fn per_second(&self) -> usize {
+        // A whole number (`new` takes a u32).
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let per_second = self.per_second as usize;
+        per_second
+    }
+
+    fn tokens(&self) -> std::sync::MutexGuard<'_, (f64, tokio::time::Instant)> {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = tokio::time::Instant::now();
+        let elapsed = now.saturating_duration_since(state.1).as_secs_f64();
+        state.0 = (state.0 + elapsed * self.per_second).min(self.per_second);
+        state.1 = now;
+        state
+    }
+
+    /// Waits until a delivery may start, then takes tokens for up to `wanted` (at
+    /// least one): how many were taken.
+    pub(crate) async fn take(&self, wanted: usize) -> usize {
+        loop {
+            let wait = {
+                let mut state = self.tokens();
+                if state.0 >= 1.0 {
+                    // Whole tokens only; `wanted` is at most a batch.
+                    #[allow(
+                        clippy::cast_possible_truncation,
+                        clippy::cast_sign_loss,
+                        clippy::cast_precision_loss
+                    )]
+                    let taken = (state.0.floor() as usize).min(wanted.max(1));
+                    #[allow(clippy::cast_precision_loss)]
+                    let spent = taken as f64;
+                    state.0 -= spent;
+                    return taken;
+                }
+                Duration::from_secs_f64((1.0 - state.0) / self.per_second)
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Gives back tokens taken and not used.
+    pub(crate) fn give_back(&self, unused: usize) {
+        if unused > 0 {
+            let mut state = self.tokens();
+            #[allow(clippy::cast_precision_loss)]
+            let unused = unused as f64;
+            state.0 = (state.0 + unused).min(self.per_second);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -473,6 +543,21 @@ mod tests {
             no_switch.record(&failed(), Instant::now());
         }
         assert!(!no_switch.is_open());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_rate_limit_lets_one_seconds_worth_through_then_the_rate() {
+        let rate = Rate::new(10);
+        let started = tokio::time::Instant::now();
+        assert_eq!(rate.take(64).await, 10, "one second's worth at once");
+        let mut taken = 0;
+        while taken < 50 {
+            taken += rate.take(64).await;
+        }
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(4_900) && took <= Duration::from_millis(5_100), "{took:?}");
+        rate.give_back(3);
+        assert_eq!(rate.take(64).await, 3, "what was given back");
     }
 
     #[tokio::test(start_paused = true)]

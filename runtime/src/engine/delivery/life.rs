@@ -70,6 +70,9 @@
 //!   network is gone (a half-open connection, a pooler that stays up): a connection
 //!   fault, retried on a fresh connection — a COMMIT's outcome is then unknown and
 //!   the dedup row decides, as after any lost connection.
+//! - A handler's kill switch ([`crate::engine::flow`]) is told each decision as it is
+//!   made; once open, what is not yet decided goes back to the queue unprocessed
+//!   (`Paused`, never an attempt) and the intake pauses the consumer.
 //! - No path leaves a delivery unsettled: a guard nacks a batch (requeue) if its
 //!   task ends without settling it.
 //! - Poison is what *started* `delivery_limit` times without an outcome: a redelivered

@@ -100,6 +100,8 @@ pub(crate) struct Consumer {
     pub(crate) on_conflict: OnConflict,
     /// Its kill switch: told every outcome; while open, batches go back unprocessed.
     pub(crate) flow: Arc<crate::engine::flow::Flow>,
+    /// Its handler's rate limit, if any: the intake takes a token per delivery.
+    pub(crate) rate: Option<Arc<crate::engine::flow::Rate>>,
     pub(crate) shared: Arc<Shared>,
 }
 

@@ -71,6 +71,10 @@ pub struct RuntimeBuilder {
     pub(super) kill_switch: Option<KillSwitch>,
     /// `handler_kill_switch`'s, by handler name: over the runtime's.
     pub(super) handler_kill_switches: Vec<(String, Option<KillSwitch>)>,
+    /// `rate_limit`'s, by handler name.
+    pub(super) rate_limits: Vec<(String, u32)>,
+    /// `handler_concurrency`'s, by handler name.
+    pub(super) handler_concurrency: Vec<(String, usize)>,
     pub(super) handler_timeout: Duration,
     pub(super) database_retry_limit: Duration,
     pub(super) max_body_bytes: usize,
@@ -134,6 +138,8 @@ impl RuntimeBuilder {
             retry: RetryPolicy::default(),
             kill_switch: None,
             handler_kill_switches: Vec::new(),
+            rate_limits: Vec::new(),
+            handler_concurrency: Vec::new(),
             handler_timeout: Duration::from_secs(60),
             database_retry_limit: Duration::from_secs(25 * 60),
             max_body_bytes: 1024 * 1024,
@@ -279,6 +285,27 @@ impl RuntimeBuilder {
     /// share (pausing that queue would pause them too).
     pub fn handler_kill_switch(mut self, handler: &str, switch: impl Into<Option<KillSwitch>>) -> Self {
         self.handler_kill_switches.push((handler.to_owned(), switch.into()));
+        self
+    }
+
+    /// At most `per_second` of `handler`'s deliveries start per second (a partner's
+    /// API quota, a database to spare), over all its consumers in this process: a
+    /// token bucket of one second's worth, so in any stretch of time at most that
+    /// many start plus one second's worth. Batches (group commit) and lanes take a
+    /// token per delivery. What waits stays in the queue and the prefetch window.
+    /// [`build`](Self::build) refuses `0` and a name no consumed handler has.
+    pub fn rate_limit(mut self, handler: &str, per_second: u32) -> Self {
+        self.rate_limits.push((handler.to_owned(), per_second));
+        self
+    }
+
+    /// At most `n` of `handler`'s transactions (batches; single deliveries in
+    /// per-message mode) at once, within the runtime's
+    /// [`concurrency`](Self::concurrency); for a handler with a lane, its pipelines.
+    /// [`build`](Self::build) refuses `0`, more than the runtime's concurrency, and a
+    /// name no consumed handler has.
+    pub fn handler_concurrency(mut self, handler: &str, n: usize) -> Self {
+        self.handler_concurrency.push((handler.to_owned(), n));
         self
     }
 

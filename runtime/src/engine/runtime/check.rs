@@ -68,6 +68,7 @@ impl RuntimeBuilder {
         }
         self.check_handler_names()?;
         self.check_kill_switches()?;
+        self.check_handler_limits()?;
         if self.relay.is_none() && self.relay_poll_interval.is_some() {
             return Err(Error::Config(
                 "relay_poll_interval is set but the relay is off (`.relay(false)`): drop one of the two"
@@ -274,6 +275,53 @@ impl RuntimeBuilder {
             }
         }
         Ok(())
+    }
+
+    /// Each `rate_limit` and `handler_concurrency` names a handler consuming a queue,
+    /// with a value that can hold.
+    fn check_handler_limits(&self) -> Result<(), Error> {
+        let consumes =
+            |name: &str| self.consumers.iter().any(|r| r.handler.name() == name && !self.is_stream(&r.queue));
+        for (name, per_second) in &self.rate_limits {
+            if !consumes(name) {
+                return Err(Error::Config(format!(
+                    "rate_limit names {name:?}, but no handler of that name consumes a queue (a stream consumer has no rate limit)"
+                )));
+            }
+            if *per_second == 0 {
+                return Err(Error::Config(format!(
+                    "rate_limit for {name:?} is 0: nothing would ever run; give at least 1 per second"
+                )));
+            }
+        }
+        for (name, n) in &self.handler_concurrency {
+            if !consumes(name) {
+                return Err(Error::Config(format!(
+                    "handler_concurrency names {name:?}, but no handler of that name consumes a queue"
+                )));
+            }
+            if *n == 0 || *n > self.concurrency {
+                return Err(Error::Config(format!(
+                    "handler_concurrency for {name:?} must be 1..={} (the runtime's concurrency), not {n}",
+                    self.concurrency
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// `handler`'s rate limit, if it has one (the last given).
+    pub(super) fn rate_limit_of(&self, handler: &str) -> Option<u32> {
+        self.rate_limits.iter().rev().find(|(name, _)| name == handler).map(|(_, n)| *n)
+    }
+
+    /// `handler`'s concurrency: its own, else the runtime's.
+    pub(super) fn concurrency_of(&self, handler: &str) -> usize {
+        self.handler_concurrency
+            .iter()
+            .rev()
+            .find(|(name, _)| name == handler)
+            .map_or(self.concurrency, |(_, n)| *n)
     }
 
     /// The kill switch of `handler` on `queue`: its own, else the runtime's; none

@@ -32,7 +32,7 @@ use crate::base::observe::{ConnectionEvent, Observe, Observers};
 use crate::base::BoxFuture;
 use crate::broker::brokers::Brokers;
 use crate::engine::delivery::{BatchLimits, Fatal, Shared};
-use crate::engine::flow::Flow;
+use crate::engine::flow::{Flow, Rate};
 use crate::engine::relay::{relay_pool, OutboxSignal, Worker};
 use crate::engine::session::{self, Connections, ConsumerSpec, SessionContext, SessionEnd};
 use crate::engine::startup::Startup;
@@ -280,6 +280,19 @@ impl Assembly {
 /// and each handler's own options resolved.
 fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionContext, Error> {
     let switches: Vec<_> = b.consumers.iter().map(|r| b.kill_switch_of(r.handler.name(), &r.queue)).collect();
+    // One bucket per handler, shared by its queues and kept across sessions.
+    let mut rates: HashMap<&'static str, Arc<Rate>> = HashMap::new();
+    let limits: Vec<_> = b
+        .consumers
+        .iter()
+        .map(|r| {
+            let name = r.handler.name();
+            let rate = b.rate_limit_of(name).map(|per_second| {
+                Arc::clone(rates.entry(name).or_insert_with(|| Arc::new(Rate::new(per_second))))
+            });
+            (rate, b.concurrency_of(name))
+        })
+        .collect();
     if b.kill_switch.is_some() {
         for (r, switch) in b.consumers.iter().zip(&switches) {
             if switch.is_none() && b.consumers.iter().filter(|other| other.queue == r.queue).count() > 1 {
@@ -294,8 +307,8 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
     let consumers = b
         .consumers
         .into_iter()
-        .zip(switches)
-        .map(|(registration, switch)| {
+        .zip(switches.into_iter().zip(limits))
+        .map(|(registration, (switch, (rate, concurrency)))| {
             // The handler's own options (`batch = N`, `retry(..)`, `on_conflict`)
             // override the runtime's; `consume_with`'s policy overrides both.
             let (retry, size) = (registration.retry_policy(&b.retry), registration.batch_size(b.batch_size));
@@ -304,10 +317,17 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
                 declared: b.topology.queue_or_default(&queue),
                 retry,
                 on_conflict: handler.on_conflict().unwrap_or(b.on_conflict),
-                batch: BatchLimits { size, linger: b.linger, pipelines: b.concurrency },
-                prefetch: b
-                    .prefetch
-                    .unwrap_or_else(|| u16::try_from(b.concurrency.saturating_mul(size)).unwrap_or(u16::MAX)),
+                batch: BatchLimits { size, linger: b.linger, pipelines: concurrency },
+                rate: rate.clone(),
+                // A rate-limited handler holds at most ten seconds' worth (or a
+                // batch): what waits longer stays in the queue, far from the
+                // broker's consumer_timeout.
+                prefetch: b.prefetch.unwrap_or_else(|| {
+                    let window = rate
+                        .as_ref()
+                        .map_or(usize::MAX, |rate| rate.per_second().saturating_mul(10).max(size));
+                    u16::try_from(concurrency.saturating_mul(size).min(window)).unwrap_or(u16::MAX)
+                }),
                 scope: dedup_scope(b.namespace.as_deref(), handler.name()),
                 flow: Arc::new(Flow::new(switch, handler.name(), &queue, shared.observers.clone())),
                 queue,

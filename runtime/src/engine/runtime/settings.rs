@@ -49,6 +49,8 @@ pub(crate) const SETTINGS: &[Setting] = &[
     code("retry"),
     code("kill_switch"),
     code("handler_kill_switch"),
+    code("rate_limit"),
+    code("handler_concurrency"),
     cli("handler_timeout", "--handler-timeout", "IDEMQ_HANDLER_TIMEOUT", "60s"),
     cli("max_body_bytes", "--max-body-bytes", "IDEMQ_MAX_BODY_BYTES", "1048576"),
     cli("on_conflict", "--on-conflict", "IDEMQ_ON_CONFLICT", "ignore"),

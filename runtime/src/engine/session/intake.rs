@@ -2,7 +2,9 @@
 //! ([`consume`]), or, for a handler with a lane, into the lane pipelines
 //! ([`consume_in_lanes`]) — until the stream ends ([`Loss`]) or the session stops.
 //! A queue consumed by several handlers, one per message type, has one stream and
-//! a router in front of its handlers' intakes ([`consume_routed`]).
+//! a router in front of its handlers' intakes ([`consume_routed`]). A handler's rate
+//! limit is taken here, a token per delivery started; its kill switch pauses the
+//! intake (`pause`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -79,12 +81,23 @@ pub(super) async fn consume(
             () = closed(&consumer.channel) => break Some(closing_reason(&consumer, &mut stream).await),
         };
         taken.arrived(&consumer, &mut stream).await;
+        // A rate-limited handler: a token per delivery of the batch.
+        let granted = match &consumer.rate {
+            Some(rate) => tokio::select! {
+                granted = rate.take(taken.pending.len().min(consumer.batch.size)) => granted,
+                () = stop.cancelled() => break None,
+            },
+            None => consumer.batch.size,
+        };
         // Share what waits with the idle transaction slots: a few deliveries and free
         // slots run side by side (slow handlers stay concurrent), a backlog fills
         // whole batches.
         let idle = intake.permits.available_permits().min(consumer.width.free()) + 1;
-        let mut batch = taken.batch(&consumer, idle);
-        taken.linger(&consumer, &mut stream, &mut batch).await;
+        let mut batch = taken.batch(&consumer, idle, granted);
+        taken.linger(&consumer, &mut stream, &mut batch, granted).await;
+        if let Some(rate) = &consumer.rate {
+            rate.give_back(granted.saturating_sub(batch.len()));
+        }
         let batch_consumer = Arc::clone(&consumer);
         let hard_stop = intake.hard_stop.clone();
         intake.tracker.spawn(async move {
@@ -140,9 +153,10 @@ impl Taken {
     }
 
     /// The next batch: the pending deliveries' share among `idle` slots, up to the
-    /// batch size; a redelivered message runs in a batch of its own.
-    fn batch(&mut self, consumer: &Consumer, idle: usize) -> Vec<Item> {
-        let share = self.pending.len().div_ceil(idle).clamp(1, consumer.batch.size);
+    /// batch size and the `granted` tokens; a redelivered message runs in a batch of
+    /// its own.
+    fn batch(&mut self, consumer: &Consumer, idle: usize, granted: usize) -> Vec<Item> {
+        let share = self.pending.len().div_ceil(idle).clamp(1, consumer.batch.size.min(granted).max(1));
         let mut batch = Vec::with_capacity(share);
         while batch.len() < share {
             match self.pending.front() {
@@ -162,8 +176,15 @@ impl Taken {
 
     /// With a linger, and nothing else waiting, fills `batch` with what arrives
     /// within it; a redelivered message is kept for a batch of its own.
-    async fn linger(&mut self, consumer: &Consumer, stream: &mut Source, batch: &mut Vec<Item>) {
+    async fn linger(
+        &mut self,
+        consumer: &Consumer,
+        stream: &mut Source,
+        batch: &mut Vec<Item>,
+        granted: usize,
+    ) {
         let limits = consumer.batch;
+        let most = limits.size.min(granted);
         if limits.linger.is_zero()
             || self.ended.is_some()
             || !self.pending.is_empty()
@@ -172,7 +193,7 @@ impl Taken {
             return;
         }
         let deadline = tokio::time::Instant::now() + limits.linger;
-        while batch.len() < limits.size {
+        while batch.len() < most {
             let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
             match next_within(consumer, stream, wait).await {
                 None => break,
@@ -224,6 +245,15 @@ async fn consume_in_lanes(
                 Next::Ended(loss) => break Some(loss),
             },
         };
+        if let Some(rate) = &consumer.rate {
+            tokio::select! {
+                _ = rate.take(1) => {}
+                () = stop.cancelled() => {
+                    let _ = consumer.acks.requeue(&delivery).await;
+                    break None;
+                }
+            }
+        }
         if consumer.flow.is_open() {
             let mut held = VecDeque::from([delivery]);
             match pause(&consumer, &mut stream, &mut held, &tag, &intake.hard_stop, &stop).await {

@@ -67,6 +67,8 @@ pub(crate) struct ConsumerSpec {
     pub(crate) batch: crate::engine::delivery::BatchLimits,
     /// Enough for every transaction to fill a batch.
     pub(crate) prefetch: u16,
+    /// Its handler's rate limit, if any (one bucket per handler, kept across sessions).
+    pub(crate) rate: Option<Arc<crate::engine::flow::Rate>>,
     /// Its kill switch (one that never trips if it has none), kept across sessions.
     pub(crate) flow: Arc<crate::engine::flow::Flow>,
 }
@@ -421,6 +423,7 @@ impl On<'_> {
             batch: spec.batch,
             on_conflict: spec.on_conflict,
             flow: Arc::clone(&spec.flow),
+            rate: spec.rate.clone(),
             shared: Arc::clone(&self.ctx.shared),
         })
     }
