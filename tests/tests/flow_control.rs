@@ -196,3 +196,41 @@ async fn a_rate_limit_holds_within_ten_percent_over_a_minute_with_batches_and_la
     }
     assert!(batched.doubled().await.is_empty() && laned.doubled().await.is_empty(), "none twice");
 }
+
+/// Handler calls running now, and the most seen at once.
+static RUNNING: (std::sync::atomic::AtomicUsize, std::sync::atomic::AtomicUsize) =
+    (std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0));
+
+/// Records the payment, taking 20 ms, and counts how many calls overlap.
+#[idempotent_handler(key = "payment_id")]
+async fn counts_overlap(
+    conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+) -> Result<(), diesel::result::Error> {
+    use std::sync::atomic::Ordering::SeqCst;
+    let now = RUNNING.0.fetch_add(1, SeqCst) + 1;
+    RUNNING.1.fetch_max(now, SeqCst);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let recorded = record_payment(conn, &msg).await;
+    RUNNING.0.fetch_sub(1, SeqCst);
+    recorded
+}
+
+/// `handler_concurrency(name, 1)` holds the handler to one transaction at a time
+/// though the runtime's concurrency is 8 and a backlog waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn handler_concurrency_holds_a_handler_to_its_transactions_at_once() {
+    let bed = Bed::new().await;
+    for i in 0..40 {
+        bed.publish(&payment(3_000 + i)).await;
+    }
+    let builder = bed
+        .runtime()
+        .batch_size(1)
+        .consume(&bed.queue, counts_overlap)
+        .handler_concurrency("counts_overlap", 1);
+    let events = Running::settle(builder, 40).await;
+    assert!(events.iter().all(|e| e.outcome == Outcome::Applied), "{events:?}");
+    assert_eq!(RUNNING.1.load(std::sync::atomic::Ordering::SeqCst), 1, "one call at a time");
+    assert_eq!(bed.ledger_total().await, 40);
+}
