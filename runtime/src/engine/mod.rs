@@ -3,8 +3,7 @@
 //! that supervises them.
 
 pub(crate) mod delivery;
-#[cfg(feature = "testing")]
-pub mod fault;
+pub(crate) mod hook;
 #[cfg(feature = "metrics")]
 pub(crate) mod metrics;
 pub(crate) mod relay;

@@ -198,7 +198,7 @@ impl Consumer {
         // A batch whose channel closed while it waited cannot be settled: the broker
         // has already requeued it. Running it would only apply what is redelivered.
         let decided = if self.channel.status().connected() {
-            let span = tracing::debug_span!("batch", queue = %self.queue, deliveries = items.len());
+            let span = crate::base::log::debug_span!("batch", queue = %self.queue, deliveries = items.len());
             tokio::select! {
                 decisions = tracing::Instrument::instrument(self.decide(&items, prepared), span) => Some(decisions),
                 () = cut_off.cancelled() => None,
@@ -282,7 +282,7 @@ impl Consumer {
             .map(|decision| {
                 decision.unwrap_or_else(|| {
                     // Every path decides every delivery; this only guards the invariant.
-                    tracing::error!(queue = %self.queue, "a delivery was left undecided; returning it to the queue");
+                    crate::base::log::error!(queue = %self.queue, "a delivery was left undecided; returning it to the queue");
                     Decision::new(Outcome::Requeued { error: "left undecided".into() })
                 })
             })
@@ -319,7 +319,7 @@ impl Consumer {
                 Fault::Infra(fault) => fault,
                 Fault::Contention { error, .. } if contention < CONTENTION_RETRIES => {
                     contention += 1;
-                    tracing::info!(queue = %self.queue, %error, contention, "transaction rolled back for contention; running it again");
+                    crate::base::log::info!(queue = %self.queue, %error, contention, "transaction rolled back for contention; running it again");
                     tokio::time::sleep(Duration::from_millis(10 * u64::from(contention))).await;
                     continue;
                 }
@@ -361,7 +361,7 @@ impl Consumer {
                 .observers
                 .infrastructure_retry(&InfrastructureRetry { queue: &self.queue, fault: &redacted });
             if last_logged.as_deref() != Some(message.as_str()) {
-                tracing::error!(queue = %self.queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
+                crate::base::log::error!(queue = %self.queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
                 last_logged = Some(message);
             }
             backoff.wait().await;
