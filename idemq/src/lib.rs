@@ -297,9 +297,12 @@
 // each is re-exported here, so an application names `idemq` only.
 pub use idemq_core::*;
 
+// Inlined: their docs read as modules of this crate, `idemq::cli` and `idemq::testing`.
 #[cfg(feature = "cli")]
+#[doc(inline)]
 pub use idemq_cli as cli;
 #[cfg(any(feature = "testing", feature = "test-cluster"))]
+#[doc(inline)]
 pub use idemq_testing as testing;
 
 // The chapters link to each other with references (`[Retries][failures.md#retries]`),

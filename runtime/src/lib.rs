@@ -153,15 +153,13 @@ pub mod __private {
         use crate::handler::wire::Wire;
         use crate::handler::BoxFuture;
 
-        pub use crate::app::stderr::{Line, StderrLines};
+        pub use crate::app::stderr::StderrLines;
         pub use crate::base::amqp_value::{header, string, text};
-        pub use crate::base::duration::{human, Human};
+        pub use crate::base::duration::human;
         pub use crate::base::random_id;
         pub use crate::config::{parse_switch, resolve};
         pub use crate::engine::hook::{FaultContext, FaultHook, FaultPoint};
-        pub use crate::engine::runtime::plan::QueuePlan as Plan;
-        pub use crate::engine::runtime::settings::{Setting, SETTINGS};
-        pub use crate::engine::startup::Startup as StartupWait;
+        pub use crate::engine::runtime::settings::SETTINGS;
         pub use crate::handler::identity;
 
         /// idemq's statements the CLI's `status` and `migrations` run.
@@ -183,8 +181,6 @@ pub mod __private {
             fn configured_database_url(&self) -> &str;
             fn startup(&self) -> Startup;
             fn only_queues(self, queues: &[String]) -> Result<Self, Error>;
-            fn is_stream(&self, queue: &str) -> bool;
-            fn wait_queues_of(&self, queue: &str, retry: &RetryPolicy) -> Vec<(String, Duration)>;
             fn retry_policies(&self) -> Vec<RetryPolicy>;
             fn queue_plans(&self) -> Vec<QueuePlan>;
             fn bindings(&self) -> Vec<(&str, &str, &str)>;
@@ -209,12 +205,6 @@ pub mod __private {
             }
             fn only_queues(self, queues: &[String]) -> Result<Self, Error> {
                 self.only_queues(queues)
-            }
-            fn is_stream(&self, queue: &str) -> bool {
-                self.is_stream(queue)
-            }
-            fn wait_queues_of(&self, queue: &str, retry: &RetryPolicy) -> Vec<(String, Duration)> {
-                self.wait_queues_of(queue, retry)
             }
             fn retry_policies(&self) -> Vec<RetryPolicy> {
                 self.retry_policies()
