@@ -55,7 +55,7 @@ pub(crate) fn env_switch(name: &str) -> Result<Option<bool>, Error> {
 }
 
 /// `on` or `off` (also `true`/`false`, `yes`/`no`, `1`/`0`).
-pub(crate) fn parse_switch(text: &str) -> Result<bool, String> {
+pub fn parse_switch(text: &str) -> Result<bool, String> {
     match text.trim().to_ascii_lowercase().as_str() {
         "on" | "true" | "yes" | "1" => Ok(true),
         "off" | "false" | "no" | "0" => Ok(false),
@@ -66,7 +66,7 @@ pub(crate) fn parse_switch(text: &str) -> Result<bool, String> {
 /// A URL given either as a value or as a file holding it, each with the name it was
 /// given by (`AMQP_URL`, `--amqp-url-file`, `amqp_url_file` in the config file…):
 /// the value, the file's content, or `None` when neither is given.
-pub(crate) fn resolve(
+pub fn resolve(
     (value_name, value): (&str, Option<String>),
     (file_name, file): (&str, Option<&Path>),
 ) -> Result<Option<String>, Error> {

@@ -44,7 +44,7 @@ impl AppWorkspace {
         let fixture = tests.join("data").join("app-workspace");
         let manifest =
             std::fs::read_to_string(fixture.join("Cargo.toml.in")).expect("the fixture's Cargo.toml");
-        let idemq = root.join("runtime");
+        let idemq = root.join("idemq");
         let manifest = manifest.replace("@IDEMQ@", &idemq.display().to_string());
         std::fs::write(folder.join("Cargo.toml"), manifest).expect("write Cargo.toml");
         std::fs::copy(fixture.join("main.rs"), folder.join("main.rs")).expect("copy main.rs");

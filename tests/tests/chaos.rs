@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idemq::testing::fault::FaultHookExt;
 use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
 use idemq::{observe::ConnectionEvent, Outcome};

@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
+use idemq::testing::fault::FaultHookExt;
 use idemq::testing::Cluster;
 use idemq::{idempotent_handler, HandlerError, Outcome, Queue, Topology};
 use idemq_example_payments::{record_payment, PaymentRequested};

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
+use idemq::testing::fault::FaultHookExt;
 use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::{headers, idempotent_handler, FailureKind, HandlerError, Outcome, Permanent, RetryPolicy};
 use idemq_example_payments::PaymentRequested;

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
+use idemq::testing::fault::FaultHookExt;
 use idemq::{idempotent_handler, observe::ConnectionEvent, observe::Settled, Outcome};
 use idemq_example_payments::{record_payment, PaymentRequested};
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};

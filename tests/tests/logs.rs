@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use diesel_async::AsyncPgConnection;
+use idemq::testing::fault::FaultHookExt;
 use idemq::{idempotent_handler, HandlerError, Outcome};
 use idemq_example_payments::PaymentRequested;
 use idemq_tests::fixture::{ledger_payment, payment, Bed, Running};

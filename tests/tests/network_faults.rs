@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel_async::SimpleAsyncConnection;
+use idemq::testing::fault::FaultHookExt;
 use idemq::testing::fault::{FaultContext, FaultHook, FaultPoint};
 use idemq::testing::NetworkProxy;
 use idemq::{observe::ConnectionEvent, observe::Observe, Exchange, Outcome, Queue, RuntimeBuilder, Topology};

@@ -222,7 +222,10 @@ fn sources() -> Vec<(String, String)> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root");
     let mut found = Vec::new();
     let mut dirs: Vec<std::path::PathBuf> =
-        ["runtime", "macros", "examples", "bench", "tests"].iter().map(|dir| root.join(dir)).collect();
+        ["idemq", "runtime", "cli", "testing", "macros", "examples", "bench", "tests"]
+            .iter()
+            .map(|dir| root.join(dir))
+            .collect();
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(&dir).expect("read a source directory") {
             let path = entry.expect("an entry").path();

@@ -1,11 +1,7 @@
-//! What applications run: the command line, metrics and health endpoints, the test
-//! kits.
+//! What applications run beside the engine: OpenTelemetry, and the stderr writer
+//! its log subscriber shares with the CLI's (the CLI and the test kits are crates of
+//! their own, `idemq-cli` and `idemq-testing`).
 
-#[cfg(feature = "cli")]
-pub mod cli;
 #[cfg(feature = "otel")]
 pub mod otel;
-#[cfg(any(feature = "cli", feature = "otel"))]
 pub(crate) mod stderr;
-#[cfg(any(feature = "testing", feature = "test-cluster"))]
-pub mod testing;

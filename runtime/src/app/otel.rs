@@ -122,7 +122,7 @@ impl Guard {
 impl Drop for Guard {
     fn drop(&mut self) {
         if let Err(err) = self.provider.shutdown() {
-            tracing::warn!(error = %err, "OpenTelemetry: the span export did not shut down cleanly");
+            crate::base::log::warn!(error = %err, "OpenTelemetry: the span export did not shut down cleanly");
         }
     }
 }

@@ -28,10 +28,10 @@ const CAPACITY: usize = 8 * 1024;
 /// The process's one queue to stderr (made by the first [`StderrLines::get`]).
 static LINES: OnceLock<StderrLines> = OnceLock::new();
 
-/// A `tracing-subscriber` writer ([`MakeWriter`](tracing_subscriber::fmt::MakeWriter))
-/// whose lines a thread of its own writes to stderr: see the [module docs](self).
+/// A `tracing-subscriber` writer (its `MakeWriter` makes a [`Line`] per event) whose
+/// lines a thread of its own writes to stderr: see the [module docs](self).
 #[derive(Debug, Clone)]
-pub(crate) struct StderrLines {
+pub struct StderrLines {
     sender: SyncSender<Vec<u8>>,
     counts: Arc<Counts>,
 }
@@ -46,7 +46,7 @@ struct Counts {
 
 impl StderrLines {
     /// The process's queue to stderr, its writer thread started on first use.
-    pub(crate) fn get() -> Self {
+    pub fn get() -> Self {
         LINES.get_or_init(Self::spawn).clone()
     }
 
@@ -81,7 +81,7 @@ impl StderrLines {
     /// Waits, at most `bound`, until every line queued so far is written (or found
     /// unwritable): for the last lines before the process exits. A stderr nobody
     /// reads does not hold the exit past `bound`.
-    pub(crate) fn flush(&self, bound: Duration) {
+    pub fn flush(&self, bound: Duration) {
         let queued = self.counts.queued.load(Ordering::Acquire);
         let deadline = Instant::now() + bound;
         while self.counts.done.load(Ordering::Acquire) < queued && Instant::now() < deadline {
@@ -90,7 +90,7 @@ impl StderrLines {
     }
 
     /// Flushes the process's queue, if it has one (see [`Self::flush`]).
-    pub(crate) fn flush_if_used(bound: Duration) {
+    pub fn flush_if_used(bound: Duration) {
         if let Some(lines) = LINES.get() {
             lines.flush(bound);
         }
@@ -111,7 +111,7 @@ impl StderrLines {
 
 /// One event's line, sent to the queue when the subscriber drops it.
 #[derive(Debug)]
-pub(crate) struct Line {
+pub struct Line {
     lines: StderrLines,
     buffer: Vec<u8>,
 }
@@ -135,25 +135,34 @@ impl Drop for Line {
     }
 }
 
+impl StderrLines {
+    /// The writer of one event's line (a subscriber's `MakeWriter::make_writer`: the
+    /// CLI's is in `idemq-cli`, which has `tracing-subscriber` whether or not `otel` is
+    /// on).
+    pub fn line(&self) -> Line {
+        Line { lines: self.clone(), buffer: Vec::with_capacity(256) }
+    }
+}
+
+#[cfg(feature = "otel")]
 impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for StderrLines {
     type Writer = Line;
 
     fn make_writer(&'a self) -> Line {
-        Line { lines: self.clone(), buffer: Vec::with_capacity(256) }
+        self.line()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tracing_subscriber::fmt::MakeWriter;
 
     #[test]
     fn a_full_queue_drops_lines_without_waiting() {
         let (sender, _receiver) = sync_channel::<Vec<u8>>(1);
         let lines = StderrLines { sender, counts: Arc::default() };
         for _ in 0..3 {
-            let mut line = lines.make_writer();
+            let mut line = lines.line();
             line.write_all(b"a line\n").expect("buffered");
         }
         assert_eq!(lines.counts.queued.load(Ordering::Relaxed), 1);

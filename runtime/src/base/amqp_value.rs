@@ -30,14 +30,14 @@ fn original_routing_key(properties: &BasicProperties) -> Option<&str> {
 }
 
 /// The header `name` of a delivery, if it has one.
-pub(crate) fn header<'a>(properties: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
+pub fn header<'a>(properties: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
     properties.headers().as_ref()?.inner().get(name)
 }
 
 /// A string value (long or short), as text; anything else — and a long string that
 /// is not valid UTF-8 — is `None`. Never lossy: two different byte strings never
 /// read as one text (see [`bytes`] for the raw bytes).
-pub(crate) fn string(value: &AMQPValue) -> Option<String> {
+pub fn string(value: &AMQPValue) -> Option<String> {
     match value {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok().map(str::to_owned),
         AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
@@ -56,7 +56,7 @@ pub(crate) fn bytes(value: &AMQPValue) -> Option<&[u8]> {
 
 /// A string as it is, an integer in decimal; anything else (and a string that is
 /// not valid UTF-8) is `None`.
-pub(crate) fn text(value: &AMQPValue) -> Option<String> {
+pub fn text(value: &AMQPValue) -> Option<String> {
     match *value {
         AMQPValue::LongLongInt(v) => Some(v.to_string()),
         AMQPValue::LongInt(v) => Some(v.to_string()),

@@ -16,13 +16,13 @@ use std::time::Duration;
 /// 648_760 s   → 7d 12m 40s
 /// 1.25 s      → 1s 250ms
 /// ```
-pub(crate) fn human(duration: Duration) -> Human {
+pub fn human(duration: Duration) -> Human {
     Human(duration)
 }
 
 /// See [`human`]; `Display` only.
 #[derive(Clone, Copy)]
-pub(crate) struct Human(Duration);
+pub struct Human(Duration);
 
 impl fmt::Display for Human {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

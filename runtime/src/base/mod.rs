@@ -5,6 +5,7 @@ pub(crate) mod amqp_value;
 pub(crate) mod backoff;
 pub(crate) mod duration;
 pub mod headers;
+pub(crate) mod log;
 pub(crate) mod observe;
 pub(crate) mod outcome;
 pub(crate) mod outgoing;
@@ -45,7 +46,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 ///
 /// # Panics
 /// If the operating system has no randomness to give (as `uuid`'s v4 would).
-pub(crate) fn random_id() -> String {
+pub fn random_id() -> String {
     let mut bytes = [0_u8; 16];
     getrandom::fill(&mut bytes).expect("the operating system's random number generator");
     hex(&bytes)

@@ -458,7 +458,9 @@ impl Request {
         }
         if reply_to.contains('\0') || correlation_id.contains('\0') {
             // Unanswerable: the reply's row could not be stored (a NUL in text).
-            tracing::warn!("a request whose reply_to or correlation_id holds a NUL byte gets no reply");
+            crate::base::log::warn!(
+                "a request whose reply_to or correlation_id holds a NUL byte gets no reply"
+            );
             return None;
         }
         let expiration = properties.expiration().as_ref().map(|e| e.as_str().to_owned()).or_else(|| {

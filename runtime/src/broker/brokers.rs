@@ -84,13 +84,13 @@ impl Brokers {
                 }
                 Err(err @ Error::Tls { .. }) => {
                     if self.targets.len() > 1 {
-                        tracing::warn!(error = %err.report(), "broker address refused over TLS; trying the next");
+                        crate::base::log::warn!(error = %err.report(), "broker address refused over TLS; trying the next");
                     }
                     refusal.get_or_insert(err);
                 }
                 Err(err) => {
                     if self.targets.len() > 1 {
-                        tracing::debug!(error = %err.report(), "broker address did not answer; trying the next");
+                        crate::base::log::debug!(error = %err.report(), "broker address did not answer; trying the next");
                     }
                     last = Some(err);
                 }
@@ -111,7 +111,7 @@ impl Brokers {
         match tokio::time::timeout(CONNECT_TIMEOUT, target.connect(properties)).await {
             Ok(Ok(connection)) => {
                 if target.verify_none() && !self.warned.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
+                    crate::base::log::warn!(
                         %url,
                         "TLS without verifying the broker (verify=verify_none): the connection is encrypted, \
                          but anyone on the network path can pose as the broker and read the login; give the \

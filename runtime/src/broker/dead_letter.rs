@@ -182,7 +182,7 @@ fn fit(mut headers: FieldTable, budget: usize) -> FieldTable {
         trimmed.push(victim);
     }
     if !trimmed.is_empty() {
-        tracing::warn!(trimmed = ?trimmed, "headers dropped from a copy to keep it under frame_max");
+        crate::base::log::warn!(trimmed = ?trimmed, "headers dropped from a copy to keep it under frame_max");
         headers.insert(headers::TRIMMED.into(), AMQPValue::LongString(LongString::from(trimmed.join(","))));
     }
     headers

@@ -66,7 +66,7 @@ pub(crate) fn check(parser: &Parser, allowed: bool) -> Result<(), Error> {
         ),
     };
     if allowed {
-        tracing::warn!(
+        crate::base::log::warn!(
             "lapin's AMQP parser (amq-protocol-types) {found}. Starting anyway (allowed by {OPT_OUT}); \
              to remove the risk, {}",
             fix().trim_end()

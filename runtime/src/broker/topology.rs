@@ -138,7 +138,6 @@ impl Topology {
     }
 
     /// The exchanges declared here, by name.
-    #[cfg(feature = "cli")]
     pub(crate) fn exchange_names(&self) -> impl Iterator<Item = &str> {
         self.exchanges.iter().map(|exchange| exchange.name.as_str())
     }
@@ -203,7 +202,7 @@ impl Topology {
             };
             match declared {
                 Err(Error::QueueUnavailable { queue, detail }) if !needed(&queue) => {
-                    tracing::warn!(
+                    crate::base::log::warn!(
                         queue = %queue,
                         %detail,
                         "queue unavailable (its node is down); consuming the others, what is published to it waits"
@@ -457,7 +456,6 @@ impl Queue {
     }
 
     /// What the queue is declared as, in words.
-    #[cfg(feature = "cli")]
     pub(crate) fn describe(&self) -> String {
         match self.queue_type {
             QueueType::Quorum => {
@@ -575,7 +573,7 @@ impl Queue {
         self.declare_itself(channel).await?;
         match declare_queue(channel, &self.dead_letter, self.dead_letter_queue_arguments(true)).await {
             Err(Error::QueueMismatch { detail, .. }) if lacks_delivery_limit(&detail) => {
-                tracing::warn!(
+                crate::base::log::warn!(
                     dlq = %self.dead_letter,
                     "dead-letter queue declared without x-delivery-limit (by an earlier idemq): kept as it is. \
                      On RabbitMQ 4.0 and later it gets the default limit of 20, and a letter returned 20 times \

@@ -302,7 +302,7 @@ impl Flow {
                     self.trip(&mut state, pause);
                     drop(state);
                     self.tell(Some(pause));
-                    tracing::warn!(
+                    crate::base::log::warn!(
                         handler = self.handler,
                         queue = %self.queue,
                         failures,
@@ -325,7 +325,7 @@ impl Flow {
                     Weight::Failure => {
                         let pause = (state.pause * 2).min(config.pause * 8);
                         self.trip(&mut state, pause);
-                        tracing::info!(
+                        crate::base::log::info!(
                             handler = self.handler,
                             queue = %self.queue,
                             pause = %crate::base::duration::human(pause),
@@ -403,7 +403,7 @@ impl Flow {
 
     /// Logs that consuming resumes after a passed probe (or an empty queue).
     pub(crate) fn resumed(&self) {
-        tracing::info!(handler = self.handler, queue = %self.queue, "kill switch closed: consuming again");
+        crate::base::log::info!(handler = self.handler, queue = %self.queue, "kill switch closed: consuming again");
     }
 }
 

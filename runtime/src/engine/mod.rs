@@ -3,9 +3,8 @@
 //! that supervises them.
 
 pub(crate) mod delivery;
-#[cfg(feature = "testing")]
-pub mod fault;
 pub(crate) mod flow;
+pub(crate) mod hook;
 #[cfg(feature = "metrics")]
 pub(crate) mod metrics;
 pub(crate) mod relay;

@@ -51,7 +51,7 @@ pub(crate) enum Failure {
 
 /// The start-up wait: one budget (the startup timeout) from the start of `run`, one
 /// backoff per dependency.
-pub(crate) struct Startup {
+pub struct Startup {
     began: Instant,
     timeout: Option<Duration>,
     reconnect_max: Duration,
@@ -78,8 +78,7 @@ impl Startup {
     }
 
     /// How long the wait has lasted so far.
-    #[cfg(feature = "cli")]
-    pub(crate) fn elapsed(&self) -> Duration {
+    pub fn elapsed(&self) -> Duration {
         self.began.elapsed()
     }
 
@@ -151,11 +150,11 @@ impl Startup {
         let attempt = self.backoff.attempts;
         let error = self.last_error.clone();
         match left {
-            None => tracing::warn!(
+            None => crate::base::log::warn!(
                 %dependency, %url, attempt, retry_in = %human(delay), %error,
                 "{dependency} is unreachable at start-up; waiting for it (no startup timeout: as long as it takes)"
             ),
-            Some(left) => tracing::warn!(
+            Some(left) => crate::base::log::warn!(
                 %dependency, %url, attempt, retry_in = %human(delay), gives_up_in = %human(left), %error,
                 "{dependency} is unreachable at start-up; waiting for it"
             ),
@@ -193,12 +192,7 @@ impl Startup {
     ///
     /// # Errors
     /// [`Error::StartupTimeout`].
-    #[cfg(feature = "cli")]
-    pub(crate) async fn database_server(
-        &mut self,
-        url: &str,
-        stop: &CancellationToken,
-    ) -> Result<bool, Error> {
+    pub async fn database_server(&mut self, url: &str, stop: &CancellationToken) -> Result<bool, Error> {
         self.until_up(Dependency::Database, url, stop, |limit| async move {
             match probe(url, limit).await {
                 Err(Failure::Unreachable(error)) => Err(Failure::Unreachable(error)),
@@ -381,17 +375,17 @@ pub(crate) async fn replication(pool: &db::Pool, check: ReplicationCheck) -> Res
     let state = match tokio::time::timeout(DATABASE_ATTEMPT, read).await {
         Ok(Ok(state)) => state,
         Ok(Err(error)) => {
-            tracing::warn!(error = %redact(&error), "could not read the database's replication state; not checked");
+            crate::base::log::warn!(error = %redact(&error), "could not read the database's replication state; not checked");
             return Ok(());
         }
         Err(_) => {
-            tracing::warn!("reading the database's replication state took too long; not checked");
+            crate::base::log::warn!("reading the database's replication state took too long; not checked");
             return Ok(());
         }
     };
     let concerns = state.concerns();
     if concerns.is_empty() {
-        tracing::info!(
+        crate::base::log::info!(
             standbys = state.standbys,
             synchronous_standby_names = %state.standby_names,
             synchronous_commit = %state.synchronous_commit,
@@ -403,7 +397,7 @@ pub(crate) async fn replication(pool: &db::Pool, check: ReplicationCheck) -> Res
         return Err(Error::Replication { concerns });
     }
     for concern in &concerns {
-        tracing::warn!(
+        crate::base::log::warn!(
             standbys = state.standbys,
             "the database could lose COMMITs it acknowledged: {concern} (replication_check = \"refuse\" \
              makes this an error; \"off\" silences it)"

@@ -80,8 +80,7 @@ impl Identity<'_> {
 }
 
 /// The lineage part of a copy id (before its `:attempt`), for the DLQ tools.
-#[cfg(any(feature = "cli", test))]
-pub(crate) fn lineage_of(copy_id: &str) -> &str {
+pub fn lineage_of(copy_id: &str) -> &str {
     copy_id.rsplit_once(':').map_or(copy_id, |(lineage, _)| lineage)
 }
 

@@ -6,7 +6,7 @@
 
 pub(crate) mod batch;
 pub(crate) mod context;
-pub(crate) mod identity;
+pub mod identity;
 pub(crate) mod key;
 pub(crate) mod prepare;
 pub(crate) mod wire;

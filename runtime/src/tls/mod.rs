@@ -187,7 +187,7 @@ impl Settings {
                 // then says so.
                 let (added, _) = store.add_parsable_certificates(system_roots().iter().cloned());
                 if added == 0 {
-                    tracing::warn!(
+                    crate::base::log::warn!(
                         "TLS: the system trust store has no certificates; give the CA file with {}PATH",
                         dialect.ca()
                     );

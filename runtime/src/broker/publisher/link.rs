@@ -274,7 +274,7 @@ async fn route_replies(mut consumer: lapin::Consumer, waiting: Arc<Waiting>, sto
                 let _ = sender.send(delivery);
             }
             // Its requester stopped waiting (timed out), or answered twice.
-            None => tracing::debug!(?correlation_id, "publisher: a reply nobody waits for; dropped"),
+            None => crate::base::log::debug!(?correlation_id, "publisher: a reply nobody waits for; dropped"),
         }
     }
     // Dropping the senders tells each waiter its reply will not come on this link.

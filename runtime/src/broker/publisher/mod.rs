@@ -318,7 +318,7 @@ impl Publisher {
         if Instant::now() + delay >= deadline {
             return Err(PublishError::Unconfirmed { after: started.elapsed(), reason });
         }
-        tracing::debug!(%reason, delay = %crate::base::duration::human(delay), "publisher: publishing again on a new connection");
+        crate::base::log::debug!(%reason, delay = %crate::base::duration::human(delay), "publisher: publishing again on a new connection");
         tokio::time::sleep(delay).await;
         Ok(())
     }
@@ -346,7 +346,7 @@ impl Publisher {
         match tokio::time::timeout_at(deadline, connect).await {
             Ok(Ok(link)) => {
                 let link = Arc::new(link);
-                tracing::info!(node = link.node, "publisher: connected to RabbitMQ again");
+                crate::base::log::info!(node = link.node, "publisher: connected to RabbitMQ again");
                 *self.shared.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
                     Some(Arc::clone(&link));
                 Ok(Ok(link))
@@ -370,7 +370,7 @@ impl Publisher {
     /// connection starts at the next address.
     async fn discard(&self, link: &Arc<Link>, reason: &str) {
         if link.break_off() {
-            tracing::warn!(%reason, "publisher: what was not confirmed is published again on a new connection");
+            crate::base::log::warn!(%reason, "publisher: what was not confirmed is published again on a new connection");
             self.shared.brokers.lost(link.node);
             link.close("reconnecting").await;
         }

@@ -68,7 +68,7 @@ impl Consumer {
                 if firsts.len() > 1 && rolled_back {
                     // Refused with the connection up (most often its lock timeout
                     // behind another batch holding one of these keys): smaller batches.
-                    tracing::debug!(queue = %self.queue, error = %err, batch = tx.batch, "the batch's dedup insert failed; running it in halves");
+                    crate::base::log::debug!(queue = %self.queue, error = %err, batch = tx.batch, "the batch's dedup insert failed; running it in halves");
                     let indices: Vec<usize> = firsts.iter().map(|(index, _)| *index).collect();
                     tx.ran.next = split(&indices, verdict::halves(indices.len()), &tx.repeats);
                     // The claim touches nothing but dedup rows (a handler without

@@ -121,7 +121,7 @@ impl Consumer {
         failure: CommitFailure,
     ) -> Result<(), Fault> {
         if done.len() > 1 {
-            tracing::debug!(queue = %self.queue, ?failure, batch = tx.batch, "the batch's COMMIT failed; running it in halves");
+            crate::base::log::debug!(queue = %self.queue, ?failure, batch = tx.batch, "the batch's COMMIT failed; running it in halves");
             let indices: Vec<usize> = done.iter().map(|done| done.index).collect();
             tx.ran.next = split(&indices, verdict::halves(indices.len()), &tx.repeats);
             let contended = matches!(failure, CommitFailure::Refused { contention: true, .. });

@@ -61,10 +61,10 @@ impl Consumer {
         let (width, lane) = (self.width.current(), self.handler.lane_path());
         match advice(on, lane, width) {
             (Level::Harmless, advice) => {
-                tracing::info!(queue = %self.queue, collisions, width, lane, "{advice}")
+                crate::base::log::info!(queue = %self.queue, collisions, width, lane, "{advice}")
             }
             (Level::Warning, advice) => {
-                tracing::warn!(queue = %self.queue, collisions, width, lane, "{advice}")
+                crate::base::log::warn!(queue = %self.queue, collisions, width, lane, "{advice}")
             }
         }
     }

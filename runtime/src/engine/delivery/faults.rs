@@ -82,9 +82,9 @@ pub(crate) async fn cancel_statement(cancel: &db::Canceller) {
     match tokio::time::timeout(BOOKKEEPING_TIMEOUT, cancel.cancel()).await {
         Ok(Ok(())) => {}
         Ok(Err(error)) => {
-            tracing::warn!(error = %crate::error::redact(&error.to_string()), "could not cancel the handler's statement")
+            crate::base::log::warn!(error = %crate::error::redact(&error.to_string()), "could not cancel the handler's statement")
         }
-        Err(_) => tracing::warn!("cancelling the handler's statement timed out"),
+        Err(_) => crate::base::log::warn!("cancelling the handler's statement timed out"),
     }
 }
 

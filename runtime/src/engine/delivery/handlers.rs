@@ -297,11 +297,11 @@ impl Consumer {
             // others run without it (those after it never ran), and it runs alone.
             let ranges = match culprit {
                 Some(position) => {
-                    tracing::debug!(queue = %self.queue, key = %key, error = %failure, batch = tx.batch, "a handler failed in a batch; running it alone");
+                    crate::base::log::debug!(queue = %self.queue, key = %key, error = %failure, batch = tx.batch, "a handler failed in a batch; running it alone");
                     verdict::around(new_indices.len(), position)
                 }
                 None => {
-                    tracing::debug!(queue = %self.queue, error = %failure, batch = tx.batch, "a batch handler failed; running its batch in halves");
+                    crate::base::log::debug!(queue = %self.queue, error = %failure, batch = tx.batch, "a batch handler failed; running its batch in halves");
                     verdict::halves(new_indices.len())
                 }
             };
@@ -406,7 +406,7 @@ fn batch_messages(new: Vec<(usize, Prepared)>) -> Result<Vec<Waiting>, Vec<(usiz
 /// With the feature `otel`, its parent is the delivery's sender (`traceparent`).
 pub(crate) fn handler_span(handler: &str, key: &str, trace: Option<&Trace>) -> tracing::Span {
     let trace_id = trace.map(Trace::trace_id).unwrap_or_default();
-    let span = tracing::info_span!("handler", handler, key, trace_id);
+    let span = crate::base::log::info_span!("handler", handler, key, trace_id);
     #[cfg(feature = "otel")]
     if let Some(trace) = trace {
         trace.adopt(&span);
@@ -418,7 +418,7 @@ pub(crate) fn handler_span(handler: &str, key: &str, trace: Option<&Trace>) -> t
 /// feature `otel`, linked to each traced delivery's sender (one span, many parents:
 /// OpenTelemetry's messaging conventions link rather than choose one).
 pub(crate) fn batch_span(handler: &str, contexts: &[Context]) -> tracing::Span {
-    let span = tracing::info_span!("handler", handler, messages = contexts.len());
+    let span = crate::base::log::info_span!("handler", handler, messages = contexts.len());
     #[cfg(feature = "otel")]
     for trace in contexts.iter().filter_map(Context::trace) {
         trace.link(&span);

@@ -205,7 +205,7 @@ impl Consumer {
         let decided = if self.flow.is_open() {
             Some(items.iter().map(|_| Decision::new(Outcome::Paused)).collect())
         } else if self.channel.status().connected() {
-            let span = tracing::debug_span!("batch", queue = %self.queue, deliveries = items.len());
+            let span = crate::base::log::debug_span!("batch", queue = %self.queue, deliveries = items.len());
             tokio::select! {
                 decisions = tracing::Instrument::instrument(self.decide(&items, prepared), span) => Some(decisions),
                 () = cut_off.cancelled() => None,
@@ -300,7 +300,7 @@ impl Consumer {
             .map(|decision| {
                 decision.unwrap_or_else(|| {
                     // Every path decides every delivery; this only guards the invariant.
-                    tracing::error!(queue = %self.queue, "a delivery was left undecided; returning it to the queue");
+                    crate::base::log::error!(queue = %self.queue, "a delivery was left undecided; returning it to the queue");
                     Decision::new(Outcome::Requeued { error: "left undecided".into() })
                 })
             })
@@ -337,7 +337,7 @@ impl Consumer {
                 Fault::Infra(fault) => fault,
                 Fault::Contention { error, .. } if contention < CONTENTION_RETRIES => {
                     contention += 1;
-                    tracing::info!(queue = %self.queue, %error, contention, "transaction rolled back for contention; running it again");
+                    crate::base::log::info!(queue = %self.queue, %error, contention, "transaction rolled back for contention; running it again");
                     tokio::time::sleep(Duration::from_millis(10 * u64::from(contention))).await;
                     continue;
                 }
@@ -379,7 +379,7 @@ impl Consumer {
                 .observers
                 .infrastructure_retry(&InfrastructureRetry { queue: &self.queue, fault: &redacted });
             if last_logged.as_deref() != Some(message.as_str()) {
-                tracing::error!(queue = %self.queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
+                crate::base::log::error!(queue = %self.queue, fault = %message, "database fault; retrying the transaction on a fresh connection (not counted as an attempt)");
                 last_logged = Some(message);
             }
             backoff.wait().await;

@@ -123,8 +123,8 @@ pub(crate) struct Shared {
     pub(crate) turns: RwLock<()>,
     /// Raised by a delivery that met a fault no retry can fix: the runtime stops.
     pub(crate) fatal: Fatal,
-    #[cfg(feature = "testing")]
-    pub(crate) fault_hook: Option<crate::engine::fault::FaultHook>,
+    /// A test's fault hook (`engine/hook.rs`): `None` unless the test kit set one.
+    pub(crate) fault_hook: Option<crate::engine::hook::FaultHook>,
 }
 
 /// How batches are formed.
@@ -152,7 +152,7 @@ impl Fatal {
     }
 
     pub(crate) fn raise(&self, error: Error) {
-        tracing::error!(error = %error.report(), "stopping the runtime: a fault no retry can fix");
+        crate::base::log::error!(error = %error.report(), "stopping the runtime: a fault no retry can fix");
         self.error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(error);
         self.stop.cancel();
     }

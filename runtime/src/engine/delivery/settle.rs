@@ -54,7 +54,7 @@ impl Consumer {
         };
         // One event per delivery, with what an operator greps for (cheap when the
         // level is off; `RUST_LOG=idemq::engine::delivery=debug` shows them).
-        tracing::debug!(
+        crate::base::log::debug!(
             queue = %settled.queue,
             handler = settled.handler,
             key = settled.key.as_deref().unwrap_or("-"),
@@ -76,9 +76,10 @@ impl Consumer {
         let mut sent = vec![false; settled.len()];
         let acked: Vec<usize> =
             (0..settled.len()).filter(|&i| !needs_requeue(&settled[i].1.outcome)).collect();
-        #[cfg(feature = "testing")]
-        for &i in &acked {
-            self.fault(crate::engine::fault::FaultPoint::AfterCommit, &settled[i].1).await;
+        if self.shared.fault_hook.is_some() {
+            for &i in &acked {
+                self.fault(crate::engine::hook::FaultPoint::AfterCommit, &settled[i].1).await;
+            }
         }
         if !acked.is_empty() {
             let deliveries: Vec<&Delivery> = acked.iter().map(|&i| &settled[i].0.delivery).collect();
@@ -109,7 +110,7 @@ impl Consumer {
         // (target queue, kind, error, retry_of) of the copy.
         let (target, kind, error, retry_of) = match &decision.outcome {
             Outcome::Retry { error, delay } => {
-                tracing::warn!(queue = %self.queue, key = ?decision.key, attempt = counts.attempt, delay = %human(*delay), %error, "handler failed; retrying later");
+                crate::base::log::warn!(queue = %self.queue, key = ?decision.key, attempt = counts.attempt, delay = %human(*delay), %error, "handler failed; retrying later");
                 let (error, delay) = (error.clone(), *delay);
                 let jitter = tokio::time::sleep(self.retry.jitter_for(delay));
                 if tokio::select! { () = jitter => false, () = cut_off.cancelled() => true } {
@@ -119,7 +120,7 @@ impl Consumer {
                 (wait_queue_name(&self.queue, delay), None, error, Some(self.queue.as_str()))
             }
             Outcome::DeadLettered { kind, error } => {
-                tracing::warn!(queue = %self.queue, key = ?decision.key, kind = %kind, %error, "dead-lettering");
+                crate::base::log::warn!(queue = %self.queue, key = ?decision.key, kind = %kind, %error, "dead-lettering");
                 (self.dead_letter_queue.clone(), Some(*kind), error.clone(), None)
             }
             _ => return report(self.acks.ack_one(delivery).await, self, decision),
@@ -134,8 +135,7 @@ impl Consumer {
             copy_id: &copy_id,
             retry_of,
         };
-        #[cfg(feature = "testing")]
-        self.fault(crate::engine::fault::FaultPoint::BeforeCopy, decision).await;
+        self.fault(crate::engine::hook::FaultPoint::BeforeCopy, decision).await;
         let publish = dead_letter::publish(&self.publisher, &target, delivery, &letter, self.frame_max);
         tokio::pin!(publish);
         let published = tokio::select! {
@@ -172,8 +172,7 @@ impl Consumer {
         // Were the ack lost now, the redelivered original finds this record and
         // is acked without a second copy (a crash before it: see `docs/guarantees.md`).
         self.bookkeeping("record the copy", async |conn| db::record_copy(conn, &copy_id).await).await;
-        #[cfg(feature = "testing")]
-        self.fault(crate::engine::fault::FaultPoint::AfterCopy, decision).await;
+        self.fault(crate::engine::hook::FaultPoint::AfterCopy, decision).await;
         report(self.acks.ack_one(delivery).await, self, decision)
     }
 
@@ -182,12 +181,12 @@ impl Consumer {
     /// alike, is one WARN now and a count later ([`Unsent`]).
     fn copy_failed(&self, error: &str, nacked: bool, decision: &Decision) {
         if nacked || self.publisher.status().connected() {
-            tracing::error!(queue = %self.queue, %error, "could not publish the copy; the delivery is requeued");
+            crate::base::log::error!(queue = %self.queue, %error, "could not publish the copy; the delivery is requeued");
             return;
         }
-        tracing::debug!(queue = %self.queue, key = ?decision.key, %error, "could not publish the copy: the publishing channel is gone; the delivery is requeued");
+        crate::base::log::debug!(queue = %self.queue, key = ?decision.key, %error, "could not publish the copy: the publishing channel is gone; the delivery is requeued");
         if self.unsent.note_copy() {
-            tracing::warn!(
+            crate::base::log::warn!(
                 queue = %self.queue,
                 session = self.session,
                 %error,
@@ -213,7 +212,7 @@ impl Consumer {
             self.pooled(async |conn| db::insert_outbox(conn, std::slice::from_ref(&reply)).await).await;
         if let Err(err) = written {
             let error = crate::error::report(&err);
-            tracing::error!(queue = %self.queue, key = ?decision.key, %error, "could not queue the stored reply of a duplicated request; the delivery is requeued");
+            crate::base::log::error!(queue = %self.queue, key = ?decision.key, %error, "could not queue the stored reply of a duplicated request; the delivery is requeued");
             decision.outcome =
                 Outcome::Requeued { error: format!("the stored reply could not be queued: {error}") };
             tokio::select! {
@@ -233,7 +232,7 @@ impl Consumer {
         F: for<'c> AsyncFnOnce(&'c mut AsyncPgConnection) -> diesel::QueryResult<()>,
     {
         if let Err(err) = self.pooled(statement).await {
-            tracing::warn!(queue = %self.queue, error = %crate::error::report(&err), "could not {what}");
+            crate::base::log::warn!(queue = %self.queue, error = %crate::error::report(&err), "could not {what}");
         }
     }
 
@@ -252,10 +251,10 @@ impl Consumer {
             .unwrap_or(Err(Bookkeeping::TimedOut(BOOKKEEPING_TIMEOUT)))
     }
 
-    #[cfg(feature = "testing")]
-    async fn fault(&self, point: crate::engine::fault::FaultPoint, decision: &Decision) {
+    /// Runs the test's fault hook at `point`, if one is set (never in production).
+    async fn fault(&self, point: crate::engine::hook::FaultPoint, decision: &Decision) {
         if let Some(hook) = &self.shared.fault_hook {
-            let context = crate::engine::fault::FaultContext {
+            let context = crate::engine::hook::FaultContext {
                 point,
                 channel: self.channel.clone(),
                 publisher: self.publisher.clone(),
@@ -314,7 +313,9 @@ impl Drop for Unsettled {
             return;
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            tracing::error!("a batch ended without settling its deliveries; returning them to the queue");
+            crate::base::log::error!(
+                "a batch ended without settling its deliveries; returning them to the queue"
+            );
             let acks = Arc::clone(&self.acks);
             runtime.spawn(async move {
                 for (tag, acker) in deliveries {
@@ -335,9 +336,9 @@ fn report(sent: lapin::Result<bool>, consumer: &Consumer, decision: &Decision) -
         Err(err) => Some(err),
     };
     let error = error.as_ref().map(tracing::field::display);
-    tracing::debug!(queue = %consumer.queue, key = ?decision.key, error, "not settled: the broker will redeliver");
+    crate::base::log::debug!(queue = %consumer.queue, key = ?decision.key, error, "not settled: the broker will redeliver");
     if consumer.unsent.note() {
-        tracing::warn!(
+        crate::base::log::warn!(
             queue = %consumer.queue,
             session = consumer.session,
             error,
@@ -383,7 +384,7 @@ impl Drop for Unsent {
     fn drop(&mut self) {
         let copies = *self.copies.get_mut();
         if copies > 0 {
-            tracing::warn!(
+            crate::base::log::warn!(
                 queue = %self.queue,
                 session = self.session,
                 requeued = copies,
@@ -393,7 +394,7 @@ impl Drop for Unsent {
         }
         let count = *self.count.get_mut();
         if count > 0 {
-            tracing::warn!(
+            crate::base::log::warn!(
                 queue = %self.queue,
                 session = self.session,
                 unsettled = count,
@@ -414,5 +415,17 @@ mod tests {
         assert!(unsent.note(), "the first warns at once");
         assert!((0..3807).all(|_| !unsent.note()), "the rest are counted");
         assert_eq!(unsent.count.load(std::sync::atomic::Ordering::Relaxed), 3808);
+    }
+
+    /// The engine is the crate `idemq_core`, but its events keep the targets operators
+    /// filter on (`RUST_LOG=idemq::engine::delivery=debug`, `base/log.rs`).
+    #[test]
+    fn an_engine_event_has_its_target_under_idemq_not_idemq_core() {
+        let targets = crate::base::log::tests::targets_of(|| {
+            let unsent = Unsent::new("payments", 1);
+            unsent.note();
+            drop(unsent); // logs the count of unsettled deliveries
+        });
+        assert_eq!(targets, ["idemq::engine::delivery::settle"]);
     }
 }

@@ -61,7 +61,7 @@ impl Link {
         let channel = confirm_channel(&self.connection).await?;
         let old = std::mem::replace(&mut self.channel, channel);
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, old.close(200, "nacked: reopening".into())).await;
-        tracing::debug!("outbox relay: publishes were nacked; publishing on a fresh channel");
+        crate::base::log::debug!("outbox relay: publishes were nacked; publishing on a fresh channel");
         Ok(())
     }
 

@@ -51,7 +51,7 @@ impl OutboxSignal {
                 };
                 if let Err(error) = notified.await {
                     // The relays poll as well: a lost wake-up only delays.
-                    tracing::debug!(error = %error.report(), "could not notify the outbox relays");
+                    crate::base::log::debug!(error = %error.report(), "could not notify the outbox relays");
                 }
             }
         }
@@ -67,7 +67,7 @@ pub(super) async fn listen(database_url: String, wake: Arc<Notify>, stop: Cancel
         tokio::select! {
             result = forward(&database_url, &wake) => {
                 if let Err(error) = result {
-                    tracing::debug!(error = %error.report(), "outbox relay: LISTEN connection lost; polling meanwhile");
+                    crate::base::log::debug!(error = %error.report(), "outbox relay: LISTEN connection lost; polling meanwhile");
                 }
             }
             () = stop.cancelled() => return,

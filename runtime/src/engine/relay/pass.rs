@@ -64,7 +64,7 @@ pub(super) async fn pass(pool: &db::Pool, settings: Settings, link: &mut Link) -
         .map_err(RelayError::database("run a relay pass"))?;
     // Once committed: each reply is deleted, and warned of, once.
     if let Some(first) = &pass.first_expired {
-        tracing::warn!(
+        crate::base::log::warn!(
             expired = pass.expired,
             message_id = %first.message_id,
             reply_to = %first.reply_to,
@@ -92,12 +92,12 @@ async fn publish_and_record(
     let Recorded { mut sent, postponed, first_error } = record(conn, &rows, results, settings).await?;
     let published = sent.len();
     for row in &expired {
-        tracing::debug!(message_id = %row.message_id, reply_to = %row.routing_key, correlation_id = ?row.correlation_id, attempts = row.attempts, last_error = ?row.last_error, "outbox relay: a reply expired before it could be delivered; deleted unpublished");
+        crate::base::log::debug!(message_id = %row.message_id, reply_to = %row.routing_key, correlation_id = ?row.correlation_id, attempts = row.attempts, last_error = ?row.last_error, "outbox relay: a reply expired before it could be delivered; deleted unpublished");
     }
     sent.extend(expired.iter().map(|row| row.id));
     db::delete_outbox(conn, &sent).await?;
     if let Some((message_id, error)) = first_error {
-        tracing::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::engine::relay=debug lists each)");
+        crate::base::log::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::engine::relay=debug lists each)");
     }
     let first_expired = expired.first().map(|row| Expired {
         message_id: row.message_id.clone(),
@@ -133,13 +133,13 @@ async fn record(
             // Best effort (direct reply-to): never retried — but for a requester
             // that is gone, kept to end as every reply nobody can take ends: expired.
             Some(Err(error)) if !row.mandatory && !matches!(error, Refusal::RequesterGone { .. }) => {
-                tracing::warn!(message_id = %row.message_id, routing_key = %row.routing_key, %error, "outbox relay: a best-effort reply could not be published; dropped");
+                crate::base::log::warn!(message_id = %row.message_id, routing_key = %row.routing_key, %error, "outbox relay: a best-effort reply could not be published; dropped");
                 recorded.sent.push(row.id);
             }
             Some(Err(error)) => {
                 let delay = retry_delay(row.attempts, settings.max_backoff);
                 // One line per row at debug; the pass says it once at warn.
-                tracing::debug!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, delay = %crate::base::duration::human(delay), %error, "outbox relay: could not publish; it stays in the outbox and is retried");
+                crate::base::log::debug!(message_id = %row.message_id, exchange = %row.exchange, routing_key = %row.routing_key, attempts = row.attempts + 1, delay = %crate::base::duration::human(delay), %error, "outbox relay: could not publish; it stays in the outbox and is retried");
                 db::postpone_outbox(conn, row.id, delay, &error.to_string(), settings.reply_ttl).await?;
                 recorded.postponed += 1;
                 recorded.first_error.get_or_insert_with(|| (row.message_id.clone(), error));

@@ -52,7 +52,7 @@ impl Faults {
     async fn wait(&mut self, fault: Fault, stop: &CancellationToken, finishing: bool) -> bool {
         let error = fault.error.report();
         if self.last_error.as_deref() != Some(error.as_str()) {
-            tracing::warn!(error = %error, "outbox relay: {}; retrying", fault.what);
+            crate::base::log::warn!(error = %error, "outbox relay: {}; retrying", fault.what);
             self.last_error = Some(error);
         }
         if finishing {
@@ -155,7 +155,7 @@ impl Worker {
         let Some(reason) = lost else {
             return Some(claimed);
         };
-        tracing::warn!(reason = %reason.report(), "outbox relay: broker connection lost; reconnecting");
+        crate::base::log::warn!(reason = %reason.report(), "outbox relay: broker connection lost; reconnecting");
         if let Some(old) = link.take() {
             // The next connection starts with the next address.
             self.brokers.lost(old.node);

@@ -100,8 +100,8 @@ pub struct RuntimeBuilder {
     pub(super) allow_unpatched_amqp_parser: bool,
     #[cfg(feature = "metrics")]
     pub(super) http_addr: Option<std::net::SocketAddr>,
-    #[cfg(feature = "testing")]
-    pub(super) fault_hook: Option<crate::engine::fault::FaultHook>,
+    /// The test kit's fault hook (`idemq-testing`, through `__private::sibling`).
+    pub(super) fault_hook: Option<crate::engine::hook::FaultHook>,
 }
 
 impl std::fmt::Debug for RuntimeBuilder {
@@ -161,7 +161,6 @@ impl RuntimeBuilder {
             allow_unpatched_amqp_parser: false,
             #[cfg(feature = "metrics")]
             http_addr: None,
-            #[cfg(feature = "testing")]
             fault_hook: None,
         }
     }
@@ -554,9 +553,9 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Installs a test-only [fault hook](crate::testing::fault) (feature `testing`).
-    #[cfg(feature = "testing")]
-    pub fn fault_hook(mut self, hook: crate::engine::fault::FaultHook) -> Self {
+    /// Installs a test's fault hook: the test kit's `FaultHookExt::fault_hook` (in
+    /// `idemq-testing`) calls this through `__private::sibling`; nothing else does.
+    pub(crate) fn with_fault_hook(mut self, hook: crate::engine::hook::FaultHook) -> Self {
         self.fault_hook = Some(hook);
         self
     }

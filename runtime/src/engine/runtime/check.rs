@@ -57,7 +57,7 @@ impl RuntimeBuilder {
         self.check_unique_queues()?;
         self.check_version_chains()?;
         for warning in self.short_idempotency_keys() {
-            tracing::warn!("{warning}");
+            crate::base::log::warn!("{warning}");
         }
         if let Some(namespace) = &self.namespace {
             if namespace.is_empty() || namespace.contains('/') {
@@ -343,7 +343,7 @@ impl RuntimeBuilder {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use crate::handler::context::{Context, HandlerOutput};
     use crate::handler::key::{Key, KeyError, Metadata};
@@ -352,9 +352,8 @@ pub(crate) mod tests {
     use diesel_async::AsyncPgConnection;
     use std::time::Duration;
 
-    /// A handler that does nothing (the checks read only its options); the CLI's
-    /// tests use it too.
-    pub(crate) struct Noop;
+    /// A handler that does nothing (the checks read only its options).
+    struct Noop;
 
     impl Handler for Noop {
         type Message = serde_json::Value;

@@ -19,16 +19,14 @@ use crate::base::outcome::Stats;
 
 mod builder;
 mod check;
-mod plan;
+pub(crate) mod plan;
 mod run;
-// Read by tests only: the guide's Configuration table and the CLI are checked against it.
-#[cfg(test)]
+// Read by tests only: the guide's Configuration table and the CLI's (`idemq-cli`, through
+// `__private::sibling`) are checked against it.
 pub(crate) mod settings;
 mod signals;
 
 pub use builder::RuntimeBuilder;
-#[cfg(all(test, feature = "cli"))]
-pub(crate) use check::tests::Noop;
 pub use signals::{shutdown_signal, shutdown_signals, ShutdownSignals};
 
 /// The default [`RuntimeBuilder::concurrency`].
@@ -69,7 +67,6 @@ impl Runtime {
 
     /// `spent` of the startup timeout went before `run` (the CLI's wait for the
     /// database before its migrations): `run` waits only for what is left.
-    #[cfg(feature = "cli")]
     pub(crate) fn startup_spent(&mut self, spent: Duration) {
         if let Some(timeout) = &mut self.builder.startup_timeout {
             *timeout = timeout.saturating_sub(spent);

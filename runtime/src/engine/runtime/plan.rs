@@ -2,45 +2,35 @@
 //! and declarations, for the CLI (`declare`, `status`, `dlq`, `run --queue`) and the
 //! test kit.
 
-#[cfg(feature = "cli")]
 use super::builder::Registration;
 use super::RuntimeBuilder;
-#[cfg(feature = "cli")]
 use crate::base::duration::human;
-#[cfg(feature = "cli")]
 use crate::base::observe::Observers;
-#[cfg(feature = "cli")]
 use std::time::Duration;
 
 use crate::base::retry::RetryPolicy;
 use crate::broker::asyncapi::Receiver;
-#[cfg(feature = "cli")]
 use crate::engine::startup::Startup;
-#[cfg(feature = "cli")]
 use crate::error::Error;
 
 impl RuntimeBuilder {
     /// The broker URL this builder holds.
-    #[cfg(feature = "cli")]
     pub(crate) fn configured_amqp_url(&self) -> &str {
         &self.amqp_url
     }
 
     /// The database URL this builder holds.
-    #[cfg(feature = "cli")]
     pub(crate) fn configured_database_url(&self) -> &str {
         &self.database_url
     }
 
     /// A start-up wait with this builder's timeout and backoff, for what the CLI
     /// does before `run` (its set-up and migrations need the database).
-    #[cfg(feature = "cli")]
     pub(crate) fn startup(&self) -> Startup {
         Startup::new(self.startup_timeout, self.reconnect_max, Observers::default())
     }
 
     /// Keeps only the consumers of `queues`; a queue nobody consumes is an error.
-    #[cfg(feature = "cli")]
     pub(crate) fn only_queues(mut self, queues: &[String]) -> Result<Self, Error> {
         for queue in queues {
             if !self.consumers.iter().any(|r| &r.queue == queue || r.handler.queue() == Some(queue.as_str()))
@@ -64,7 +54,6 @@ impl RuntimeBuilder {
 
     /// The retry wait queues of `queue` under `retry`: none for a stream, whose
     /// consumer retries in place (nothing can be taken out of a stream to wait).
-    #[cfg(feature = "cli")]
     pub(crate) fn wait_queues_of(&self, queue: &str, retry: &RetryPolicy) -> Vec<(String, Duration)> {
         if self.is_stream(queue) {
             return Vec::new();
@@ -81,7 +70,6 @@ impl RuntimeBuilder {
     /// order, then the consumed queues it does not name (`run` declares those with
     /// the defaults), each with its dead-letter queue, its consumers' retry wait
     /// queues (none for a stream) and the names of the handlers that consume it.
-    #[cfg(feature = "cli")]
     pub(crate) fn queue_plans(&self) -> Vec<QueuePlan> {
         let mut plans: Vec<QueuePlan> = self
             .topology
@@ -152,7 +140,6 @@ impl RuntimeBuilder {
     }
 
     /// The bindings the topology declares: queue, exchange, routing key.
-    #[cfg(feature = "cli")]
     pub(crate) fn bindings(&self) -> Vec<(&str, &str, &str)> {
         self.topology
             .queues()
@@ -163,13 +150,11 @@ impl RuntimeBuilder {
     }
 
     /// The exchanges the topology declares, by name.
-    #[cfg(feature = "cli")]
     pub(crate) fn exchange_names(&self) -> Vec<String> {
         self.topology.exchange_names().map(str::to_owned).collect()
     }
 
     /// The exchanges the topology declares: name and kind.
-    #[cfg(feature = "cli")]
     pub(crate) fn exchanges(&self) -> Vec<(String, String)> {
         self.topology.exchanges().iter().map(|e| (e.name().to_owned(), e.kind().to_owned())).collect()
     }
@@ -177,7 +162,6 @@ impl RuntimeBuilder {
     /// Declares what `run` declares — the topology and the consumers' wait queues —
     /// through the runtime's own declaration, strictly: a queue that is unavailable
     /// (its node down) is an error here, not skipped.
-    #[cfg(feature = "cli")]
     pub(crate) async fn declare_all(&self, connection: &lapin::Connection) -> Result<(), Error> {
         let declared: Vec<_> =
             self.consumers.iter().map(|r| self.topology.queue_or_default(&r.queue)).collect();
@@ -204,7 +188,6 @@ impl RuntimeBuilder {
     }
 
     /// Every consumed or declared queue with its dead-letter queue.
-    #[cfg(feature = "cli")]
     pub(crate) fn consumed_queues(&self) -> Vec<(String, String)> {
         let mut queues: Vec<(String, String)> = self
             .topology
@@ -223,31 +206,29 @@ impl RuntimeBuilder {
 }
 
 /// One queue as `declare` and `status` show it, with what belongs to it.
-#[cfg(feature = "cli")]
-pub(crate) struct QueuePlan {
+pub struct QueuePlan {
     /// The queue as declared: the topology's, or the defaults `run` gives a
     /// consumed queue the topology does not name.
-    pub(crate) queue: crate::broker::topology::Queue,
+    pub queue: crate::broker::topology::Queue,
     /// Whether idemq declares it (`declare --apply`, `run`): not when it is
     /// [declared elsewhere](crate::broker::topology::Queue::declared_elsewhere).
-    pub(crate) declared_here: bool,
+    pub declared_here: bool,
     /// Its retry wait queues (name, delay), each once.
-    pub(crate) waits: Vec<(String, Duration)>,
+    pub waits: Vec<(String, Duration)>,
     /// The names of the handlers consuming it, in registration order.
-    pub(crate) handlers: Vec<String>,
+    pub handlers: Vec<String>,
 }
 
-#[cfg(feature = "cli")]
 impl QueuePlan {
     /// Its name, its dead-letter queue's and its wait queues'.
-    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+    pub fn names(&self) -> impl Iterator<Item = &str> {
         [self.queue.name(), self.queue.dead_letter_name()]
             .into_iter()
             .chain(self.waits.iter().map(|(name, _)| name.as_str()))
     }
 
     /// Its wait queues' delays, in words: `1s, 5s, 30s, 2m, 10m`.
-    pub(crate) fn wait_delays(&self) -> String {
+    pub fn wait_delays(&self) -> String {
         self.waits.iter().map(|(_, delay)| human(*delay).to_string()).collect::<Vec<_>>().join(", ")
     }
 }

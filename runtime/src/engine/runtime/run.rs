@@ -83,7 +83,7 @@ impl Runtime {
         announce(&self.builder);
         let Some(assembly) = Assembly::assemble(self, &shutdown).await? else {
             // Shut down while start-up waited for the database: nothing was started.
-            tracing::info!("stopped before consuming: shut down while waiting for the database");
+            crate::base::log::info!("stopped before consuming: shut down while waiting for the database");
             return Ok(());
         };
         let mut running = assembly.spawn()?;
@@ -91,7 +91,7 @@ impl Runtime {
         let result = running.drain(result, connections, started).await;
         if result.is_ok() {
             // A failure is the caller's to report (the CLI prints it once).
-            tracing::info!(
+            crate::base::log::info!(
                 "stopped: in-flight deliveries settled or returned to the queue, connections closed"
             );
         }
@@ -104,7 +104,7 @@ impl Runtime {
 fn announce(b: &RuntimeBuilder) {
     let consumers: Vec<String> =
         b.consumers.iter().map(|r| format!("{} ({})", r.queue, r.handler.name())).collect();
-    tracing::info!(
+    crate::base::log::info!(
         consumers = %consumers.join(", "),
         broker = %redact(&b.amqp_url),
         database = %redact(&b.database_url),
@@ -185,7 +185,6 @@ impl Assembly {
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
             // retry can fix (then `run` returns that error after draining).
             fatal: Fatal::new(shutdown.child_token()),
-            #[cfg(feature = "testing")]
             fault_hook: b.fault_hook.clone(),
         });
         Ok(Some(Self {
@@ -296,7 +295,7 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
     if b.kill_switch.is_some() {
         for (r, switch) in b.consumers.iter().zip(&switches) {
             if switch.is_none() && b.consumers.iter().filter(|other| other.queue == r.queue).count() > 1 {
-                tracing::warn!(
+                crate::base::log::warn!(
                     queue = %r.queue,
                     handler = r.handler.name(),
                     "no kill switch for this handler: its queue is shared with other handlers (pausing it would pause them all)"
@@ -462,12 +461,12 @@ impl Running {
                     let reason = loss.report();
                     if connected {
                         // Logged once per loss, not once per attempt.
-                        tracing::warn!(session, %reason, "connection to the broker lost; reconnecting");
+                        crate::base::log::warn!(session, %reason, "connection to the broker lost; reconnecting");
                         ctx.notify(&ConnectionEvent::Lost { session, reason });
                         backoff = Backoff::new(Duration::from_millis(100), self.reconnect_max);
                         session += 1;
                     } else {
-                        tracing::debug!(session, %reason, attempt = backoff.attempts, "reconnect attempt failed");
+                        crate::base::log::debug!(session, %reason, attempt = backoff.attempts, "reconnect attempt failed");
                     }
                     tokio::select! {
                         () = stop.cancelled() => break (Ok(()), None),
@@ -496,7 +495,7 @@ impl Running {
         stop.cancel();
         ctx.tracker.close();
         if tokio::time::timeout(shutdown_deadline, ctx.tracker.wait()).await.is_err() {
-            tracing::warn!(deadline = %crate::base::duration::human(shutdown_deadline), "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
+            crate::base::log::warn!(deadline = %crate::base::duration::human(shutdown_deadline), "shutdown deadline passed; cutting off in-flight deliveries, which return to the queue");
             ctx.hard_stop.cancel();
             ctx.tracker.wait().await;
         }
@@ -516,7 +515,9 @@ impl Running {
             relay.abort();
         }
         match relay.await {
-            Err(err) if !err.is_cancelled() => tracing::error!(error = %err, "the outbox relay task failed"),
+            Err(err) if !err.is_cancelled() => {
+                crate::base::log::error!(error = %err, "the outbox relay task failed")
+            }
             _ => {}
         }
         background.close();
@@ -570,10 +571,10 @@ async fn sweep_every(
         tokio::select! {
             result = swept => match result {
                 Ok(sweep) => {
-                    tracing::info!(?sweep, "retention sweep");
+                    crate::base::log::info!(?sweep, "retention sweep");
                     shared.observers.swept(&sweep);
                 }
-                Err(error) => tracing::warn!(error = %crate::error::report(&*error), "the retention sweep failed; trying again later"),
+                Err(error) => crate::base::log::warn!(error = %crate::error::report(&*error), "the retention sweep failed; trying again later"),
             },
             () = stop.cancelled() => return,
         }

@@ -10,18 +10,17 @@
 
 /// One builder setting and its names outside the code.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Setting {
+pub struct Setting {
     /// The builder's method: `heartbeat` for `.heartbeat(d)`.
-    pub(crate) method: &'static str,
+    pub method: &'static str,
     /// `run`'s flag, `--heartbeat` (also a global flag for the URLs).
-    pub(crate) flag: Option<&'static str>,
+    pub flag: Option<&'static str>,
     /// The environment variable, `IDEMQ_HEARTBEAT`.
-    pub(crate) env: Option<&'static str>,
+    pub env: Option<&'static str>,
     /// The TOML file's key, `heartbeat`.
-    pub(crate) toml: Option<&'static str>,
+    pub toml: Option<&'static str>,
     /// A valid value, as the flag or the variable takes it (the CLI's tests give it).
-    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
-    pub(crate) example: &'static str,
+    pub example: &'static str,
 }
 
 /// A setting the CLI reads: its flag, variable and TOML key share one name.
@@ -35,7 +34,7 @@ const fn code(method: &'static str) -> Setting {
 }
 
 /// Every setting, in the Configuration table's order.
-pub(crate) const SETTINGS: &[Setting] = &[
+pub const SETTINGS: &[Setting] = &[
     cli("amqp_url", "--amqp-url", "AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
     cli("database_url", "--database-url", "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres"),
     code("topology"),
@@ -79,10 +78,6 @@ pub(crate) const SETTINGS: &[Setting] = &[
     },
 ];
 
-/// Public setters of `builder.rs` that are no settings of their own: the test kit's
-/// hook.
-const NOT_SETTINGS: &[&str] = &["fault_hook"];
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,7 +97,7 @@ mod tests {
         assert!(setters.len() > 20, "the builder's setters were not found: {setters:?}");
         for setter in setters {
             assert!(
-                SETTINGS.iter().any(|s| s.method == setter) || NOT_SETTINGS.contains(&setter),
+                SETTINGS.iter().any(|s| s.method == setter),
                 "RuntimeBuilder::{setter} is not in SETTINGS (runtime/src/engine/runtime/settings.rs): list it, \
                  with its flag, variable and TOML key if the CLI should read it, and give it a row in the \
                  guide's Configuration table (docs/operating.md)"

@@ -40,10 +40,10 @@ pub fn shutdown_signals() -> ShutdownSignals {
     tokio::spawn(async move {
         wait_for_signal().await;
         graceful.cancel();
-        tracing::info!("shutting down: finishing in-flight deliveries (signal again to exit now)");
+        crate::base::log::info!("shutting down: finishing in-flight deliveries (signal again to exit now)");
         wait_for_signal().await;
         immediate.cancel();
-        tracing::warn!("second signal: exiting now; unacked deliveries will be redelivered");
+        crate::base::log::warn!("second signal: exiting now; unacked deliveries will be redelivered");
     });
     signals
 }
@@ -62,7 +62,7 @@ pub fn shutdown_signal() -> CancellationToken {
     tokio::spawn(async move {
         wait_for_signal().await;
         cancel.cancel();
-        tracing::info!("shutting down: finishing in-flight deliveries");
+        crate::base::log::info!("shutting down: finishing in-flight deliveries");
     });
     token
 }

@@ -168,7 +168,7 @@ pub(crate) async fn run(
         }
     };
     if session > 1 {
-        tracing::info!(session, "reconnected; consuming again");
+        crate::base::log::info!(session, "reconnected; consuming again");
     }
     ctx.notify(&ConnectionEvent::Connected { session });
     let watched = watch(ctx, &connections, &mut loops, stop).await;
@@ -179,7 +179,7 @@ pub(crate) async fn run(
         return SessionEnd::Shutdown(Some(Box::new(connections)));
     };
     if let Loss::ConsumerTimeout { .. } = loss {
-        tracing::error!(session, reason = %loss.report(), "{}", crate::broker::consumer_timeout::EXPLAINED);
+        crate::base::log::error!(session, reason = %loss.report(), "{}", crate::broker::consumer_timeout::EXPLAINED);
     }
     // The next attempt starts with the next address: this one was just lost.
     ctx.brokers.lost(connections.node);
@@ -218,11 +218,11 @@ async fn watch(
             }
             Some(event) = publishing_events.next() => match event {
                 lapin::Event::ConnectionBlocked(reason) => {
-                    tracing::warn!(%reason, "the broker blocked publishing (resource alarm); retry and dead-letter copies wait");
+                    crate::base::log::warn!(%reason, "the broker blocked publishing (resource alarm); retry and dead-letter copies wait");
                     ctx.notify(&ConnectionEvent::Blocked { reason });
                 }
                 lapin::Event::ConnectionUnblocked => {
-                    tracing::info!("the broker unblocked publishing");
+                    crate::base::log::info!("the broker unblocked publishing");
                     ctx.notify(&ConnectionEvent::Unblocked);
                 }
                 lapin::Event::Error(err) => return Some(Loss::PublishingConnection(err)),
@@ -317,7 +317,7 @@ async fn begin(
         channels.push(channel.clone());
         let acks = Arc::new(Acks::default());
         if let [spec] = specs[..] {
-            tracing::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
+            crate::base::log::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
             let consumer = on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel, acks);
             let source = intake::Source::Broker(stream);
             loops.spawn(intake::consume(consumer, source, tag, ctx.intake(), session_stop.clone()));
@@ -327,7 +327,7 @@ async fn begin(
         for spec in &specs {
             // Checked at build(): every handler of a shared queue has a type of its own.
             let name = spec.handler.amqp_type().unwrap_or_default();
-            tracing::info!(queue = %spec.queue, handler = spec.handler.name(), message_type = name, session, "consuming");
+            crate::base::log::info!(queue = %spec.queue, handler = spec.handler.name(), message_type = name, session, "consuming");
             routes.push((
                 name,
                 on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel.clone(), Arc::clone(&acks)),

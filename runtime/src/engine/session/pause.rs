@@ -66,7 +66,7 @@ pub(super) async fn pause(
     if drained.is_err() {
         return Err(lost());
     }
-    tracing::info!(queue = %consumer.queue, returned, "kill switch open: consumer cancelled, its deliveries returned to the queue");
+    crate::base::log::info!(queue = %consumer.queue, returned, "kill switch open: consumer cancelled, its deliveries returned to the queue");
     loop {
         tokio::select! {
             () = consumer.flow.pause_over() => {}

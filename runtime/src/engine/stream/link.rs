@@ -122,7 +122,7 @@ impl BrokerLink {
                     }
                 }
                 if !stop.is_cancelled() {
-                    tracing::debug!("the stream consumers' broker probe failed; connecting again");
+                    crate::base::log::debug!("the stream consumers' broker probe failed; connecting again");
                     brokers.lost(node);
                 }
                 let _ =

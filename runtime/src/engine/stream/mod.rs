@@ -182,11 +182,11 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
                     return;
                 }
                 End::OwnerLost => {
-                    tracing::warn!(stream = spec.stream(), handler = spec.handler.name(), "lost the stream's lock (its database connection went); taking it again before consuming");
+                    crate::base::log::warn!(stream = spec.stream(), handler = spec.handler.name(), "lost the stream's lock (its database connection went); taking it again before consuming");
                     continue 'owning;
                 }
                 End::GiveWay => {
-                    tracing::info!(
+                    crate::base::log::info!(
                         stream = spec.stream(),
                         handler = spec.handler.name(),
                         "another process shares this handler's streams: giving this one to it"
@@ -199,7 +199,7 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
                     continue 'owning;
                 }
                 End::Fenced => {
-                    tracing::warn!(
+                    crate::base::log::warn!(
                         stream = spec.stream(),
                         handler = spec.handler.name(),
                         "the stream's offset was moved by another consumer; reading it again"
@@ -208,7 +208,7 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
                 }
                 End::Lost(reason) => reason,
             };
-            tracing::warn!(stream = spec.stream(), handler = spec.handler.name(), %reason, "stream consumer interrupted; subscribing again after the stored offset");
+            crate::base::log::warn!(stream = spec.stream(), handler = spec.handler.name(), %reason, "stream consumer interrupted; subscribing again after the stored offset");
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = backoff.wait() => {}
@@ -228,7 +228,7 @@ pub(crate) async fn consume(spec: StreamSpec, ctx: StreamContext, stop: Cancella
 /// Gives the stream's lock up (by dropping its owner) because the broker has been
 /// silent for the release bound: a process that reaches it takes the stream over.
 fn release(spec: &StreamSpec, ctx: &StreamContext, owner: Owner) {
-    tracing::warn!(
+    crate::base::log::warn!(
         stream = spec.stream(),
         handler = spec.handler.name(),
         silent_for = %crate::base::duration::human(ctx.link.release_after()),
@@ -326,7 +326,7 @@ async fn open(
         )
         .await
         .map_err(lost)?;
-    tracing::info!(
+    crate::base::log::info!(
         stream = spec.stream(),
         handler = spec.handler.name(),
         after = last,

@@ -57,7 +57,7 @@ impl Owner {
                     let reserved = match &spec.share {
                         Some(share) if !share.reserve() => {
                             if !std::mem::replace(&mut said, true) {
-                                tracing::info!(stream = spec.stream(), handler = spec.handler.name(), streams = share.streams(), "this process owns its share of the handler's streams; waiting for that to change");
+                                crate::base::log::info!(stream = spec.stream(), handler = spec.handler.name(), streams = share.streams(), "this process owns its share of the handler's streams; waiting for that to change");
                             }
                             tokio::time::sleep(RETRY).await;
                             continue;
@@ -69,7 +69,7 @@ impl Owner {
                         Ok(false) => {
                             drop(reserved);
                             if !std::mem::replace(&mut said, true) {
-                                tracing::info!(stream = spec.stream(), handler = spec.handler.name(), "another process consumes this stream for this handler; waiting to take over");
+                                crate::base::log::info!(stream = spec.stream(), handler = spec.handler.name(), "another process consumes this stream for this handler; waiting to take over");
                             }
                             tokio::time::sleep(RETRY).await;
                         }
@@ -81,13 +81,13 @@ impl Owner {
                 () = stop.cancelled() => return None,
                 attempt = attempt => match attempt {
                     Ok(owner) => {
-                        tracing::info!(stream = spec.stream(), handler = spec.handler.name(), "this process owns the stream for this handler");
+                        crate::base::log::info!(stream = spec.stream(), handler = spec.handler.name(), "this process owns the stream for this handler");
                         return Some(owner);
                     }
                     Err(reason) => reason,
                 },
             };
-            tracing::warn!(stream = spec.stream(), handler = spec.handler.name(), reason = %failed, "cannot take the stream's lock (database unreachable); trying again");
+            crate::base::log::warn!(stream = spec.stream(), handler = spec.handler.name(), reason = %failed, "cannot take the stream's lock (database unreachable); trying again");
             tokio::select! {
                 () = stop.cancelled() => return None,
                 () = tokio::time::sleep(RETRY) => {}

@@ -241,7 +241,7 @@ impl Runner {
                         let key = self.prepare(item).ok().map(|prepared| prepared.key.as_str().to_owned());
                         return self.dead_letter(item, kind, &error.to_string(), key, attempt, stop).await;
                     };
-                    tracing::warn!(stream = %self.stream, offset = item.offset, attempt, delay = %crate::base::duration::human(delay), error = %error, "handler failed; retrying in place (the stream waits for it)");
+                    crate::base::log::warn!(stream = %self.stream, offset = item.offset, attempt, delay = %crate::base::duration::human(delay), error = %error, "handler failed; retrying in place (the stream waits for it)");
                     tokio::select! {
                         () = stop.cancelled() => return Err(End::Stopped),
                         () = tokio::time::sleep(delay) => {}
@@ -259,7 +259,7 @@ impl Runner {
         backoff: &mut Backoff,
         stop: &CancellationToken,
     ) -> Result<(), End> {
-        tracing::warn!(stream = %self.stream, %reason, "database fault; running the transaction again on a fresh connection (not an attempt)");
+        crate::base::log::warn!(stream = %self.stream, %reason, "database fault; running the transaction again on a fresh connection (not an attempt)");
         tokio::select! {
             () = stop.cancelled() => Err(End::Stopped),
             () = backoff.wait() => Ok(()),
@@ -277,7 +277,7 @@ impl Runner {
         attempts: u32,
         stop: &CancellationToken,
     ) -> Result<(), End> {
-        tracing::warn!(stream = %self.stream, offset = item.offset, kind = %kind, %error, "dead-lettering; the stream moves past it");
+        crate::base::log::warn!(stream = %self.stream, offset = item.offset, kind = %kind, %error, "dead-lettering; the stream moves past it");
         let copy_id = copy_id(&self.scope, &self.stream, item.offset);
         let letter = Letter {
             kind: Some(kind),

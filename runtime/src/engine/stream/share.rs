@@ -103,7 +103,7 @@ impl Share {
         loop {
             if link.is_lost() {
                 if conn.take().is_some() {
-                    tracing::info!(scope = %self.scope, "the broker does not answer: this process no longer counts among those sharing the handler's streams");
+                    crate::base::log::info!(scope = %self.scope, "the broker does not answer: this process no longer counts among those sharing the handler's streams");
                 }
                 tokio::select! {
                     () = stop.cancelled() => return,
@@ -116,7 +116,7 @@ impl Share {
                 }
                 Err(reason) => {
                     conn = None;
-                    tracing::debug!(scope = %self.scope, %reason, "cannot count the processes sharing this handler's streams; trying again");
+                    crate::base::log::debug!(scope = %self.scope, %reason, "cannot count the processes sharing this handler's streams; trying again");
                 }
             }
             tokio::select! {

@@ -173,7 +173,7 @@ async fn drive(
             }
             Some(Ok(_)) => {}
             Some(Err(error)) => {
-                tracing::debug!(error = %redact(&error.to_string()), "a PostgreSQL connection ended");
+                crate::base::log::debug!(error = %redact(&error.to_string()), "a PostgreSQL connection ended");
                 return;
             }
         }

@@ -186,7 +186,7 @@ pub(crate) async fn begin_and_claim(
             // a BEGIN fails only with the connection, which fails the insert too.)
             let keys: Vec<String> =
                 rows.into_iter().filter(|row| row.xid.is_some()).map(|row| row.key).collect();
-            tracing::error!(error = %err, scope, ?keys, "BEGIN failed but the dedup insert committed; deleting the rows");
+            crate::base::log::error!(error = %err, scope, ?keys, "BEGIN failed but the dedup insert committed; deleting the rows");
             diesel::delete(
                 idemq_dedup::table
                     .filter(idemq_dedup::handler.eq(scope))

@@ -31,7 +31,7 @@ pub(crate) async fn delete_older(
 }
 
 /// The versions of the applied migrations (none before the first).
-pub(crate) async fn applied_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
+pub async fn applied_migrations(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
     let tracked: bool =
         diesel::select(diesel::dsl::sql::<Bool>("to_regclass('__diesel_schema_migrations') IS NOT NULL"))
             .get_result(conn)
@@ -44,11 +44,7 @@ pub(crate) async fn applied_migrations(conn: &mut AsyncPgConnection) -> QueryRes
 
 /// Cuts every later statement of this connection after `limit`
 /// (`statement_timeout`): for the CLI's own connection, closed after.
-#[cfg(feature = "cli")]
-pub(crate) async fn limit_statements(
-    conn: &mut AsyncPgConnection,
-    limit: std::time::Duration,
-) -> QueryResult<()> {
+pub async fn limit_statements(conn: &mut AsyncPgConnection, limit: std::time::Duration) -> QueryResult<()> {
     use diesel_async::SimpleAsyncConnection;
     conn.batch_execute(&format!("SET statement_timeout = {}", limit.as_millis().max(1))).await
 }
@@ -56,11 +52,7 @@ pub(crate) async fn limit_statements(
 /// The exact number of rows of idemq's table `table` (`idemq_dedup`, `idemq_outbox`),
 /// or `None` when the table is not there (no migrations yet). A count reads the whole
 /// table: bound it with [`limit_statements`].
-#[cfg(feature = "cli")]
-pub(crate) async fn count_rows(
-    conn: &mut AsyncPgConnection,
-    table: &'static str,
-) -> QueryResult<Option<i64>> {
+pub async fn count_rows(conn: &mut AsyncPgConnection, table: &'static str) -> QueryResult<Option<i64>> {
     let there: bool =
         diesel::select(diesel::dsl::sql::<Bool>(&format!("to_regclass('{table}') IS NOT NULL")))
             .get_result(conn)

@@ -41,9 +41,9 @@ pub(crate) use dedup::BATCH_LOCK_TIMEOUT;
 pub(crate) use dedup::{
     begin_and_claim, begin_without_claim, forget, store_failure, store_results, stored_rows, Claim, Stored,
 };
-pub(crate) use housekeeping::{applied_migrations, delete_older, try_gc_lock};
-#[cfg(feature = "cli")]
-pub(crate) use housekeeping::{count_rows, limit_statements};
+// What the CLI runs too (`__private::sibling::db`).
+pub use housekeeping::{applied_migrations, count_rows, limit_statements};
+pub(crate) use housekeeping::{delete_older, try_gc_lock};
 pub(crate) use marks::{clear_starts, copy_recorded, mark_start, record_copy};
 #[cfg(feature = "metrics")]
 pub(crate) use outbox::outbox_lag;
@@ -53,8 +53,7 @@ pub(crate) use outbox::{
 };
 pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, SessionLimits};
 pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};
-pub(crate) use streams::{
-    advance_offset, count_members, owner_lock, read_offset, share_group, try_lock, try_lock_member, NO_OFFSET,
+pub(crate) use streams::{advance_offset, read_offset, try_lock, try_lock_member};
+pub use streams::{
+    count_members, lock_holder, owner_lock, share_group, stored_offsets, LockHolder, StoredOffset, NO_OFFSET,
 };
-#[cfg(feature = "cli")]
-pub(crate) use streams::{lock_holder, stored_offsets, LockHolder, StoredOffset};

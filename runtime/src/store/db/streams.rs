@@ -8,7 +8,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use sha2::{Digest, Sha256};
 
 /// The offset before the first: nothing applied yet.
-pub(crate) const NO_OFFSET: i64 = -1;
+pub const NO_OFFSET: i64 = -1;
 
 #[derive(QueryableByName)]
 struct Offset {
@@ -61,7 +61,7 @@ pub(crate) async fn advance_offset(
 
 /// The key of the session-level advisory lock held by the active consumer of
 /// `stream` for the handler `scope`: the first 8 bytes of a SHA-256 of both.
-pub(crate) fn owner_lock(scope: &str, stream: &str) -> i64 {
+pub fn owner_lock(scope: &str, stream: &str) -> i64 {
     let digest = Sha256::new()
         .chain_update(b"idemq stream owner\0")
         .chain_update(scope)
@@ -94,7 +94,7 @@ pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> diesel::
 /// streams with the handler `scope` count each other (each holds one, its second key
 /// its session's backend pid, unique on the server): 31 bits of a SHA-256, so it
 /// reads back from `pg_locks.classid` (an `oid`) unchanged.
-pub(crate) fn share_group(scope: &str) -> i32 {
+pub fn share_group(scope: &str) -> i32 {
     let digest = Sha256::new().chain_update(b"idemq stream share\0").chain_update(scope).finalize();
     let mut bytes = [0_u8; 4];
     bytes.copy_from_slice(&digest[..4]);
@@ -113,7 +113,7 @@ pub(crate) async fn try_lock_member(conn: &mut AsyncPgConnection, group: i32) ->
 
 /// How many sessions hold a member lock of `group` in this database: the processes
 /// sharing its streams, this one included.
-pub(crate) async fn count_members(conn: &mut AsyncPgConnection, group: i32) -> diesel::QueryResult<i64> {
+pub async fn count_members(conn: &mut AsyncPgConnection, group: i32) -> diesel::QueryResult<i64> {
     #[derive(QueryableByName)]
     struct Members {
         #[diesel(sql_type = BigInt)]
@@ -131,24 +131,22 @@ pub(crate) async fn count_members(conn: &mut AsyncPgConnection, group: i32) -> d
 }
 
 /// A handler's stored offset of a stream, as `status` shows it.
-#[cfg(feature = "cli")]
 #[derive(QueryableByName)]
-pub(crate) struct StoredOffset {
+pub struct StoredOffset {
     /// The handler's scope (`<namespace>/<name>`, or its name).
     #[diesel(sql_type = Text)]
-    pub(crate) handler: String,
+    pub handler: String,
     /// The last offset it applied ([`NO_OFFSET`] before the first).
     #[diesel(sql_type = BigInt)]
-    pub(crate) last_offset: i64,
+    pub last_offset: i64,
     /// When it last moved, in UTC, to the second.
     #[diesel(sql_type = Text)]
-    pub(crate) updated: String,
+    pub updated: String,
 }
 
 /// Every handler's stored offset of `stream`, by scope; `None` when the table is not
 /// there (no migrations yet).
-#[cfg(feature = "cli")]
-pub(crate) async fn stored_offsets(
+pub async fn stored_offsets(
     conn: &mut AsyncPgConnection,
     stream: &str,
 ) -> diesel::QueryResult<Option<Vec<StoredOffset>>> {
@@ -173,31 +171,26 @@ pub(crate) async fn stored_offsets(
 
 /// The session holding a session-level advisory lock, as far as this role may see
 /// it in `pg_stat_activity` (another role's sessions show only their pid).
-#[cfg(feature = "cli")]
 #[derive(QueryableByName)]
-pub(crate) struct LockHolder {
+pub struct LockHolder {
     /// Its server process id.
     #[diesel(sql_type = Integer)]
-    pub(crate) pid: i32,
+    pub pid: i32,
     /// Its client's address and port, or `a Unix socket`.
     #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
-    pub(crate) client: Option<String>,
+    pub client: Option<String>,
     /// When it connected, in UTC, to the second.
     #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
-    pub(crate) since: Option<String>,
+    pub since: Option<String>,
     /// Its `application_name`, if it set one (`?application_name=` in the URL).
     #[diesel(sql_type = diesel::sql_types::Nullable<Text>)]
-    pub(crate) application: Option<String>,
+    pub application: Option<String>,
 }
 
 /// Who holds the advisory lock `key` in this database, if anyone: for the owner of a
 /// stream ([`owner_lock`]). A one-key lock shows in `pg_locks` as its high 32 bits
 /// (`classid`), its low 32 bits (`objid`) and `objsubid` 1.
-#[cfg(feature = "cli")]
-pub(crate) async fn lock_holder(
-    conn: &mut AsyncPgConnection,
-    key: i64,
-) -> diesel::QueryResult<Option<LockHolder>> {
+pub async fn lock_holder(conn: &mut AsyncPgConnection, key: i64) -> diesel::QueryResult<Option<LockHolder>> {
     let mut holders: Vec<LockHolder> = diesel::sql_query(
         "SELECT l.pid, \
          CASE WHEN a.client_addr IS NOT NULL THEN host(a.client_addr) || ':' || a.client_port \

@@ -117,6 +117,8 @@ mod dlq;
 mod logging;
 mod status;
 
+use idemq_core::__private::sibling;
+use idemq_core::__private::sibling::BuilderPlan as _;
 use std::ffi::OsString;
 use std::future::Future;
 use std::io::Write;
@@ -131,14 +133,14 @@ pub use clap;
 pub use commands::Setup;
 pub use logging::init_tracing;
 
-use crate::app::cli::commands::Interrupted;
-use crate::app::cli::common::CliResult;
-use crate::app::cli::config::{
+use crate::commands::Interrupted;
+use crate::common::CliResult;
+use crate::config::{
     parse_consumer_timeout, parse_duration, parse_on_conflict, parse_switch, setting, Settings,
 };
-use crate::base::BoxFuture;
-use crate::engine::runtime::RuntimeBuilder;
-use crate::error::{redact, Error};
+use idemq_core::BoxFuture;
+use idemq_core::RuntimeBuilder;
+use idemq_core::{connect::redact, Error};
 
 /// How long the last log lines may take to reach stderr at exit (a stderr nobody
 /// reads must not hold the exit).
@@ -277,7 +279,7 @@ impl Cli {
     /// the CLI's subscriber), a failure's message is a JSON line (level `ERROR`) too.
     ///
     /// The future is boxed so that the CLI and the runtime are compiled once, in
-    /// idemq, not again in each application (see [`Runtime::run`](crate::engine::runtime::Runtime::run)).
+    /// idemq, not again in each application (see [`Runtime::run`](idemq_core::Runtime::run)).
     pub fn run_matches(self, matches: &ArgMatches) -> BoxFuture<'_, ExitCode> {
         Box::pin(self.run_matched(matches))
     }
@@ -293,19 +295,19 @@ impl Cli {
                 // The error and each of its causes, once, redacted; a JSON line among
                 // JSON logs, so that a collector parses every line — unless `RUST_LOG`
                 // would drop it (`lapin=debug` alone): never lose the reason.
-                let report = crate::error::report(&*err);
+                let report = idemq_core::connect::report(&*err);
                 if json_logs && tracing::enabled!(tracing::Level::ERROR) {
                     tracing::error!("{name}: {report}");
                 } else {
                     // After the log lines before it; never a panic on a closed stderr.
-                    crate::app::stderr::StderrLines::flush_if_used(EXIT_LOG_FLUSH);
+                    sibling::StderrLines::flush_if_used(EXIT_LOG_FLUSH);
                     let _ = writeln!(std::io::stderr(), "{name}: {report}");
                 }
                 ExitCode::FAILURE
             }
         };
         // The last log lines, unless nobody reads them.
-        crate::app::stderr::StderrLines::flush_if_used(EXIT_LOG_FLUSH);
+        sibling::StderrLines::flush_if_used(EXIT_LOG_FLUSH);
         code
     }
 
@@ -540,7 +542,7 @@ fn run_command() -> Command {
                 .env("IDEMQ_REPLICATION_CHECK")
                 .hide_env_values(true)
                 .value_name("WHAT")
-                .value_parser(crate::store::replication::ReplicationCheck::parse)
+                .value_parser(idemq_core::ReplicationCheck::parse)
                 .help(
                     "when the database could lose acknowledged COMMITs (asynchronous standbys, \
                      synchronous_commit = off): warn (the default), refuse to start, or off",

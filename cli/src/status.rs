@@ -12,6 +12,8 @@
 //! owns it now (the PostgreSQL session holding its owner lock), with the processes
 //! sharing a handler's partitions.
 
+use idemq_core::__private::sibling;
+use idemq_core::__private::sibling::{BuilderPlan as _, QueueText as _};
 use std::time::{Duration, Instant};
 
 use diesel_async::AsyncPgConnection;
@@ -21,13 +23,11 @@ use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, B
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::Connection;
 
-use crate::app::cli::common::{
-    connect_broker, connect_db, exchange_exists, passive_queue, say, CliResult, Out,
-};
-use crate::app::cli::declare::name_width;
-use crate::base::duration::human;
-use crate::engine::runtime::RuntimeBuilder;
-use crate::store::db;
+use crate::common::{connect_broker, connect_db, exchange_exists, passive_queue, say, CliResult, Out};
+use crate::declare::name_width;
+use idemq_core::__private::sibling::db;
+use idemq_core::__private::sibling::human;
+use idemq_core::RuntimeBuilder;
 
 /// How long `status` lets each statement run before it prints "unknown" instead: a
 /// count reads the whole table, which at a billion rows takes longer than an operator
@@ -431,7 +431,7 @@ fn session(holder: &db::LockHolder) -> String {
 
 /// What `status` shows of a queue: a view of the builder's plan of it.
 struct Plan<'a> {
-    queue: &'a crate::broker::topology::Queue,
+    queue: &'a idemq_core::Queue,
     declared_here: bool,
     waits: &'a [(String, Duration)],
     handlers: &'a [String],
@@ -640,8 +640,8 @@ const STATUS_CONSUMER: &str = "idemq-status";
 
 /// A stream delivery's offset, which the broker sets.
 fn offset_of(delivery: &Delivery) -> Figure<i64> {
-    crate::base::amqp_value::header(&delivery.properties, "x-stream-offset")
-        .and_then(crate::base::amqp_value::text)
+    sibling::header(&delivery.properties, "x-stream-offset")
+        .and_then(sibling::text)
         .and_then(|offset| offset.parse().ok())
         .ok_or_else(|| "a delivery from the stream carries no x-stream-offset: is it a stream?".to_owned())
 }

@@ -9,14 +9,15 @@
 //! the kit's handlers with the type and versions each reads; and, for a bare
 //! message a typed or versioned handler misread, how to send it typed.
 
+use idemq_core::__private::sibling;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::base::duration::human;
-use crate::base::outcome::{FailureKind, Outcome, Settled};
-use crate::handler::Handler;
+use idemq_core::__private::sibling::human;
+use idemq_core::Handler;
+use idemq_core::{observe::Settled, FailureKind, Outcome};
 
 /// How long a delivery may take to settle before the kit gives up.
 pub(super) const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -33,10 +34,8 @@ pub(super) struct HandlerWire {
 
 impl HandlerWire {
     pub(super) fn of<H: Handler>(handler: &H) -> Self {
-        let wire = handler.wire();
-        let chain = wire.versions.as_ref().and_then(|versions| versions.chain().ok());
-        let versions = chain.and_then(|chain| Some((chain.last()?.0, chain.first()?.0)));
-        Self { name: handler.name(), type_name: wire.type_name, versions }
+        let (type_name, versions) = sibling::wire_of(&handler.wire());
+        Self { name: handler.name(), type_name, versions }
     }
 
     /// The handler's name.
@@ -219,6 +218,8 @@ fn outcome(outcome: &Outcome) -> String {
             "paused (its handler's kill switch is open: it returns to the queue unprocessed)".to_owned()
         }
         Outcome::Abandoned => "abandoned (cut off before it settled: it returns to the queue)".to_owned(),
+        // `Outcome` is `non_exhaustive` outside idemq-core: a new one reads as its Debug.
+        other => format!("{other:?}"),
     }
 }
 
@@ -261,23 +262,7 @@ mod tests {
     use super::*;
 
     fn settled(handler: &'static str, outcome: Outcome) -> Settled {
-        let now = std::time::Instant::now();
-        Settled {
-            queue: "q".into(),
-            handler,
-            key: None,
-            outcome,
-            settled_with_broker: true,
-            delivery_count: 0,
-            redelivered: false,
-            attempt: 1,
-            session: 1,
-            batch: 1,
-            received_at: now,
-            began_at: None,
-            settled_at: now,
-            handler_time: None,
-        }
+        idemq_core::__private::sibling::settled(handler, outcome)
     }
 
     fn waiting<'a>(handlers: &'a [HandlerWire], sent_bare: bool) -> Waiting<'a> {

@@ -36,8 +36,6 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::brokers::Brokers;
-
 /// The longest a removal on `Drop` waits for the kit's runtime to stop.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -191,8 +189,9 @@ async fn delete_queues(amqp_url: &str, queues: &[String], broker: Option<&Connec
     let connection = match broker.filter(|broker| broker.status().connected()) {
         Some(broker) => broker,
         None => {
-            let brokers = Brokers::parse(amqp_url).map_err(|err| err.report())?;
-            own = brokers.connect("test kit cleanup").await.map_err(|err| err.report())?.0;
+            own = idemq_core::connect::broker(amqp_url, "test kit cleanup")
+                .await
+                .map_err(|err| err.report())?;
             &own
         }
     };
@@ -212,7 +211,7 @@ async fn delete_queues(amqp_url: &str, queues: &[String], broker: Option<&Connec
 
 /// Drops `database`, ending the connections still on it.
 async fn drop_database(admin_url: &str, database: &str) -> Result<(), String> {
-    let mut admin = crate::store::db::connect(admin_url).await.map_err(|err| err.report())?;
+    let mut admin = idemq_core::connect::database(admin_url).await.map_err(|err| err.report())?;
     diesel::sql_query(format!("DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)"))
         .execute(&mut admin)
         .await

@@ -1,9 +1,9 @@
-//! Test-only fault hooks (feature `testing`, at `idemq::testing::fault`): stage the
-//! failures that nothing outside the runtime can reach, such as losing the ack after
-//! COMMIT. Install one with `RuntimeBuilder::fault_hook`.
-//!
-//! Never enable `testing` in production builds: take it as a dev-dependency, whose
-//! features are not unified into the binaries you ship.
+//! The point where a test's fault hook runs, inert unless one is set: the hooks stage
+//! the failures that nothing outside the runtime can reach, such as losing the ack
+//! after COMMIT. They are the test kit's (`idemq::testing::fault`, `FaultHookExt::
+//! fault_hook` in the crate `idemq-testing`), which sets one through
+//! `__private::sibling`; the engine has no way to install one of its own, and none
+//! is set in a production build.
 
 use std::sync::Arc;
 

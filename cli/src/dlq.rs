@@ -25,6 +25,8 @@
 //! replayed once, the other copies removed. `replay` and `purge` take `--dry-run`;
 //! `purge` asks on the terminal unless given `--yes`, and refuses without one.
 
+use idemq_core::__private::sibling;
+use idemq_core::__private::sibling::BuilderPlan as _;
 use std::time::{Duration, Instant};
 
 use clap::ArgMatches;
@@ -37,10 +39,10 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Confirmation, Connection};
 
-use crate::app::cli::common::{connect_broker, CliResult};
-use crate::base::headers;
-use crate::engine::runtime::RuntimeBuilder;
-use crate::handler::identity;
+use crate::common::{connect_broker, CliResult};
+use idemq_core::__private::sibling::identity;
+use idemq_core::headers;
+use idemq_core::RuntimeBuilder;
 
 /// The longest a browse holds dead letters unacked.
 const BROWSE_FOR: Duration = Duration::from_secs(30);
@@ -356,8 +358,8 @@ impl Filter {
 
 /// A header of `delivery` for display: text, or the value as the client shows it.
 fn header(delivery: &Delivery, name: &str) -> Option<String> {
-    let value = crate::base::amqp_value::header(&delivery.properties, name)?;
-    Some(crate::base::amqp_value::text(value).unwrap_or_else(|| format!("{value:?}")))
+    let value = sibling::header(&delivery.properties, name)?;
+    Some(sibling::text(value).unwrap_or_else(|| format!("{value:?}")))
 }
 
 /// How often the letter was replayed (`x-idemq-replay`).
@@ -395,7 +397,7 @@ fn latest_death(delivery: &Delivery) -> Option<(String, String, u64)> {
     let AMQPValue::FieldArray(deaths) = deaths else { return None };
     // The broker keeps the most recent death first.
     let AMQPValue::FieldTable(latest) = deaths.as_slice().first()? else { return None };
-    let field = |name: &str| latest.inner().get(name).and_then(crate::base::amqp_value::text);
+    let field = |name: &str| latest.inner().get(name).and_then(sibling::text);
     let count = field("count").and_then(|count| count.parse().ok()).unwrap_or(1);
     Some((field("reason")?, field("queue").unwrap_or_else(|| "?".to_owned()), count))
 }
@@ -408,7 +410,7 @@ fn first_death_routing_key(delivery: &Delivery) -> Option<String> {
     // The broker keeps the most recent death first.
     let AMQPValue::FieldTable(first) = deaths.as_slice().last()? else { return None };
     let AMQPValue::FieldArray(keys) = first.inner().get("routing-keys")? else { return None };
-    keys.as_slice().first().and_then(crate::base::amqp_value::string)
+    keys.as_slice().first().and_then(sibling::string)
 }
 
 fn preview(bytes: &[u8], max: usize) -> String {

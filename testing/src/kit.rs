@@ -8,6 +8,7 @@
 //! [`TestKit::finish`], or on `Drop` when a test panics or `prepare` fails part-way
 //! (`cleanup.rs`).
 
+use idemq_core::__private::sibling;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -20,15 +21,15 @@ use lapin::{Channel, Confirmation, Connection};
 use super::cleanup::{Leftovers, RunningRuntime};
 use super::message::{IntoTestMessage, PublishedRow, Reply, TestMessage, PUBLISHED};
 use super::settle::{Expect, HandlerWire, Settlements, Waiting};
-use crate::base::outcome::{Outcome, Settled};
-use crate::base::outgoing::{Message, Outgoing};
-use crate::broker::brokers::Brokers;
-use crate::broker::topology::{Queue, Topology};
-use crate::config::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
-use crate::engine::fault::{FaultContext, FaultHook, FaultPoint};
-use crate::engine::runtime::{Runtime, RuntimeBuilder};
-use crate::error::{redact, Error};
-use crate::handler::{BoxFuture, Handler};
+use crate::fault::{FaultContext, FaultHook, FaultHookExt, FaultPoint};
+use idemq_core::__private::sibling::BuilderPlan as _;
+use idemq_core::connect::{DEFAULT_AMQP_URL, DEFAULT_DATABASE_URL};
+use idemq_core::{connect::redact, Error};
+use idemq_core::{observe::Settled, Outcome};
+use idemq_core::{outbox::Outgoing, Message};
+use idemq_core::{BoxFuture, Handler};
+use idemq_core::{Queue, Topology};
+use idemq_core::{Runtime, RuntimeBuilder};
 
 /// How long [`TestKit::finish`] waits for the runtime to drain.
 const FINISH_DEADLINE: Duration = Duration::from_secs(20);
@@ -53,8 +54,8 @@ type Consume = Box<dyn FnOnce(RuntimeBuilder, &str) -> RuntimeBuilder + Send>;
 /// ([`IntoTestMessage`]). A bare value is sent as JSON with no AMQP `type` and no
 /// `x-idemq-version` header: a versioned handler reads it as version 1, and a queue
 /// of several typed handlers cannot route it. [`TestMessage::of`] (or
-/// [`TestKit::send`]) sends an [`idemq::Message`](crate::Message) as
-/// [`Publisher::send`](crate::Publisher::send) does, type and version set:
+/// [`TestKit::send`]) sends an [`idemq::Message`](idemq_core::Message) as
+/// [`Publisher::send`](idemq_core::Publisher::send) does, type and version set:
 ///
 /// ```no_run
 /// # use idemq::testing::{TestKit, TestMessage};
@@ -320,7 +321,7 @@ impl TestKit {
     /// # Panics
     /// If it cannot connect (the kit just did).
     pub async fn connect(&self) -> AsyncPgConnection {
-        crate::store::db::connect(&self.database_url).await.expect("connect to the test database")
+        idemq_core::connect::database(&self.database_url).await.expect("connect to the test database")
     }
 
     /// Every delivery settled so far, in order.
@@ -339,7 +340,7 @@ impl TestKit {
         self.deliver_as("deliver", vec![message.into_test_message()]).await.remove(0)
     }
 
-    /// Publishes `message` as [`Publisher::send`](crate::Publisher::send) does —
+    /// Publishes `message` as [`Publisher::send`](idemq_core::Publisher::send) does —
     /// JSON, its AMQP `type` and `x-idemq-version` header set, a fresh `message_id` —
     /// to the kit's queue, and waits until it is settled:
     /// `kit.deliver(TestMessage::of(message))`.
@@ -430,7 +431,7 @@ impl TestKit {
             .await
             .into_iter()
             .rev()
-            .find(|m| m.correlation_id.as_deref() == Some(&correlation));
+            .find(|m| sibling::correlation_id(m) == Some(correlation.as_str()));
         Reply { outcome, message }
     }
 
@@ -559,11 +560,11 @@ where
     let id = format!("{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), fastrand::u32(..));
     let amqp_url = match services.amqp_url {
         Some(url) => url,
-        None => crate::config::env_url("AMQP_URL", DEFAULT_AMQP_URL)?,
+        None => idemq_core::connect::env_url("AMQP_URL", DEFAULT_AMQP_URL)?,
     };
     let admin_url = match services.database_url {
         Some(url) => url,
-        None => crate::config::env_url("DATABASE_URL", DEFAULT_DATABASE_URL)?,
+        None => idemq_core::connect::env_url("DATABASE_URL", DEFAULT_DATABASE_URL)?,
     };
     let database = format!("idemq_kit_{id}");
     let database_url = with_database(&admin_url, &database)?;
@@ -574,7 +575,7 @@ where
     let lose_next_ack = Arc::new(AtomicBool::new(false));
 
     let made = async {
-        let mut admin = crate::store::db::connect(&admin_url).await?;
+        let mut admin = idemq_core::connect::database(&admin_url).await?;
         diesel::sql_query(format!("CREATE DATABASE \"{database}\"")).execute(&mut admin).await.map_err(
             |err| Error::DatabaseConnect {
                 url: redact(&admin_url),
@@ -584,13 +585,13 @@ where
         )?;
         leftovers.database(&database);
         drop(admin);
-        crate::store::migrate::migrate(&database_url).await?;
+        idemq_core::migrate(&database_url).await?;
         setup(database_url.clone()).await.map_err(|err| {
-            Error::Config(format!("the test's setup failed: {}", crate::error::report(&*err)))
+            Error::Config(format!("the test's setup failed: {}", idemq_core::connect::report(&*err)))
         })?;
 
         let topology = Topology::new().queue(Queue::new(queue.clone()));
-        let broker = Brokers::parse(&amqp_url)?.connect("test kit").await?.0;
+        let broker = idemq_core::connect::broker(&amqp_url, "test kit").await?;
         let dead_letters = Queue::new(queue.clone()).dead_letter_name().to_owned();
         leftovers.queues([queue.clone(), dead_letters]);
         let publisher = publisher_on(&broker, &topology).await?;
@@ -615,7 +616,7 @@ where
         );
         let sink = settlements.clone();
         let runtime = builder
-            .observe(crate::base::observe::on_settled(move |settled| sink.push(settled)))
+            .observe(idemq_core::observe::on_settled(move |settled| sink.push(settled)))
             .fault_hook(lose_the_ack_when(Arc::clone(&lose_next_ack)))
             .build()?;
         let shutdown = tokio_util::sync::CancellationToken::new();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::process::Command;
 
 use super::{ClusterBuilder, ClusterError, ClusterNode};
-use crate::app::testing::host::is_root;
+use crate::host::is_root;
 
 /// Where the nodes' files live (one directory per node) and the lock beside it.
 pub(super) const BASE: &str = "/tmp/idemq-kit-cluster";
@@ -62,7 +62,7 @@ pub(super) fn start_watchdog() -> Result<std::process::Child, ClusterError> {
     Ok(child)
 }
 
-pub(super) use crate::app::testing::host::io;
+pub(super) use crate::host::io;
 
 /// Kills nodes left over by a killed run (found by name) and wipes their data.
 pub(super) async fn remove_stale() -> Result<(), ClusterError> {

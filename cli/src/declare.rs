@@ -3,9 +3,10 @@
 //! then the exchanges and bindings, each checked against the broker with a passive
 //! declare; `--apply` declares what is missing, as `run` would.
 
-use crate::app::cli::common::{connect_broker, exchange_exists, passive_queue, say, CliResult, Out};
-use crate::base::duration::human;
-use crate::engine::runtime::RuntimeBuilder;
+use crate::common::{connect_broker, exchange_exists, passive_queue, say, CliResult, Out};
+use idemq_core::__private::sibling::human;
+use idemq_core::__private::sibling::{BuilderPlan as _, QueueText as _};
+use idemq_core::RuntimeBuilder;
 
 /// Prints what the topology declares and whether it exists (only what is missing
 /// with `only_missing`); with `apply`, declares it.

@@ -10,6 +10,7 @@
 //! - **Where:** stderr, through a thread of its own (`app/stderr.rs`): a closed or
 //!   full stderr never blocks or breaks the service; stdout is the commands' output.
 
+use idemq_core::__private::sibling;
 use std::io::IsTerminal;
 
 use clap::ArgMatches;
@@ -58,11 +59,11 @@ pub(super) fn install(matches: &ArgMatches, default_filter: &str) -> bool {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default_filter},{QUIET}")));
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     // Through a thread of its own: a closed or full stderr never blocks or panics
-    // the task that logs (see `app/stderr.rs`).
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(crate::app::stderr::StderrLines::get())
-        .with_ansi(ansi);
+    // the task that logs (see `runtime/src/app/stderr.rs`: the queue `otel`'s
+    // subscriber writes through too).
+    let lines = sibling::StderrLines::get();
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(move || lines.line()).with_ansi(ansi);
     // `try_init` leaves a subscriber set before this one in place (and says so with an
     // error, which only means that).
     if json(matches) {

@@ -7,19 +7,19 @@ use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind};
 
-use crate::error::Error;
+use idemq_core::Error;
 
 /// What a subcommand returns: any error, printed once by `Cli::run_matches`.
 pub(crate) type CliResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
 /// A connection to the database at `url`.
 pub(crate) async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
-    crate::store::db::connect(url).await
+    idemq_core::connect::database(url).await
 }
 
 /// A connection to the first broker address of the list that answers.
 pub(crate) async fn connect_broker(urls: &str) -> Result<Connection, Error> {
-    Ok(crate::broker::brokers::Brokers::parse(urls)?.connect("cli").await?.0)
+    idemq_core::connect::broker(urls, "cli").await
 }
 
 /// A passive declare of `queue` on a throwaway channel (a 404 closes it): its ready

@@ -1,4 +1,5 @@
-//! Test kits.
+//! Test kits for idemq (the crate `idemq-testing`, re-exported as `idemq::testing`
+//! by the features `testing` and `test-cluster` of `idemq`).
 //!
 //! [`TestKit`] (feature `testing`, for dev-dependencies only: it holds the
 //! [`fault`] hooks) runs a handler — or several handlers of one queue
@@ -6,7 +7,7 @@
 //! RabbitMQ, each test in a throwaway database and queue of its own, and delivers a
 //! message once, twice, concurrently, or with the ack lost after COMMIT; a
 //! [`TestMessage`] with the properties and headers a real publisher sets — an
-//! [`idemq::Message`](crate::Message) typed and versioned as `Publisher::send` sends
+//! [`idemq::Message`](idemq_core::Message) typed and versioned as `Publisher::send` sends
 //! it ([`TestMessage::of`]) — several at once (a batch), or a request, whose
 //! [`Reply`] it reads back from the outbox with everything else the handler
 //! published ([`TestKit::published`]: the kit runs no relay).
@@ -59,7 +60,8 @@
 //! what happens when a broker node is lost.
 //!
 //! [`fault`] (feature `testing`) holds the runtime's test-only fault hooks: a
-//! [`FaultHook`](fault::FaultHook) given to `RuntimeBuilder::fault_hook` runs at
+//! [`FaultHook`](fault::FaultHook) given to
+//! [`RuntimeBuilder::fault_hook`](fault::FaultHookExt::fault_hook) runs at
 //! points nothing outside the runtime can reach (after COMMIT and before the ack,
 //! after a copy and before the original's ack) and may close the channel there.
 
@@ -68,6 +70,8 @@ mod certs;
 #[cfg(feature = "testing")]
 mod cleanup;
 mod cluster;
+#[cfg(feature = "testing")]
+pub mod fault;
 mod host;
 #[cfg(feature = "testing")]
 mod kit;
@@ -82,8 +86,6 @@ mod proxy;
 #[cfg(feature = "testing")]
 mod settle;
 
-#[cfg(feature = "testing")]
-pub use crate::engine::fault;
 #[cfg(feature = "testing")]
 pub use certs::{CertifiedKey, TestCertificates};
 pub use cluster::{Cluster, ClusterBuilder, ClusterError, ClusterNode};

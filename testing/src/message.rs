@@ -2,6 +2,7 @@
 //! headers a real publisher sets; [`IntoTestMessage`]: what each helper takes) and
 //! what it reads back ([`Reply`], and the [`Outgoing`] rows a handler published).
 
+use idemq_core::__private::sibling;
 use std::collections::BTreeMap;
 
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -9,18 +10,21 @@ use lapin::BasicProperties;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::base::headers::VERSION as VERSION_HEADER;
-use crate::base::outcome::Outcome;
-use crate::base::outgoing::{Message, Outgoing, STATUS_HEADER};
+use idemq_core::headers::VERSION as VERSION_HEADER;
+use idemq_core::Outcome;
+use idemq_core::{
+    outbox::{Outgoing, STATUS_HEADER},
+    Message,
+};
 
 /// A message as a publisher sends it: a body, and the properties and headers that
 /// `@message_id`, `@header:` and `@correlation_id` keys, requests (`reply_to` and
 /// `correlation_id`), content-type checks, message types and versions read. Every
 /// helper of [`TestKit`](super::TestKit) takes one (see [`IntoTestMessage`]).
 ///
-/// [`TestMessage::of`] makes one of an [`idemq::Message`](crate::Message) type
-/// exactly as [`Publisher::send`](crate::Publisher::send) publishes it: its AMQP
-/// `type` and its [`x-idemq-version`](crate::headers::VERSION) header set, so a
+/// [`TestMessage::of`] makes one of an [`idemq::Message`](idemq_core::Message) type
+/// exactly as [`Publisher::send`](idemq_core::Publisher::send) publishes it: its AMQP
+/// `type` and its [`x-idemq-version`](idemq_core::headers::VERSION) header set, so a
 /// queue's handlers route it by its type and a versioned handler reads it as the
 /// version it is. [`TestMessage::json`] is the bare body (no type, no version: a
 /// versioned handler reads it as version 1), as an old or foreign publisher sends it.
@@ -38,7 +42,7 @@ use crate::base::outgoing::{Message, Outgoing, STATUS_HEADER};
 /// ```
 ///
 /// A type that names itself without a route (`#[message(type = "...")]` alone is an
-/// [`idemq::MessageType`](crate::MessageType), not a `Message`) is typed by hand,
+/// [`idemq::MessageType`](idemq_core::MessageType), not a `Message`) is typed by hand,
 /// and so is any version a test wants to send:
 ///
 /// ```
@@ -82,11 +86,11 @@ impl TestMessage {
         Self::bytes(body).content_type("application/json")
     }
 
-    /// `message` exactly as [`Publisher::send`](crate::Publisher::send) publishes it:
+    /// `message` exactly as [`Publisher::send`](idemq_core::Publisher::send) publishes it:
     /// JSON, `content-type: application/json`, persistent, a fresh random
     /// `message_id` (32 hex digits; [`message_id`](Self::message_id) replaces it),
     /// its [`Message::TYPE`] as the AMQP `type` and its [`Message::VERSION`] in the
-    /// [`x-idemq-version`](crate::headers::VERSION) header (a text, as `send` writes
+    /// [`x-idemq-version`](idemq_core::headers::VERSION) header (a text, as `send` writes
     /// it). Delivered again (as [`TestKit::deliver_twice`](super::TestKit::deliver_twice)
     /// does), it keeps its `message_id`: a publisher's retry, not a new message.
     ///
@@ -97,13 +101,14 @@ impl TestMessage {
     /// If `send` would refuse it (it does not serialize to JSON, or its type name is
     /// longer than AMQP's 255 bytes), saying why.
     pub fn of<M: Message>(message: &M) -> Self {
-        let outgoing =
-            Outgoing::of(message).and_then(|outgoing| outgoing.validate().map(|()| outgoing)).unwrap_or_else(
-                |err| panic!("Publisher::send would refuse this {}: {err}", std::any::type_name::<M>()),
-            );
-        let id = crate::base::random_id();
-        let properties = outgoing.properties(&id);
-        Self { body: outgoing.body, properties }
+        let outgoing = Outgoing::of(message)
+            .and_then(|outgoing| sibling::validate(&outgoing).map(|()| outgoing))
+            .unwrap_or_else(|err| {
+                panic!("Publisher::send would refuse this {}: {err}", std::any::type_name::<M>())
+            });
+        let id = sibling::random_id();
+        let properties = sibling::properties(&outgoing, &id);
+        Self { body: outgoing.body().to_vec(), properties }
     }
 
     /// A body as it is, persistent, with no content type (e.g. to test what is not
@@ -141,9 +146,9 @@ impl TestMessage {
         self
     }
 
-    /// The [`x-idemq-version`](crate::headers::VERSION) header, as
-    /// [`Publisher::send`](crate::Publisher::send) writes it (the number as text):
-    /// which version of its [`Versioned`](crate::Versioned) type the body is. Without
+    /// The [`x-idemq-version`](idemq_core::headers::VERSION) header, as
+    /// [`Publisher::send`](idemq_core::Publisher::send) writes it (the number as text):
+    /// which version of its [`Versioned`](idemq_core::Versioned) type the body is. Without
     /// it, a versioned handler reads the body as version 1.
     #[must_use]
     pub fn version(self, version: u32) -> Self {
@@ -187,8 +192,7 @@ impl TestMessage {
     /// Whether it carries neither an AMQP `type` nor a version header: what a
     /// typed or versioned handler may misread (see [`TestMessage::of`]).
     pub(super) fn is_bare(&self) -> bool {
-        self.properties.kind().is_none()
-            && crate::base::amqp_value::header(&self.properties, VERSION_HEADER).is_none()
+        self.properties.kind().is_none() && sibling::header(&self.properties, VERSION_HEADER).is_none()
     }
 
     /// Whether it is a request (`reply_to` and `correlation_id` set).
@@ -203,7 +207,7 @@ impl TestMessage {
 
 /// What the helpers of [`TestKit`](super::TestKit) deliver: a [`TestMessage`], or a
 /// reference to any `Serialize` value, sent as bare JSON ([`TestMessage::json`]: no
-/// type, no version). For a message as [`Publisher::send`](crate::Publisher::send)
+/// type, no version). For a message as [`Publisher::send`](idemq_core::Publisher::send)
 /// publishes it, pass [`TestMessage::of`]`(&message)` (or call
 /// [`TestKit::send`](super::TestKit::send)).
 ///
@@ -358,17 +362,16 @@ impl From<PublishedRow> for Outgoing {
     fn from(row: PublishedRow) -> Self {
         let headers: BTreeMap<String, String> =
             row.headers.and_then(|json| serde_json::from_str(&json).ok()).unwrap_or_default();
-        Outgoing {
+        Outgoing::from(sibling::OutboxColumns {
             exchange: row.exchange,
             routing_key: row.routing_key,
             body: row.body,
-            message_id: Some(row.message_id),
+            message_id: row.message_id,
             content_type: row.content_type,
             correlation_id: row.correlation_id,
             message_type: row.message_type,
             headers,
             mandatory: row.mandatory,
-            reply: None,
-        }
+        })
     }
 }

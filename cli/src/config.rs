@@ -2,16 +2,18 @@
 //! file (`--config`), then the code's builder; and the URLs, each given directly or
 //! as a file holding it.
 
+use idemq_core::__private::sibling;
+use idemq_core::__private::sibling::BuilderPlan as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::ArgMatches;
 
-use crate::base::verdict::OnConflict;
-use crate::engine::runtime::RuntimeBuilder;
-use crate::error::{redact, Error};
-use crate::store::replication::ReplicationCheck;
-use crate::store::retention::Retention;
+use idemq_core::store::Retention;
+use idemq_core::OnConflict;
+use idemq_core::ReplicationCheck;
+use idemq_core::RuntimeBuilder;
+use idemq_core::{connect::redact, Error};
 
 /// A URL from the flags and the environment (`--amqp-url` / `AMQP_URL`, or its file
 /// form `--amqp-url-file` / `AMQP_URL_FILE`: one level, where a flag wins over its
@@ -31,12 +33,12 @@ fn url_setting(
     let value = setting::<String>(matches, id);
     let file = setting::<PathBuf>(matches, &file_id);
     if value.is_some() || file.is_some() {
-        return crate::config::resolve(
+        return sibling::resolve(
             (&given_as(id, env), value),
             (&given_as(&file_id, &format!("{env}_FILE")), file.as_deref()),
         );
     }
-    crate::config::resolve((key, in_file), (file_key, file_in_file.as_deref())).map_err(|err| match err {
+    sibling::resolve((key, in_file), (file_key, file_in_file.as_deref())).map_err(|err| match err {
         Error::Config(message) => Error::Config(format!("in the config file: {message}")),
         Error::ConfigIo { message, source } => {
             Error::ConfigIo { message: format!("in the config file: {message}"), source }
@@ -75,7 +77,7 @@ pub(super) fn parse_on_conflict(text: &str) -> Result<OnConflict, String> {
 
 /// `on` or `off` (also `true`/`false`, `yes`/`no`, `1`/`0`): the words of every
 /// switch, the builder's environment variables' too.
-pub(super) use crate::config::parse_switch;
+pub(super) use sibling::parse_switch;
 
 /// The TOML file's settings.
 #[derive(Debug, Default, serde::Deserialize)]
@@ -290,8 +292,37 @@ impl Settings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::runtime::settings::SETTINGS;
-    use crate::engine::runtime::Runtime;
+    use idemq_core::__private::sibling::SETTINGS;
+    use idemq_core::key::KeyError;
+    use idemq_core::{BoxFuture, Context, Handler, HandlerError, HandlerOutput, Key, Metadata, Runtime};
+
+    /// A handler that does nothing (the builder's checks read only its options).
+    struct Noop;
+
+    impl Handler for Noop {
+        type Message = serde_json::Value;
+
+        fn name(&self) -> &'static str {
+            "noop"
+        }
+
+        fn key_path(&self) -> &'static str {
+            "id"
+        }
+
+        fn key(&self, _: &Self::Message, metadata: &Metadata<'_>) -> Result<Key, KeyError> {
+            Ok(metadata.hash_key())
+        }
+
+        fn handle<'a>(
+            &'a self,
+            _: &'a mut diesel_async::AsyncPgConnection,
+            _: &'a mut Context,
+            _: Self::Message,
+        ) -> BoxFuture<'a, Result<HandlerOutput, HandlerError>> {
+            Box::pin(async { Ok(HandlerOutput::none()) })
+        }
+    }
 
     /// The application's command as `Cli::command` makes it, with `run`.
     fn command() -> clap::Command {
@@ -350,7 +381,7 @@ mod tests {
             Runtime::builder()
                 .amqp_url("amqp://guest:guest@127.0.0.1:5672/%2f")
                 .database_url("postgres://postgres@127.0.0.1:5432/idemq")
-                .consume("payments", crate::engine::runtime::Noop)
+                .consume("payments", Noop)
         };
         let run = |args: &[&str]| {
             let matches = command().try_get_matches_from(args).expect("parses");

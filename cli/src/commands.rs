@@ -1,6 +1,8 @@
 //! The subcommands `run`, `migrate` and `gc` (`declare`, `status` and `dlq` have
 //! modules of their own), each given the builder its settings were applied to.
 
+use idemq_core::__private::sibling;
+use idemq_core::__private::sibling::BuilderPlan as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -9,10 +11,10 @@ use diesel::migration::MigrationSource;
 use diesel::pg::Pg;
 use diesel_migrations::EmbeddedMigrations;
 
-use crate::app::cli::common::{connect_db, CliResult};
-use crate::base::duration::human;
-use crate::engine::runtime::RuntimeBuilder;
-use crate::store::retention::Retention;
+use crate::common::{connect_db, CliResult};
+use idemq_core::__private::sibling::human;
+use idemq_core::store::Retention;
+use idemq_core::RuntimeBuilder;
 
 /// The application's own step (creating its database, its tables), given the
 /// database URL: `migrate` and `run` take it first, **before** idemq's migrations,
@@ -38,13 +40,13 @@ pub(super) async fn run(builder: RuntimeBuilder, app: &App) -> CliResult {
     let url = builder.configured_database_url().to_owned();
     let mut startup = builder.startup();
     let mut runtime = builder.build()?;
-    let signals = crate::engine::runtime::shutdown_signals();
+    let signals = idemq_core::shutdown_signals();
     // The set-up and the migrations need the server: wait for it as `run`
     // would (any answer will do: the set-up may create the database).
     if !startup.database_server(&url, &signals.graceful).await? {
         return Ok(());
     }
-    runtime.startup_spent(startup.elapsed());
+    sibling::startup_spent(&mut runtime, startup.elapsed());
     migrate(&url, app).await?;
     tokio::select! {
         result = runtime.run(signals.graceful.clone()) => Ok(result?),
@@ -65,7 +67,7 @@ pub(super) async fn gc(
     }
     let retention = retention.check(&builder.retry_policies())?;
     let mut conn = connect_db(builder.configured_database_url()).await?;
-    let sweep = crate::store::retention::sweep(&mut conn, &retention).await?;
+    let sweep = idemq_core::store::sweep(&mut conn, &retention).await?;
     if sweep.yielded {
         println!("another sweep is running (it holds idemq::store::GC_LOCK); deleted so far:");
     }
@@ -104,9 +106,9 @@ pub(super) async fn migrate(url: &str, app: &App) -> CliResult {
     if let Some(setup) = &app.setup {
         setup(url.to_owned()).await?;
     }
-    crate::store::migrate::migrate(url).await?;
+    idemq_core::migrate(url).await?;
     if let Some(migrations) = app.migrations {
-        crate::store::migrate::migrate_with(url, migrations).await?;
+        idemq_core::store::migrate_with(url, migrations).await?;
     }
     Ok(())
 }
@@ -115,9 +117,10 @@ pub(super) async fn migrate(url: &str, app: &App) -> CliResult {
 /// [`Cli::migrations`](super::Cli::migrations), each applied or pending.
 pub(super) async fn migrate_status(url: &str, app: &App) -> CliResult {
     let mut conn = connect_db(url).await?;
-    let applied = crate::store::db::applied_migrations(&mut conn).await?;
+    let applied = sibling::db::applied_migrations(&mut conn).await?;
     let mut pending = 0;
-    let sources = [("idemq", Some(Migrations(&crate::store::MIGRATIONS))), ("application", app.migrations)];
+    let sources =
+        [("idemq", Some(Migrations(&idemq_core::store::MIGRATIONS))), ("application", app.migrations)];
     for (whose, source) in sources {
         let Some(source) = source else {
             println!(
