@@ -20,6 +20,7 @@ use tokio_util::task::TaskTracker;
 
 use super::loss::Loss;
 use super::pause::{pause, Ended};
+use super::source::{registered, Next, Source};
 use super::{bounded, closed};
 use crate::engine::delivery::{Consumer, Item};
 
@@ -109,28 +110,6 @@ pub(super) async fn consume(
         let _ = consumer.acks.requeue(&delivery).await;
     }
     intake_ended(&consumer, &stream, &tag, loss).await
-}
-
-/// Where an intake's deliveries come from.
-pub(super) enum Source {
-    /// The consumer's own stream on its channel: each delivery is registered with
-    /// the channel's acks as it is taken.
-    Broker(lapin::Consumer),
-    /// Its share of a queue several handlers consume ([`consume_routed`]): the
-    /// router took them from the channel's stream and registered them.
-    Routed(mpsc::UnboundedReceiver<Delivery>),
-}
-
-impl Source {
-    pub(super) async fn next(&mut self, consumer: &Consumer) -> Next {
-        match self {
-            Self::Broker(stream) => registered(consumer, stream.next().await),
-            // The router is gone: it reports why the stream ended.
-            Self::Routed(deliveries) => {
-                deliveries.recv().await.map_or(Next::Ended(Loss::Stopped), Next::Delivery)
-            }
-        }
-    }
 }
 
 /// What an intake has taken from its stream and not yet put in a batch, and why the
@@ -327,31 +306,12 @@ pub(super) async fn consume_routed(
     intake_ended(&unroutable, &Source::Broker(stream), &tag, loss).await
 }
 
-/// The next delivery of a consumer's stream, registered with its channel's acks.
-#[allow(clippy::large_enum_variant)] // moved once, straight into a batch
-pub(super) enum Next {
-    Delivery(Delivery),
-    /// The stream ended: why.
-    Ended(Loss),
-}
-
 /// Takes the next delivery, if it is there now (`wait` zero) or arrives within `wait`.
 async fn next_within(consumer: &Consumer, stream: &mut Source, wait: Duration) -> Option<Next> {
     if wait.is_zero() {
         return stream.next(consumer).now_or_never();
     }
     tokio::time::timeout(wait, stream.next(consumer)).await.ok()
-}
-
-fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) -> Next {
-    match next {
-        Some(Ok(delivery)) => {
-            consumer.acks.received(&delivery);
-            Next::Delivery(delivery)
-        }
-        Some(Err(err)) => Next::Ended(Loss::of_consumer(&consumer.queue, err)),
-        None => Next::Ended(Loss::Cancelled { queue: consumer.queue.clone() }),
-    }
 }
 
 /// Why `consumer`'s channel closed, from its stream: lapin hands the broker's close

@@ -19,6 +19,7 @@ mod intake;
 mod loss;
 mod pause;
 mod route;
+mod source;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -319,7 +320,7 @@ async fn begin(
         if let [spec] = specs[..] {
             crate::base::log::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
             let consumer = on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel, acks);
-            let source = intake::Source::Broker(stream);
+            let source = source::Source::Broker(stream);
             loops.spawn(intake::consume(consumer, source, tag, ctx.intake(), session_stop.clone()));
             continue;
         }

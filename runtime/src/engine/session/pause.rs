@@ -13,8 +13,8 @@ use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use super::closed;
-use super::intake::{Next, Source};
 use super::loss::Loss;
+use super::source::{Next, Source};
 use crate::engine::delivery::{Consumer, Item};
 use crate::engine::flow::Probe;
 
