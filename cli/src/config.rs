@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::ArgMatches;
 
 use idemq_core::store::Retention;
+use idemq_core::KillSwitch;
 use idemq_core::OnConflict;
 use idemq_core::ReplicationCheck;
 use idemq_core::RuntimeBuilder;
@@ -52,6 +53,14 @@ pub(super) fn setting<T: Clone + Send + Sync + 'static>(matches: &ArgMatches, id
     matches.try_get_one::<T>(id).ok().flatten().cloned()
 }
 
+/// A per-handler setting: the flag's values (or its variable's), else the file's.
+fn per_handler_setting(sub: &ArgMatches, id: &str, file: Option<&Vec<(String, u32)>>) -> Vec<(String, u32)> {
+    match sub.try_get_many::<(String, u32)>(id).ok().flatten() {
+        Some(given) => given.cloned().collect(),
+        None => file.cloned().unwrap_or_default(),
+    }
+}
+
 /// A duration as people write it (`30d`, `12h`, `90m`).
 pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text)
@@ -78,6 +87,56 @@ pub(super) fn parse_on_conflict(text: &str) -> Result<OnConflict, String> {
 /// `on` or `off` (also `true`/`false`, `yes`/`no`, `1`/`0`): the words of every
 /// switch, the builder's environment variables' too.
 pub(super) use sibling::parse_switch;
+
+/// `off`, or a kill switch as `RATIO%/ATTEMPTS/WINDOW/PAUSE` (`15%/10/1m/1m`).
+pub(super) fn parse_kill_switch(text: &str) -> Result<Option<KillSwitch>, String> {
+    if text.trim().eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    text.parse().map(Some).map_err(|err: idemq_core::KillSwitchParseError| err.to_string())
+}
+
+/// A handler's value, `NAME=N` (`record_payment=40`), as `--rate-limit` and
+/// `--handler-concurrency` take it (repeat the flag, or separate with commas).
+pub(super) fn parse_per_handler(text: &str) -> Result<(String, u32), String> {
+    let (name, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("`{text}` names no handler: write HANDLER=N, e.g. record_payment=40"))?;
+    let value = value.trim().parse().map_err(|_| {
+        format!("`{text}`: `{value}` is not a whole number; write HANDLER=N, e.g. record_payment=40")
+    })?;
+    Ok((name.trim().to_owned(), value))
+}
+
+/// A per-handler setting in the TOML file: a table (`{ record_payment = 40 }`) or a
+/// string as the flag takes it (`"record_payment=40,refund=5"`).
+fn per_handler<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<(String, u32)>>, D::Error> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum PerHandler {
+        Table(std::collections::BTreeMap<String, u32>),
+        Text(String),
+    }
+    match <Option<PerHandler> as serde::Deserialize>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(PerHandler::Table(table)) => Ok(Some(table.into_iter().collect())),
+        Some(PerHandler::Text(text)) => text
+            .split(',')
+            .map(parse_per_handler)
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+    }
+}
+
+fn kill_switch<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Option<KillSwitch>>, D::Error> {
+    let text: Option<String> = serde::Deserialize::deserialize(deserializer)?;
+    text.map(|text| parse_kill_switch(&text).map_err(serde::de::Error::custom)).transpose()
+}
 
 /// The TOML file's settings.
 #[derive(Debug, Default, serde::Deserialize)]
@@ -123,13 +182,19 @@ pub(super) struct Settings {
     relay: Option<bool>,
     #[serde(default, deserialize_with = "duration")]
     relay_poll_interval: Option<Duration>,
+    #[serde(default, deserialize_with = "kill_switch")]
+    kill_switch: Option<Option<KillSwitch>>,
+    #[serde(default, deserialize_with = "per_handler")]
+    rate_limit: Option<Vec<(String, u32)>>,
+    #[serde(default, deserialize_with = "per_handler")]
+    handler_concurrency: Option<Vec<(String, u32)>>,
 }
 
 /// Every key of the TOML file, for the error that names them.
 const KEYS: &str = "amqp_url, amqp_url_file, database_url, database_url_file, concurrency, batch_size, prefetch, \
                     http_addr, retention, replay_window, startup_timeout, release_streams_after, consumer_timeout, linger, handler_timeout, \
                     max_body_bytes, on_conflict, replication_check, namespace, shutdown_deadline, heartbeat, reconnect_max_backoff, \
-                    database_retry_limit, relay, relay_poll_interval";
+                    database_retry_limit, relay, relay_poll_interval, kill_switch, rate_limit, handler_concurrency";
 
 fn replication_check<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
@@ -285,6 +350,15 @@ impl Settings {
         if let Some(interval) = setting::<Duration>(sub, "relay-poll-interval").or(self.relay_poll_interval) {
             builder = builder.relay_poll_interval(interval);
         }
+        if let Some(switch) = setting::<Option<KillSwitch>>(sub, "kill-switch").or(self.kill_switch) {
+            builder = builder.kill_switch(switch);
+        }
+        for (name, per_second) in per_handler_setting(sub, "rate-limit", self.rate_limit.as_ref()) {
+            builder = builder.rate_limit(&name, per_second);
+        }
+        for (name, n) in per_handler_setting(sub, "handler-concurrency", self.handler_concurrency.as_ref()) {
+            builder = builder.handler_concurrency(&name, usize::try_from(n).unwrap_or(usize::MAX));
+        }
         Ok(builder)
     }
 }
@@ -407,5 +481,32 @@ mod tests {
         .expect("valid");
         let message = refused(file.run_settings(builder(), &run(&["app", "run"])).expect("applied"));
         assert!(message.contains("database_retry_limit (29m)"), "{message}");
+        // A rate limit for a handler that is not there, from the flag.
+        let sub = run(&["app", "run", "--rate-limit", "nobody=5"]);
+        let message = refused(Settings::default().run_settings(builder(), &sub).expect("applied"));
+        assert!(message.contains("rate_limit names \"nobody\""), "{message}");
+        // A handler concurrency above the runtime's, from the file.
+        let file: Settings = toml::from_str("handler_concurrency = { noop = 99 }").expect("valid");
+        let message = refused(file.run_settings(builder(), &run(&["app", "run"])).expect("applied"));
+        assert!(message.contains("handler_concurrency for \"noop\" must be 1..=16"), "{message}");
+    }
+
+    #[test]
+    fn flow_control_settings_read_what_people_write() {
+        assert_eq!(parse_kill_switch("off"), Ok(None));
+        assert_eq!(parse_kill_switch("15%/10/1m/1m"), Ok(Some(KillSwitch::default())));
+        assert!(parse_kill_switch("15/10").unwrap_err().contains("RATIO%/ATTEMPTS/WINDOW/PAUSE"));
+        assert_eq!(parse_per_handler("record_payment=40"), Ok(("record_payment".to_owned(), 40)));
+        assert!(parse_per_handler("record_payment").unwrap_err().contains("HANDLER=N"));
+        assert!(parse_per_handler("record_payment=fast").unwrap_err().contains("not a whole number"));
+        let file: Settings = toml::from_str("rate_limit = \"a=1,b=2\"").expect("as the flag takes it");
+        assert_eq!(file.rate_limit, Some(vec![("a".to_owned(), 1), ("b".to_owned(), 2)]));
+        let file: Settings = toml::from_str("kill_switch = \"off\"").expect("off");
+        assert_eq!(file.kill_switch, Some(None));
+        let matches = command()
+            .try_get_matches_from(["app", "run", "--rate-limit", "a=1,b=2", "--rate-limit", "c=3"])
+            .expect("parses");
+        let sub = matches.subcommand_matches("run").expect("run");
+        assert_eq!(per_handler_setting(sub, "rate-limit", None).len(), 3);
     }
 }

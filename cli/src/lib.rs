@@ -7,6 +7,7 @@
 //!                [--linger D] [--handler-timeout D] [--max-body-bytes N] [--on-conflict dead-letter|ignore]
 //!                [--namespace NS] [--shutdown-deadline D] [--heartbeat D] [--reconnect-max-backoff D]
 //!                [--database-retry-limit D] [--relay on|off] [--relay-poll-interval D]
+//!                [--kill-switch 15%/10/1m/1m|off] [--rate-limit HANDLER=N]... [--handler-concurrency HANDLER=N]...
 //!                                                                     consume until SIGINT/SIGTERM
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply] [--missing]                                a line per queue (with its DLQ and wait queues), exchanges, bindings: what exists
@@ -24,12 +25,14 @@
 //! `IDEMQ_LINGER`, `IDEMQ_HANDLER_TIMEOUT`, `IDEMQ_MAX_BODY_BYTES`, `IDEMQ_ON_CONFLICT`,
 //! `IDEMQ_REPLICATION_CHECK`, `IDEMQ_NAMESPACE`, `IDEMQ_SHUTDOWN_DEADLINE`, `IDEMQ_HEARTBEAT`,
 //! `IDEMQ_RECONNECT_MAX_BACKOFF`, `IDEMQ_DATABASE_RETRY_LIMIT`, `IDEMQ_RELAY` (`on` or
-//! `off`), `IDEMQ_RELAY_POLL_INTERVAL`), then a TOML file (`--config`, or
+//! `off`), `IDEMQ_RELAY_POLL_INTERVAL`, `IDEMQ_KILL_SWITCH`, `IDEMQ_RATE_LIMIT`,
+//! `IDEMQ_HANDLER_CONCURRENCY`), then a TOML file (`--config`, or
 //! `IDEMQ_CONFIG`) with the same names in snake case (`amqp_url`, `database_url`,
 //! `concurrency`, `batch_size`, `prefetch`, `http_addr`, `retention`, `replay_window`,
 //! `startup_timeout`, `release_streams_after`, `consumer_timeout`, `linger`, `handler_timeout`,
 //! `max_body_bytes`, `on_conflict`, `replication_check`, `namespace`, `shutdown_deadline`, `heartbeat`,
-//! `reconnect_max_backoff`, `database_retry_limit`, `relay`, `relay_poll_interval`),
+//! `reconnect_max_backoff`, `database_retry_limit`, `relay`, `relay_poll_interval`,
+//! `kill_switch`, `rate_limit`, `handler_concurrency`),
 //! then the code's builder (the guide's Configuration table, `docs/operating.md`, lists them all). They are checked before anything connects; errors name the setting
 //! and say what to write. Passwords in URLs are redacted in every message.
 //!
@@ -590,6 +593,37 @@ fn run_command() -> Command {
             "IDEMQ_RELAY_POLL_INTERVAL",
             "how often the relay looks for rows nobody woke it for (default 1s)",
         ))
+        .arg(
+            Arg::new("kill-switch")
+                .long("kill-switch")
+                .env("IDEMQ_KILL_SWITCH")
+                .hide_env_values(true)
+                .value_name("RATIO%/ATTEMPTS/WINDOW/PAUSE|off")
+                .value_parser(config::parse_kill_switch)
+                .help("pause a handler whose attempts keep failing, e.g. 15%/10/1m/1m (default: off)"),
+        )
+        .arg(
+            Arg::new("rate-limit")
+                .long("rate-limit")
+                .env("IDEMQ_RATE_LIMIT")
+                .hide_env_values(true)
+                .action(ArgAction::Append)
+                .value_delimiter(',')
+                .value_name("HANDLER=N")
+                .value_parser(config::parse_per_handler)
+                .help("at most N of the handler's deliveries start per second (repeat, or separate with commas)"),
+        )
+        .arg(
+            Arg::new("handler-concurrency")
+                .long("handler-concurrency")
+                .env("IDEMQ_HANDLER_CONCURRENCY")
+                .hide_env_values(true)
+                .action(ArgAction::Append)
+                .value_delimiter(',')
+                .value_name("HANDLER=N")
+                .value_parser(config::parse_per_handler)
+                .help("at most N of the handler's transactions at once (repeat, or separate with commas)"),
+        )
         .arg(
             Arg::new("queue")
                 .long("queue")

@@ -261,7 +261,8 @@ impl RuntimeBuilder {
             if queues.is_empty() {
                 return Err(Error::Config(format!(
                     "handler_kill_switch names {name:?}, but no handler of that name consumes a queue \
-                     (streams have no kill switch: a stream consumer retries in place)"
+                     (streams have no kill switch: a stream consumer retries in place); {}",
+                    self.queue_handlers()
                 )));
             }
             for queue in queues {
@@ -285,7 +286,8 @@ impl RuntimeBuilder {
         for (name, per_second) in &self.rate_limits {
             if !consumes(name) {
                 return Err(Error::Config(format!(
-                    "rate_limit names {name:?}, but no handler of that name consumes a queue (a stream consumer has no rate limit)"
+                    "rate_limit names {name:?}, but no handler of that name consumes a queue (a stream consumer has no rate limit); {}",
+                    self.queue_handlers()
                 )));
             }
             if *per_second == 0 {
@@ -297,7 +299,8 @@ impl RuntimeBuilder {
         for (name, n) in &self.handler_concurrency {
             if !consumes(name) {
                 return Err(Error::Config(format!(
-                    "handler_concurrency names {name:?}, but no handler of that name consumes a queue"
+                    "handler_concurrency names {name:?}, but no handler of that name consumes a queue; {}",
+                    self.queue_handlers()
                 )));
             }
             if *n == 0 || *n > self.concurrency {
@@ -308,6 +311,15 @@ impl RuntimeBuilder {
             }
         }
         Ok(())
+    }
+
+    /// The names per-handler settings may give, for an error that names one wrongly.
+    fn queue_handlers(&self) -> String {
+        let mut names: Vec<&str> =
+            self.consumers.iter().filter(|r| !self.is_stream(&r.queue)).map(|r| r.handler.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        format!("the handlers consuming queues are: {}", names.join(", "))
     }
 
     /// `handler`'s rate limit, if it has one (the last given).
