@@ -61,11 +61,13 @@ async fn a_dependency_down_for_30_seconds_dead_letters_nothing_and_every_message
 
     let switch = KillSwitch::default().window(Duration::from_secs(10)).pause(Duration::from_secs(2));
     let switches = Arc::new(Switches::default());
+    let http = idemq_tests::free_addr();
     let guarded_run = Running::start(
         guarded
             .runtime()
             .consume_with(&guarded.queue, ledger_behind_a_service, three_quick_attempts())
             .kill_switch(switch)
+            .http_addr(http)
             .observe(Arc::clone(&switches)),
     );
     let control_run = Running::start(control.runtime().consume_with(
@@ -73,6 +75,28 @@ async fn a_dependency_down_for_30_seconds_dead_letters_nothing_and_every_message
         ledger_behind_a_service,
         three_quick_attempts(),
     ));
+
+    // While it is open, the operator sees it: /readyz (still ready) and /metrics.
+    idemq_tests::eventually("the kill switch opened", Duration::from_secs(30), || async {
+        !switches.0.lock().unwrap().is_empty()
+    })
+    .await;
+    let get = |path: &'static str| tokio::task::spawn_blocking(move || idemq_tests::http_get(http, path));
+    let ready = get("/readyz").await.expect("get");
+    assert!(ready.lines().next().is_some_and(|status| status.contains(" 200")), "still ready: {ready}");
+    assert!(
+        ready.contains(&format!(
+            "handler ledger_behind_a_service ({}): paused by its kill switch",
+            guarded.queue
+        )),
+        "{ready}"
+    );
+    let metrics = get("/metrics").await.expect("get");
+    let open = format!(
+        "idemq_kill_switch_open{{queue=\"{}\",handler=\"ledger_behind_a_service\"}} 1",
+        guarded.queue
+    );
+    assert!(metrics.contains(&open), "{open} in {metrics}");
 
     let applied =
         |events: &[idemq::observe::Settled]| events.iter().filter(|e| e.outcome == Outcome::Applied).count();

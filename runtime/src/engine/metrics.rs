@@ -13,8 +13,9 @@
 //!   else 503 with the first reason — at start-up, while the runtime waits for an
 //!   unreachable broker or database, which one and why. The body has a line per
 //!   check: the broker, the database, each stream consumer (owned, standby, or
-//!   waiting for the broker, and for how long) and the outbox (rows waiting, the
-//!   oldest's age: the relay's lag).
+//!   waiting for the broker, and for how long), each handler its kill switch holds
+//!   paused (still ready: a restart does not mend a dependency) and the outbox (rows
+//!   waiting, the oldest's age: the relay's lag).
 //!
 //! An orchestrator probes `/healthz` to restart a stuck process and `/readyz` to
 //! hold a rollout (or alert) while a process cannot consume; a standby of a stream
@@ -115,6 +116,8 @@ pub(crate) struct Metrics {
     database_ok: AtomicBool,
     /// Each stream consumer's state and since when: (stream, handler) → …
     streams: std::sync::Mutex<StreamStates>,
+    /// Each handler held paused by its kill switch: (queue, handler) → since when.
+    paused: std::sync::Mutex<BTreeMap<(String, &'static str), Instant>>,
     /// When the async runtime last ran the beat task (see [`STALLED_AFTER`]).
     beat: std::sync::Mutex<Instant>,
     /// At start-up, what the runtime waits for and why (until it is connected).
@@ -156,6 +159,7 @@ impl Metrics {
             dedup_deleted: Counter::default(),
             database_ok: AtomicBool::new(false),
             streams: std::sync::Mutex::default(),
+            paused: std::sync::Mutex::default(),
             beat: std::sync::Mutex::new(Instant::now()),
             waiting: std::sync::Mutex::new(None),
             handlers: HashMap::new(),
@@ -333,6 +337,13 @@ impl Metrics {
             };
             check(ok, format!("stream {stream} ({handler}): {said}"));
         }
+        // A paused handler is no reason to take the process out of rotation: a
+        // restart does not mend the dependency its attempts failed on.
+        let paused = self.paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        for ((queue, handler), since) in paused {
+            let age = crate::base::duration::human(Duration::from_secs(since.elapsed().as_secs()));
+            check(true, format!("handler {handler} ({queue}): paused by its kill switch for {age}; one message is tried after each pause"));
+        }
         if database {
             let (rows, oldest) = (self.outbox_backlog.get(), self.outbox_oldest.get());
             check(true, format!("outbox: {rows} rows waiting, the oldest {oldest}s old"));
@@ -471,8 +482,12 @@ impl Observe for Metrics {
     fn kill_switch(&self, event: &crate::base::observe::KillSwitchEvent<'_>) {
         let queue = self.consumer(event.queue);
         self.kill_switch_open.get_or_create(&queue).set(i64::from(event.open_for.is_some()));
+        let mut paused = self.paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if event.open_for.is_some() {
             self.kill_switch_trips.get_or_create(&queue).inc();
+            paused.entry((event.queue.to_owned(), event.handler)).or_insert_with(Instant::now);
+        } else {
+            paused.remove(&(event.queue.to_owned(), event.handler));
         }
     }
 }

@@ -90,9 +90,12 @@ pub(super) async fn pause(
         let delivery = message.delivery;
         consumer.acks.received(&delivery);
         consumer.process(vec![Item::new(delivery, consumer, None)], hard_stop).await;
+        // Its outcome is told when it is decided; one cut off unsettled (its channel
+        // gone) never is: the channel's loss ends the wait.
         let probe = tokio::select! {
             probe = consumer.flow.probed() => probe,
             () = stop.cancelled() => return Err(Ended::Stopped),
+            () = closed(&consumer.channel) => return Err(lost()),
         };
         match probe {
             Probe::Passed => break,
