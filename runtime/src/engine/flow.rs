@@ -270,7 +270,8 @@ impl Flow {
         self.trips.load(Ordering::Relaxed)
     }
 
-    /// Counts one settled delivery of the handler, received at `received_at`.
+    /// Counts one decided delivery of the handler, received at `received_at` (told as
+    /// each is decided, before it is settled: see `delivery::life`).
     pub(crate) fn record(&self, outcome: &Outcome, received_at: Instant) {
         let Some(config) = self.config else { return };
         let weight = weigh(outcome);
