@@ -40,8 +40,9 @@
 //!
 //! ## Design
 //!
-//! The life of a delivery is one state machine, in one file (`engine/delivery/life.rs`,
-//! its stages as a type; each stage is done in a file of its own beside it):
+//! The life of a delivery is one state machine, in one file of the engine's crate
+//! (`runtime/src/engine/delivery/life.rs`, its stages as a type; each stage is done
+//! in a file of its own beside it):
 //!
 //! batch → decode → key → BEGIN → `INSERT … ON CONFLICT DO NOTHING RETURNING` (the
 //! batch's rows in one statement, which also reads the rows of the duplicates) →
@@ -99,6 +100,12 @@
 //!   hold a delivery past the broker's `consumer_timeout` are refused by `build`
 //!   ([`RuntimeBuilder::consumer_timeout`]); a channel the broker closes for it
 //!   anyway is reported as that, and the late effect is acked as a duplicate.
+//! - **A broken dependency pauses, it does not dead-letter:** with a kill switch
+//!   ([`RuntimeBuilder::kill_switch`]), a handler whose attempts keep failing is
+//!   paused — its held deliveries returned unprocessed, not charged — and one message
+//!   is tried after each pause until one applies. Rate and concurrency limits per
+//!   handler ([`RuntimeBuilder::rate_limit`], [`RuntimeBuilder::handler_concurrency`])
+//!   hold under group commit and lanes.
 //! - **Group commit, same guarantees:** up to [`RuntimeBuilder::batch_size`]
 //!   deliveries that have arrived run in one transaction and are acked together (one
 //!   `multiple` ack, only below the channel's watermark of unsettled deliveries); a

@@ -28,8 +28,8 @@ const CAPACITY: usize = 8 * 1024;
 /// The process's one queue to stderr (made by the first [`StderrLines::get`]).
 static LINES: OnceLock<StderrLines> = OnceLock::new();
 
-/// A `tracing-subscriber` writer (its `MakeWriter` makes a [`Line`] per event) whose
-/// lines a thread of its own writes to stderr: see the [module docs](self).
+/// A `tracing-subscriber` writer (its `MakeWriter` makes a `Line` per event) whose
+/// lines a thread of its own writes to stderr: see the module docs (`app/stderr.rs`).
 #[derive(Debug, Clone)]
 pub struct StderrLines {
     sender: SyncSender<Vec<u8>>,

@@ -36,7 +36,7 @@ pub fn header<'a>(properties: &'a BasicProperties, name: &str) -> Option<&'a AMQ
 
 /// A string value (long or short), as text; anything else — and a long string that
 /// is not valid UTF-8 — is `None`. Never lossy: two different byte strings never
-/// read as one text (see [`bytes`] for the raw bytes).
+/// read as one text (see `bytes` beside it for the raw bytes).
 pub fn string(value: &AMQPValue) -> Option<String> {
     match value {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok().map(str::to_owned),
