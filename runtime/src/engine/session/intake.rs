@@ -74,6 +74,16 @@ pub(super) async fn consume(
                 Err(Ended::Lost(loss)) => break Some(loss),
             }
         }
+        // A rate-limited handler: a token per delivery of the batch, taken before a
+        // slot, so that waiting for tokens holds none of the runtime's permits.
+        let granted = match &consumer.rate {
+            Some(rate) => tokio::select! {
+                granted = rate.take(taken.pending.len().min(consumer.batch.size)) => granted,
+                () = stop.cancelled() => break None,
+                () = closed(&consumer.channel) => break Some(closing_reason(&consumer, &mut stream).await),
+            },
+            None => consumer.batch.size,
+        };
         let slot = tokio::select! {
             slot = BatchSlot::take(&consumer, &intake.permits) => slot,
             () = stop.cancelled() => break None,
@@ -82,14 +92,6 @@ pub(super) async fn consume(
             () = closed(&consumer.channel) => break Some(closing_reason(&consumer, &mut stream).await),
         };
         taken.arrived(&consumer, &mut stream).await;
-        // A rate-limited handler: a token per delivery of the batch.
-        let granted = match &consumer.rate {
-            Some(rate) => tokio::select! {
-                granted = rate.take(taken.pending.len().min(consumer.batch.size)) => granted,
-                () = stop.cancelled() => break None,
-            },
-            None => consumer.batch.size,
-        };
         // Share what waits with the idle transaction slots: a few deliveries and free
         // slots run side by side (slow handlers stay concurrent), a backlog fills
         // whole batches.
