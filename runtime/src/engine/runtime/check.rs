@@ -252,21 +252,15 @@ impl RuntimeBuilder {
     /// [`crate::engine::flow`]: pausing a shared queue would pause its other handlers).
     fn check_kill_switches(&self) -> Result<(), Error> {
         for (name, _) in &self.handler_kill_switches {
-            let queues: Vec<&str> = self
-                .consumers
-                .iter()
-                .filter(|r| r.handler.name() == name && !self.is_stream(&r.queue))
-                .map(|r| r.queue.as_str())
-                .collect();
-            if queues.is_empty() {
-                return Err(Error::Config(format!(
-                    "handler_kill_switch names {name:?}, but no handler of that name consumes a queue \
-                     (streams have no kill switch: a stream consumer retries in place); {}",
-                    self.queue_handlers()
-                )));
-            }
-            for queue in queues {
-                let sharing = self.consumers.iter().filter(|r| r.queue == queue).count();
+            self.check_consumes_a_queue(
+                "handler_kill_switch",
+                name,
+                "streams have no kill switch: a stream consumer retries in place",
+            )?;
+            let queues =
+                self.consumers.iter().filter(|r| r.handler.name() == name && !self.is_stream(&r.queue));
+            for queue in queues.map(|r| r.queue.as_str()) {
+                let sharing = self.handlers_of(queue);
                 if sharing > 1 {
                     return Err(Error::Config(format!(
                         "handler_kill_switch for {name:?}: its queue '{queue}' is consumed by {sharing} handlers, \
@@ -281,15 +275,8 @@ impl RuntimeBuilder {
     /// Each `rate_limit` and `handler_concurrency` names a handler consuming a queue,
     /// with a value that can hold.
     fn check_handler_limits(&self) -> Result<(), Error> {
-        let consumes =
-            |name: &str| self.consumers.iter().any(|r| r.handler.name() == name && !self.is_stream(&r.queue));
         for (name, per_second) in &self.rate_limits {
-            if !consumes(name) {
-                return Err(Error::Config(format!(
-                    "rate_limit names {name:?}, but no handler of that name consumes a queue (a stream consumer has no rate limit); {}",
-                    self.queue_handlers()
-                )));
-            }
+            self.check_consumes_a_queue("rate_limit", name, "a stream consumer has no rate limit")?;
             if *per_second == 0 {
                 return Err(Error::Config(format!(
                     "rate_limit for {name:?} is 0: nothing would ever run; give at least 1 per second"
@@ -297,12 +284,7 @@ impl RuntimeBuilder {
             }
         }
         for (name, n) in &self.handler_concurrency {
-            if !consumes(name) {
-                return Err(Error::Config(format!(
-                    "handler_concurrency names {name:?}, but no handler of that name consumes a queue; {}",
-                    self.queue_handlers()
-                )));
-            }
+            self.check_consumes_a_queue("handler_concurrency", name, "a stream consumer has none")?;
             if *n == 0 || *n > self.concurrency {
                 return Err(Error::Config(format!(
                     "handler_concurrency for {name:?} must be 1..={} (the runtime's concurrency), not {n}",
@@ -313,27 +295,37 @@ impl RuntimeBuilder {
         Ok(())
     }
 
-    /// The names per-handler settings may give, for an error that names one wrongly.
-    fn queue_handlers(&self) -> String {
-        let mut names: Vec<&str> =
-            self.consumers.iter().filter(|r| !self.is_stream(&r.queue)).map(|r| r.handler.name()).collect();
+    /// `setting` names `name`: a handler consuming a queue (not only streams: `why`),
+    /// else an error that lists the names it may give.
+    fn check_consumes_a_queue(&self, setting: &str, name: &str, why: &str) -> Result<(), Error> {
+        let queue_handlers =
+            || self.consumers.iter().filter(|r| !self.is_stream(&r.queue)).map(|r| r.handler.name());
+        if queue_handlers().any(|handler| handler == name) {
+            return Ok(());
+        }
+        let mut names: Vec<&str> = queue_handlers().collect();
         names.sort_unstable();
         names.dedup();
-        format!("the handlers consuming queues are: {}", names.join(", "))
+        Err(Error::Config(format!(
+            "{setting} names {name:?}, but no handler of that name consumes a queue ({why}); \
+             the handlers consuming queues are: {}",
+            names.join(", ")
+        )))
+    }
+
+    /// How many handlers consume `queue` (one per message type when several do).
+    pub(super) fn handlers_of(&self, queue: &str) -> usize {
+        self.consumers.iter().filter(|r| r.queue == queue).count()
     }
 
     /// `handler`'s rate limit, if it has one (the last given).
     pub(super) fn rate_limit_of(&self, handler: &str) -> Option<u32> {
-        self.rate_limits.iter().rev().find(|(name, _)| name == handler).map(|(_, n)| *n)
+        last_given(&self.rate_limits, handler)
     }
 
     /// `handler`'s concurrency: its own, else the runtime's.
     pub(super) fn concurrency_of(&self, handler: &str) -> usize {
-        self.handler_concurrency
-            .iter()
-            .rev()
-            .find(|(name, _)| name == handler)
-            .map_or(self.concurrency, |(_, n)| *n)
+        last_given(&self.handler_concurrency, handler).unwrap_or(self.concurrency)
     }
 
     /// The kill switch of `handler` on `queue`: its own, else the runtime's; none
@@ -343,15 +335,16 @@ impl RuntimeBuilder {
         handler: &str,
         queue: &str,
     ) -> Option<crate::engine::flow::KillSwitch> {
-        if self.consumers.iter().filter(|r| r.queue == queue).count() > 1 {
+        if self.handlers_of(queue) > 1 {
             return None;
         }
-        self.handler_kill_switches
-            .iter()
-            .rev()
-            .find(|(name, _)| name == handler)
-            .map_or(self.kill_switch, |(_, switch)| *switch)
+        last_given(&self.handler_kill_switches, handler).unwrap_or(self.kill_switch)
     }
+}
+
+/// The value last given for `handler` in a per-handler setting's list.
+fn last_given<T: Copy>(given: &[(String, T)], handler: &str) -> Option<T> {
+    given.iter().rev().find(|(name, _)| name == handler).map(|(_, value)| *value)
 }
 
 #[cfg(test)]

@@ -294,7 +294,7 @@ fn session_context(b: RuntimeBuilder, shared: Arc<Shared>) -> Result<SessionCont
         .collect();
     if b.kill_switch.is_some() {
         for (r, switch) in b.consumers.iter().zip(&switches) {
-            if switch.is_none() && b.consumers.iter().filter(|other| other.queue == r.queue).count() > 1 {
+            if switch.is_none() && b.handlers_of(&r.queue) > 1 {
                 crate::base::log::warn!(
                     queue = %r.queue,
                     handler = r.handler.name(),
