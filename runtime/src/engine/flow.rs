@@ -34,7 +34,6 @@
 
 use std::collections::VecDeque;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -217,7 +216,6 @@ pub(crate) struct Flow {
     queue: String,
     state: Mutex<State>,
     changed: Notify,
-    trips: AtomicU64,
     observers: Observers,
 }
 
@@ -245,7 +243,6 @@ impl Flow {
                 probe: None,
             }),
             changed: Notify::new(),
-            trips: AtomicU64::new(0),
             observers,
         }
     }
@@ -262,12 +259,6 @@ impl Flow {
     pub(crate) fn is_open(&self) -> bool {
         // The hot path of a handler without a switch takes no lock.
         self.config.is_some() && matches!(self.phase(), Phase::Open { .. })
-    }
-
-    /// How many times it tripped (a failed try included).
-    #[cfg(test)]
-    fn trips(&self) -> u64 {
-        self.trips.load(Ordering::Relaxed)
     }
 
     /// Counts one decided delivery of the handler, received at `received_at` (told as
@@ -357,7 +348,6 @@ impl Flow {
         state.phase = Phase::Open { until: tokio::time::Instant::now() + pause };
         state.pause = pause;
         state.slices.clear();
-        self.trips.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Waits out the pause, then starts a probe: returns when one message may be
@@ -415,29 +405,29 @@ impl Flow {
 /// second's worth start in any `t`.
 #[derive(Debug)]
 pub(crate) struct Rate {
-    per_second: f64,
+    /// Deliveries per second, and the bucket's size.
+    limit: u32,
+    /// Tokens in the bucket, and when they were counted.
     state: Mutex<(f64, tokio::time::Instant)>,
 }
 
 impl Rate {
     pub(crate) fn new(per_second: u32) -> Self {
-        let per_second = f64::from(per_second.max(1));
-        Self { per_second, state: Mutex::new((per_second, tokio::time::Instant::now())) }
+        let limit = per_second.max(1);
+        Self { limit, state: Mutex::new((f64::from(limit), tokio::time::Instant::now())) }
     }
 
     /// The limit, per second.
     pub(crate) fn per_second(&self) -> usize {
-        // A whole number (`new` takes a u32).
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let per_second = self.per_second as usize;
-        per_second
+        usize::try_from(self.limit).unwrap_or(usize::MAX)
     }
 
     fn tokens(&self) -> std::sync::MutexGuard<'_, (f64, tokio::time::Instant)> {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let now = tokio::time::Instant::now();
         let elapsed = now.saturating_duration_since(state.1).as_secs_f64();
-        state.0 = (state.0 + elapsed * self.per_second).min(self.per_second);
+        let limit = f64::from(self.limit);
+        state.0 = (state.0 + elapsed * limit).min(limit);
         state.1 = now;
         state
     }
@@ -461,7 +451,7 @@ impl Rate {
                     state.0 -= spent;
                     return taken;
                 }
-                Duration::from_secs_f64((1.0 - state.0) / self.per_second)
+                Duration::from_secs_f64((1.0 - state.0) / f64::from(self.limit))
             };
             tokio::time::sleep(wait).await;
         }
@@ -473,7 +463,7 @@ impl Rate {
             let mut state = self.tokens();
             #[allow(clippy::cast_precision_loss)]
             let unused = unused as f64;
-            state.0 = (state.0 + unused).min(self.per_second);
+            state.0 = (state.0 + unused).min(f64::from(self.limit));
         }
     }
 }
@@ -481,9 +471,30 @@ impl Rate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     fn failed() -> Outcome {
         Outcome::Retry { error: "down".into(), delay: Duration::from_secs(1) }
+    }
+
+    /// Counts the switch's openings (a failed try included), as the metrics do.
+    #[derive(Default)]
+    struct Trips(AtomicU64);
+
+    impl crate::base::observe::Observe for Trips {
+        fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
+            if event.open_for.is_some() {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A flow with `switch`, and what counts its openings.
+    fn counted(switch: KillSwitch) -> (Flow, std::sync::Arc<Trips>) {
+        let trips = std::sync::Arc::new(Trips::default());
+        let mut observers = Observers::default();
+        observers.push(trips.clone());
+        (Flow::new(Some(switch), "h", "q", observers), trips)
     }
 
     #[test]
@@ -506,7 +517,7 @@ mod tests {
 
     #[test]
     fn it_trips_only_past_the_ratio_of_at_least_the_minimum_attempts() {
-        let flow = Flow::new(Some(KillSwitch::default()), "h", "q", Observers::default());
+        let (flow, trips) = counted(KillSwitch::default());
         let now = Instant::now();
         for _ in 0..9 {
             flow.record(&failed(), now);
@@ -514,7 +525,7 @@ mod tests {
         assert!(!flow.is_open(), "9 attempts are below the minimum of 10");
         flow.record(&failed(), now);
         assert!(flow.is_open());
-        assert_eq!(flow.trips(), 1);
+        assert_eq!(trips.0.load(Ordering::Relaxed), 1);
 
         let flow = Flow::new(Some(KillSwitch::default()), "h", "q", Observers::default());
         for _ in 0..90 {
@@ -564,7 +575,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failed_probe_doubles_the_pause_and_a_passed_one_closes_it() {
         let switch = KillSwitch::default().min_attempts(1).pause(Duration::from_secs(1));
-        let flow = Flow::new(Some(switch), "h", "q", Observers::default());
+        let (flow, trips) = counted(switch);
         flow.record(&failed(), Instant::now());
         assert!(flow.is_open());
         flow.pause_over().await;
@@ -577,7 +588,7 @@ mod tests {
         flow.record(&failed(), since);
         assert_eq!(flow.probed().await, Probe::Failed);
         assert_eq!(flow.state().pause, Duration::from_secs(2));
-        assert_eq!(flow.trips(), 2);
+        assert_eq!(trips.0.load(Ordering::Relaxed), 2);
         flow.pause_over().await;
         let Phase::Probing { since } = flow.phase() else { panic!("probing again") };
         flow.record(&Outcome::Applied, since);
