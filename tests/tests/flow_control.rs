@@ -98,8 +98,7 @@ async fn a_dependency_down_for_30_seconds_dead_letters_nothing_and_every_message
     );
     assert!(metrics.contains(&open), "{open} in {metrics}");
 
-    let applied =
-        |events: &[idemq::observe::Settled]| events.iter().filter(|e| e.outcome == Outcome::Applied).count();
+    let applied = |events: &[idemq::observe::Settled]| applied_at(events).len();
     idemq_tests::eventually("every guarded message applied", Duration::from_secs(90), || async {
         applied(&guarded_run.events()) >= MESSAGES
     })
@@ -153,10 +152,14 @@ async fn record_unlaned(
     record_payment(conn, &msg).await
 }
 
+/// When each of `events` that was applied was settled.
+fn applied_at(events: &[idemq::observe::Settled]) -> Vec<Instant> {
+    events.iter().filter(|e| e.outcome == Outcome::Applied).map(|e| e.settled_at).collect()
+}
+
 /// How many of `events` were applied within `window` of the first one applied.
 fn applied_within(events: &[idemq::observe::Settled], window: Duration) -> usize {
-    let applied: Vec<Instant> =
-        events.iter().filter(|e| e.outcome == Outcome::Applied).map(|e| e.settled_at).collect();
+    let applied = applied_at(events);
     let Some(first) = applied.iter().min().copied() else { return 0 };
     applied.iter().filter(|at| at.duration_since(first) <= window).count()
 }
@@ -193,9 +196,7 @@ async fn a_rate_limit_holds_within_ten_percent_over_a_minute_with_batches_and_la
     let minute = Duration::from_secs(60);
     for run in &runs {
         idemq_tests::eventually("a minute of deliveries applied", Duration::from_secs(120), || async {
-            let events = run.events();
-            let applied: Vec<Instant> =
-                events.iter().filter(|e| e.outcome == Outcome::Applied).map(|e| e.settled_at).collect();
+            let applied = applied_at(&run.events());
             let (Some(first), Some(last)) = (applied.iter().min(), applied.iter().max()) else {
                 return false;
             };
