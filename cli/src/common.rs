@@ -68,19 +68,33 @@ async fn open_channel(connection: &Connection) -> Result<lapin::Channel, Error> 
 /// Standard output for a command's report, line by line: a reader that has gone
 /// (`status | head -3`) ends the writing — not the command, with a panic, as
 /// `println!` would (Rust ignores SIGPIPE, so the write fails instead).
+/// Or, [`captured`](Out::captured), the lines kept for a page (the console).
 pub(crate) struct Out {
     closed: bool,
+    kept: Option<Vec<String>>,
 }
 
 impl Out {
     pub(crate) fn new() -> Self {
-        Self { closed: false }
+        Self { closed: false, kept: None }
+    }
+
+    /// An `Out` that keeps its lines instead of writing them ([`Out::lines`]).
+    pub(crate) fn captured() -> Self {
+        Self { closed: false, kept: Some(Vec::new()) }
+    }
+
+    /// The lines kept so far (none for standard output).
+    pub(crate) fn lines(self) -> Vec<String> {
+        self.kept.unwrap_or_default()
     }
 
     /// Writes `text` and a newline, unless the reader has gone.
     pub(crate) fn line(&mut self, text: impl std::fmt::Display) {
         use std::io::Write;
-        if !self.closed && writeln!(std::io::stdout().lock(), "{text}").is_err() {
+        if let Some(kept) = &mut self.kept {
+            kept.push(text.to_string());
+        } else if !self.closed && writeln!(std::io::stdout().lock(), "{text}").is_err() {
             self.closed = true;
         }
     }

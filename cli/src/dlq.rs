@@ -39,7 +39,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Confirmation, Connection};
 
-use crate::common::{connect_broker, CliResult};
+use crate::common::{connect_broker, say, CliResult, Out};
 use idemq_core::__private::sibling::identity;
 use idemq_core::headers;
 use idemq_core::RuntimeBuilder;
@@ -76,6 +76,7 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
     let filter = Filter::of(sub, only.cloned());
     let options = Options::of(sub);
     let mut index = 0;
+    let mut out = Out::new();
     if matches!(action, "list" | "show") {
         // Reading only: every DLQ browsed at once, printed in order.
         let taken = futures_util::future::join_all(
@@ -88,9 +89,14 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
             match browse {
                 Ok(browse) if failed.is_none() => {
                     if action == "list" {
-                        list(&browse, &filter, &mut index);
+                        list(&mut out, &browse, &filter, &mut index);
                     } else {
-                        show(&browse, *sub.get_one::<usize>("index").expect("required"), &mut index);
+                        show(
+                            &mut out,
+                            &browse,
+                            *sub.get_one::<usize>("index").expect("required"),
+                            &mut index,
+                        );
                     }
                     browses.push(browse);
                 }
@@ -108,8 +114,8 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
     for (dlq, owners) in dlqs.iter().filter(|_| matches!(action, "replay" | "purge")) {
         let browse = Browse::take(&connection, dlq, owners).await?;
         let result = match action {
-            "replay" => replay(&connection, &browse, &filter, &options).await,
-            _ => purge(&browse, &filter, &options).await,
+            "replay" => replay(&mut out, &connection, &browse, &filter, &options).await,
+            _ => purge(&mut out, &browse, &filter, &options).await,
         };
         browse.end(&connection).await;
         result?;
@@ -118,16 +124,16 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
         return Err(format!("unknown dlq command `{action}`").into());
     }
     if action == "list" && index == 0 {
-        println!("no dead letters{}", if filter.is_empty() { "" } else { " match" });
+        say!(out, "no dead letters{}", if filter.is_empty() { "" } else { " match" });
     }
     Ok(())
 }
 
 /// How `replay` and `purge` act.
-struct Options {
-    dry_run: bool,
-    yes: bool,
-    max_replays: u32,
+pub(crate) struct Options {
+    pub(crate) dry_run: bool,
+    pub(crate) yes: bool,
+    pub(crate) max_replays: u32,
 }
 
 impl Options {
@@ -151,10 +157,10 @@ impl Options {
 pub(crate) const DEFAULT_MAX_REPLAYS: u32 = 5;
 
 /// The dead letters of one DLQ, taken unacked on a channel of their own.
-struct Browse {
+pub(crate) struct Browse {
     channel: Channel,
-    dlq: String,
-    letters: Vec<Letter>,
+    pub(crate) dlq: String,
+    pub(crate) letters: Vec<Letter>,
     /// The DLQ's ready messages when the browse began.
     ready: u32,
     /// Dead letters acked since (replayed or purged).
@@ -162,17 +168,17 @@ struct Browse {
 }
 
 /// One message's dead letters: the first, and the tags of its true copies.
-struct Letter {
-    delivery: Delivery,
-    copies: Vec<u64>,
+pub(crate) struct Letter {
+    pub(crate) delivery: Delivery,
+    pub(crate) copies: Vec<u64>,
     /// The queue it was consumed from, where a replay sends it: its
     /// `x-idemq-queue` if that is one of the queues this DLQ serves, else the only
     /// such queue; `None` when neither tells.
-    queue: Option<String>,
+    pub(crate) queue: Option<String>,
 }
 
 impl Browse {
-    async fn take(
+    pub(crate) async fn take(
         connection: &Connection,
         dlq: &str,
         owners: &[String],
@@ -236,7 +242,7 @@ impl Browse {
     /// Closes the channel: what was not acked goes back to the queue. Returns once
     /// the broker counts it as ready again (at most 2 s), so that the next command
     /// sees every dead letter at once.
-    async fn end(self, connection: &Connection) {
+    pub(crate) async fn end(self, connection: &Connection) {
         let _ = tokio::time::timeout(Duration::from_secs(5), self.channel.close(200, "browsed".into())).await;
         let back = self.ready.saturating_sub(self.removed.load(std::sync::atomic::Ordering::Relaxed));
         if self.letters.is_empty() || back == 0 {
@@ -321,11 +327,16 @@ fn publisher_headers(delivery: &Delivery) -> Vec<(String, String)> {
 }
 
 /// Which dead letters a command applies to.
-struct Filter {
+pub(crate) struct Filter {
     kind: Option<String>,
     handler: Option<String>,
     queue: Option<String>,
     limit: Option<usize>,
+    /// One message only (the console's replay of a letter).
+    message_id: Option<String>,
+    /// `kind` and `handler` as given, `None` meaning the header is absent (the
+    /// console's groups, which include the broker's dead letters without them).
+    exact: bool,
 }
 
 impl Filter {
@@ -336,7 +347,15 @@ impl Filter {
             handler: get("handler"),
             queue,
             limit: matches.try_get_one::<usize>("limit").ok().flatten().copied(),
+            message_id: None,
+            exact: false,
         }
+    }
+
+    /// The letters of one group: this error kind and handler exactly (`None`: the
+    /// header is absent), and of one message if `message_id` is given.
+    pub(crate) fn group(kind: Option<String>, handler: Option<String>, message_id: Option<String>) -> Self {
+        Self { kind, handler, queue: None, limit: None, message_id, exact: true }
     }
 
     fn is_empty(&self) -> bool {
@@ -345,6 +364,12 @@ impl Filter {
 
     fn matches(&self, letter: &Letter) -> bool {
         let delivery = &letter.delivery;
+        if self.exact {
+            let id = delivery.properties.message_id().as_ref().map(ToString::to_string);
+            return header(delivery, headers::ERROR_KIND) == self.kind
+                && header(delivery, headers::HANDLER) == self.handler
+                && self.message_id.as_ref().is_none_or(|wanted| id.as_ref() == Some(wanted));
+        }
         self.kind.as_ref().is_none_or(|kind| header(delivery, headers::ERROR_KIND).as_deref() == Some(kind))
             && self.handler.as_ref().is_none_or(|h| header(delivery, headers::HANDLER).as_deref() == Some(h))
             && self.queue.as_ref().is_none_or(|queue| letter.queue.as_ref() == Some(queue))
@@ -357,13 +382,28 @@ impl Filter {
 }
 
 /// A header of `delivery` for display: text, or the value as the client shows it.
-fn header(delivery: &Delivery, name: &str) -> Option<String> {
+pub(crate) fn header(delivery: &Delivery, name: &str) -> Option<String> {
     let value = sibling::header(&delivery.properties, name)?;
     Some(sibling::text(value).unwrap_or_else(|| format!("{value:?}")))
 }
 
 /// How often the letter was replayed (`x-idemq-replay`).
-fn replays(delivery: &Delivery) -> u32 {
+/// A header's value as `show` and the console print it: a value whose name
+/// says it is a credential (`authorization`, `*token*`, `*secret*`, `*password*`,
+/// `*api-key*`, `cookie`) is hidden, and a URL's password redacted.
+pub(crate) fn shown_header(name: &str, value: &str) -> String {
+    let name = name.to_ascii_lowercase();
+    let secret = ["authorization", "token", "secret", "password", "passwd", "api-key", "apikey", "cookie"];
+    if secret.iter().any(|word| name.contains(word)) {
+        return "‹hidden: a credential›".to_owned();
+    }
+    if value.contains("://") {
+        return idemq_core::connect::redact(value);
+    }
+    value.to_owned()
+}
+
+pub(crate) fn replays(delivery: &Delivery) -> u32 {
     header(delivery, headers::REPLAY).and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
@@ -371,7 +411,7 @@ fn replays(delivery: &Delivery) -> u32 {
 /// attempts, from idemq's headers (`x-idemq-replay`: each replay came out of the
 /// DLQ, and the letter is back) — or, for a letter the broker dead-lettered (no
 /// `x-idemq-error-kind`), its latest `x-death` entry.
-fn history(delivery: &Delivery) -> String {
+pub(crate) fn history(delivery: &Delivery) -> String {
     let times = |n: u64| if n == 1 { "1 time".to_owned() } else { format!("{n} times") };
     if header(delivery, headers::ERROR_KIND).is_none() {
         if let Some((reason, queue, count)) = latest_death(delivery) {
@@ -413,7 +453,7 @@ fn first_death_routing_key(delivery: &Delivery) -> Option<String> {
     keys.as_slice().first().and_then(sibling::string)
 }
 
-fn preview(bytes: &[u8], max: usize) -> String {
+pub(crate) fn preview(bytes: &[u8], max: usize) -> String {
     let text = String::from_utf8_lossy(bytes);
     let flat: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
     if flat.chars().count() > max {
@@ -423,7 +463,7 @@ fn preview(bytes: &[u8], max: usize) -> String {
     }
 }
 
-fn list(browse: &Browse, filter: &Filter, index: &mut usize) {
+fn list(out: &mut Out, browse: &Browse, filter: &Filter, index: &mut usize) {
     for letter in filter.chosen(&browse.letters) {
         *index += 1;
         let d = &letter.delivery;
@@ -437,7 +477,7 @@ fn list(browse: &Browse, filter: &Filter, index: &mut usize) {
             0 => String::new(),
             n => format!(" replayed={n}"),
         };
-        println!(
+        say!(out,
             "#{index} {} queue={} handler={} attempts={}{replayed} at={}{copies}\n    error: {}\n    body:  {}",
             field(headers::ERROR_KIND),
             letter.queue.as_deref().unwrap_or("?"),
@@ -450,14 +490,15 @@ fn list(browse: &Browse, filter: &Filter, index: &mut usize) {
     }
 }
 
-fn show(browse: &Browse, wanted: usize, index: &mut usize) {
+fn show(out: &mut Out, browse: &Browse, wanted: usize, index: &mut usize) {
     for letter in &browse.letters {
         *index += 1;
         if *index != wanted {
             continue;
         }
         let d = &letter.delivery;
-        println!(
+        say!(
+            out,
             "dead letter #{wanted} in '{}' from queue {} ({} bytes, {} more copies)",
             browse.dlq,
             letter.queue.as_deref().unwrap_or("? (unknown)"),
@@ -473,24 +514,28 @@ fn show(browse: &Browse, wanted: usize, index: &mut usize) {
             ("reply_to", p.reply_to().as_ref().map(|v| v.to_string())),
         ] {
             if let Some(value) = value {
-                println!("  {name}: {value}");
+                say!(out, "  {name}: {value}");
             }
         }
-        println!("  dead-lettered: {}", history(d));
+        say!(out, "  dead-lettered: {}", history(d));
         if let Some(table) = p.headers() {
             // The broker's delivery count is not the letter's: see below.
             for name in table.inner().keys().filter(|name| name.as_str() != headers::DELIVERY_COUNT) {
-                println!("  {name}: {}", header(d, name.as_str()).unwrap_or_default());
+                say!(
+                    out,
+                    "  {name}: {}",
+                    shown_header(name.as_str(), &header(d, name.as_str()).unwrap_or_default())
+                );
             }
         }
         if let Some(returns) = header(d, headers::DELIVERY_COUNT) {
-            println!(
+            say!(out,
                 "  browsed before: {returns} times (the DLQ's {}: each `dlq` command that reads the letter \
                  returns it, and the broker counts each return; it says nothing of how often the message failed)",
                 headers::DELIVERY_COUNT
             );
         }
-        println!("body:\n{}", String::from_utf8_lossy(&d.data));
+        say!(out, "body:\n{}", String::from_utf8_lossy(&d.data));
     }
 }
 
@@ -498,7 +543,13 @@ fn show(browse: &Browse, wanted: usize, index: &mut usize) {
 const STRIPPED: [&str; 5] =
     [headers::DELIVERY_COUNT, "x-death", headers::ATTEMPTS, headers::RETRY_OF, headers::REPLAY];
 
-async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, options: &Options) -> CliResult {
+pub(crate) async fn replay(
+    out: &mut Out,
+    connection: &Connection,
+    browse: &Browse,
+    filter: &Filter,
+    options: &Options,
+) -> CliResult {
     let publisher = connection.create_channel().await?;
     publisher.confirm_select(ConfirmSelectOptions::default()).await?;
     let (mut replayed, mut left) = (std::collections::BTreeMap::<&str, usize>::new(), 0);
@@ -510,7 +561,7 @@ async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, optio
             format!("the dead letter (message_id {id}, {})", preview(&d.data, 60))
         };
         let Some(queue) = letter.queue.as_deref() else {
-            println!(
+            say!(out,
                 "left {} in '{dlq}': its queue is unknown (no {} header it names, and '{dlq}' serves several queues); \
                  republish it by hand",
                 describe(),
@@ -521,7 +572,7 @@ async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, optio
         };
         let generation = replays(d);
         if generation >= options.max_replays {
-            println!(
+            say!(out,
                 "left {} in '{dlq}': replayed {generation} times already (--max-replays {}); fix what fails it, \
                  or purge it",
                 describe(),
@@ -531,7 +582,7 @@ async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, optio
             continue;
         }
         if options.dry_run {
-            println!("would replay {} to '{queue}' (replay {})", describe(), generation + 1);
+            say!(out, "would replay {} to '{queue}' (replay {})", describe(), generation + 1);
             *replayed.entry(queue).or_default() += 1;
             continue;
         }
@@ -575,40 +626,41 @@ async fn replay(connection: &Connection, browse: &Browse, filter: &Filter, optio
     let _ = publisher.close(200, "replayed".into()).await;
     let verb = if options.dry_run { "would replay" } else { "replayed" };
     for (queue, count) in &replayed {
-        println!("{verb} {count} dead letters to '{queue}'");
+        say!(out, "{verb} {count} dead letters to '{queue}'");
     }
     if replayed.is_empty() && !browse.letters.is_empty() && left == 0 {
-        println!("{verb} 0 dead letters from '{dlq}'");
+        say!(out, "{verb} 0 dead letters from '{dlq}'");
     }
     Ok(())
 }
 
-async fn purge(browse: &Browse, filter: &Filter, options: &Options) -> CliResult {
+pub(crate) async fn purge(out: &mut Out, browse: &Browse, filter: &Filter, options: &Options) -> CliResult {
     let chosen = filter.chosen(&browse.letters);
     let count: usize = chosen.iter().map(|letter| 1 + letter.copies.len()).sum();
     let dlq = &browse.dlq;
     if options.dry_run {
         for letter in &chosen {
             let copies = letter.copies.len();
-            println!(
+            say!(
+                out,
                 "would purge the dead letter {} from queue {} (+{copies} copies): {}",
                 header(&letter.delivery, headers::ERROR_KIND).unwrap_or_else(|| "-".to_owned()),
                 letter.queue.as_deref().unwrap_or("?"),
                 preview(&letter.delivery.data, 60)
             );
         }
-        println!("would purge {count} dead letters from '{dlq}'");
+        say!(out, "would purge {count} dead letters from '{dlq}'");
         return Ok(());
     }
     if count > 0 && !options.yes && !confirmed(count, dlq)? {
-        println!("purged nothing from '{dlq}'");
+        say!(out, "purged nothing from '{dlq}'");
         return Ok(());
     }
     for letter in &chosen {
         browse.remove(letter).await?;
     }
     if count > 0 || !browse.letters.is_empty() {
-        println!("purged {count} dead letters from '{dlq}'");
+        say!(out, "purged {count} dead letters from '{dlq}'");
     }
     Ok(())
 }

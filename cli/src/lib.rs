@@ -115,6 +115,7 @@
 mod commands;
 mod common;
 mod config;
+mod console;
 mod declare;
 mod dlq;
 mod logging;
@@ -134,6 +135,7 @@ use clap::{value_parser, Arg, ArgAction, ArgMatches, Command};
 
 pub use clap;
 pub use commands::Setup;
+pub use console::Console;
 pub use logging::init_tracing;
 
 use crate::commands::Interrupted;
@@ -237,6 +239,7 @@ impl Cli {
         .subcommand(declare_command())
         .subcommand(status_command())
         .subcommand(dlq_command())
+        .subcommand(console_command())
         .subcommand(gc_command())
         .subcommand(
             Command::new("asyncapi")
@@ -325,7 +328,17 @@ impl Cli {
             builder = builder.database_url(url);
         }
         match subcommand {
-            "run" => commands::run(file.run_settings(builder, sub)?, &self.app).await,
+            "run" => {
+                let builder = file.run_settings(builder, sub)?;
+                let console = console::Console::from_env(self.name)?;
+                let console = if sub.get_flag("console-actions") { console.actions(true) } else { console };
+                commands::run(console.mount(builder), &self.app).await
+            }
+            "console" => {
+                let settings = console::Settings::from_env(sub.get_flag("console-actions"))?;
+                let addr = *sub.get_one::<std::net::SocketAddr>("addr").expect("has a default");
+                console::serve(status::Inventory::of(&builder), self.name, settings, addr).await
+            }
             "migrate" if sub.get_flag("status") => {
                 commands::migrate_status(builder.configured_database_url(), &self.app).await
             }
@@ -509,8 +522,12 @@ fn run_command() -> Command {
                 .hide_env_values(true)
                 .value_name("ADDR")
                 .value_parser(value_parser!(std::net::SocketAddr))
-                .help("serve /metrics, /healthz and /readyz here, e.g. 127.0.0.1:9464 (default: off)"),
+                .help(
+                    "serve /metrics, /healthz, /readyz and the console (/console) here, e.g. 127.0.0.1:9464 \
+                     (default: off)",
+                ),
         )
+        .arg(console_actions())
         .arg(duration(
             "linger",
             "IDEMQ_LINGER",
@@ -656,6 +673,40 @@ fn declare_command() -> Command {
                 .action(ArgAction::SetTrue)
                 .help("print only what is missing (the last line still says how much)"),
         )
+}
+
+/// `--console-actions`, for `run` and `console`.
+fn console_actions() -> Arg {
+    Arg::new("console-actions").long("console-actions").action(ArgAction::SetTrue).help(
+        "let the console replay and purge dead letters (also IDEMQ_CONSOLE_ACTIONS=on); actions need the \
+         console's token (IDEMQ_CONSOLE_TOKEN or IDEMQ_CONSOLE_TOKEN_FILE)",
+    )
+}
+
+/// `console [--addr ADDR] [--console-actions]`.
+fn console_command() -> Command {
+    Command::new("console")
+        .about(
+            "serve the operations console alone (no consumer runs): handlers, dead letters grouped by cause \
+             (replay, purge), queues and streams, the outbox and the database, the audit list",
+        )
+        .long_about(
+            "Serve the operations console without running a consumer; `run --http-addr` serves the same \
+             pages, with live figures, under /console beside /metrics.\n\n\
+             Read without credentials only on a loopback address; elsewhere every request needs the token \
+             (IDEMQ_CONSOLE_TOKEN, or IDEMQ_CONSOLE_TOKEN_FILE naming a file holding it): the login form, \
+             basic auth (the token as password) or `Authorization: Bearer`. Without a token configured, a \
+             console beyond loopback serves nothing. Replay and purge need --console-actions and the token.",
+        )
+        .arg(
+            Arg::new("addr")
+                .long("addr")
+                .value_name("ADDR")
+                .default_value("127.0.0.1:9465")
+                .value_parser(value_parser!(std::net::SocketAddr))
+                .help("where to serve it"),
+        )
+        .arg(console_actions())
 }
 
 /// `status [--nonzero]`.

@@ -13,7 +13,7 @@
 //! sharing a handler's partitions.
 
 use idemq_core::__private::sibling;
-use idemq_core::__private::sibling::{BuilderPlan as _, QueueText as _};
+use idemq_core::__private::sibling::QueueText as _;
 use std::time::{Duration, Instant};
 
 use diesel_async::AsyncPgConnection;
@@ -64,17 +64,54 @@ struct Block {
 /// `status`: see the module docs. `app` is the binary's name, for the hints it
 /// prints; `only_nonzero` keeps the queues with something to look at.
 pub(super) async fn status(builder: &RuntimeBuilder, app: &str, only_nonzero: bool) -> CliResult {
-    let plans = builder.queue_plans();
+    status_to(&mut Out::new(), &Inventory::of(builder), app, only_nonzero).await
+}
+
+/// What `status` (and the console, which outlives the builder) reads of the
+/// application: its queues, exchanges, handlers and where its broker and database are.
+pub(crate) struct Inventory {
+    pub(crate) plans: Vec<sibling::QueuePlan>,
+    pub(crate) exchanges: Vec<String>,
+    /// Each consumed queue and its dead-letter queue.
+    pub(crate) consumed: Vec<(String, String)>,
+    /// Each handler, its queue, and its settings in words.
+    pub(crate) handlers: Vec<(String, String, Vec<String>)>,
+    pub(crate) amqp_url: String,
+    pub(crate) database_url: String,
+}
+
+impl Inventory {
+    pub(crate) fn of(builder: &RuntimeBuilder) -> Self {
+        use sibling::BuilderPlan as _;
+        Self {
+            plans: builder.queue_plans(),
+            exchanges: builder.exchange_names(),
+            consumed: builder.consumed_queues(),
+            handlers: builder.handler_settings(),
+            amqp_url: builder.configured_amqp_url().to_owned(),
+            database_url: builder.configured_database_url().to_owned(),
+        }
+    }
+}
+
+/// [`status`], its lines written to `out` (the console keeps them for a page).
+pub(crate) async fn status_to(
+    out: &mut Out,
+    inventory: &Inventory,
+    app: &str,
+    only_nonzero: bool,
+) -> CliResult {
+    let plans = &inventory.plans;
     let width = name_width(plans.iter().flat_map(|plan| plan.names()));
     let mut report = Report { unknown: 0, dead_letters: 0, width, app };
-    let mut db = Db::connect(builder.configured_database_url()).await;
+    let mut db = Db::connect(&inventory.database_url).await;
     let header = format!(
         "{:<width$} {:>8} {:>11} {:>14} {:>10}",
         "queue", "ready", "consumers", "dead letters", "retrying"
     );
     let mut blocks = Vec::new();
     let mut exchanges = Vec::new();
-    match connect_broker(builder.configured_amqp_url()).await {
+    match connect_broker(&inventory.amqp_url).await {
         Ok(connection) => {
             // Each stream's end is read on a channel of its own, all at once: a read
             // lasts at least BURST_GAP.
@@ -92,7 +129,7 @@ pub(super) async fn status(builder: &RuntimeBuilder, app: &str, only_nonzero: bo
                     *streams_per_handler.entry(handler.clone()).or_insert(0) += 1;
                 }
             }
-            for plan in &plans {
+            for plan in plans {
                 let stream = if plan.queue.is_stream() { streams.next() } else { None };
                 let plan = Plan {
                     queue: &plan.queue,
@@ -103,7 +140,7 @@ pub(super) async fn status(builder: &RuntimeBuilder, app: &str, only_nonzero: bo
                 };
                 blocks.push(report.block(&plan, &connection, stream, &mut db).await);
             }
-            for exchange in builder.exchange_names() {
+            for exchange in inventory.exchanges.iter().cloned() {
                 let exists = exchange_exists(&connection, &exchange).await.map_err(|err| err.report());
                 exchanges.push((exchange, exists));
             }
@@ -115,7 +152,6 @@ pub(super) async fn status(builder: &RuntimeBuilder, app: &str, only_nonzero: bo
         }),
     }
 
-    let mut out = Out::new();
     let shown: Vec<&Block> = blocks
         .iter()
         .filter(|block| !only_nonzero || block.row.notable || block.details.iter().any(|l| l.notable))

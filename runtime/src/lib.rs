@@ -148,7 +148,6 @@ pub mod __private {
         use std::time::Duration;
 
         use crate::base::retry::RetryPolicy;
-        use crate::engine::runtime::plan::QueuePlan;
         use crate::engine::startup::Startup;
         use crate::error::Error;
         use crate::handler::wire::Wire;
@@ -160,6 +159,7 @@ pub mod __private {
         pub use crate::base::random_id;
         pub use crate::config::{parse_switch, resolve};
         pub use crate::engine::hook::{FaultContext, FaultHook, FaultPoint};
+        pub use crate::engine::runtime::plan::QueuePlan;
         pub use crate::engine::runtime::settings::SETTINGS;
         pub use crate::handler::identity;
 
@@ -169,6 +169,49 @@ pub mod __private {
                 applied_migrations, count_members, count_rows, limit_statements, lock_holder, owner_lock,
                 share_group, stored_offsets, LockHolder, StoredOffset, NO_OFFSET,
             };
+
+            /// The replication state in words (the console): what the server is,
+            /// its standbys and `synchronous_commit`; and the replication check's
+            /// concerns, each with its fix.
+            pub async fn replication(
+                conn: &mut crate::__private::AsyncPgConnection,
+            ) -> diesel::QueryResult<(String, Vec<String>)> {
+                let state = crate::store::replication::read(conn).await?;
+                let role = if state.in_recovery { "a standby (in recovery)" } else { "a primary" };
+                let synchronous = match state.synchronous {
+                    Some(n) => format!("{n} synchronous"),
+                    None => "synchronous ones unknown (the role lacks pg_read_all_stats)".to_owned(),
+                };
+                let names = match state.standby_names.trim() {
+                    "" => "synchronous_standby_names empty".to_owned(),
+                    names => format!("synchronous_standby_names '{names}'"),
+                };
+                let words = format!(
+                    "{role}; {} standby(s) streaming, {synchronous}; {names}; synchronous_commit {}",
+                    state.standbys, state.synchronous_commit
+                );
+                Ok((words, state.concerns()))
+            }
+        }
+
+        /// Pages served beside the metrics: the CLI's console.
+        #[cfg(feature = "metrics")]
+        pub mod pages {
+            pub use crate::engine::pages::{Live, Mount, PageRequest, PageResponse, Pages, MAX_BODY, PREFIX};
+
+            /// Mounts `mount` on a builder: served once its `http_addr` is set.
+            pub fn with_pages(builder: crate::RuntimeBuilder, mount: Mount) -> crate::RuntimeBuilder {
+                builder.with_pages(mount)
+            }
+
+            /// Serves `mount`'s pages alone on `addr` (no runtime, no metrics) until
+            /// the returned guard is dropped.
+            pub fn serve_pages(
+                addr: std::net::SocketAddr,
+                mount: Mount,
+            ) -> Result<impl Drop + Send, crate::error::Error> {
+                crate::engine::metrics::serve_pages(addr, mount)
+            }
         }
 
         /// The test kit's fault hook on a builder (`FaultHookExt::fault_hook`).
@@ -192,6 +235,7 @@ pub mod __private {
                 connection: &'a lapin::Connection,
             ) -> BoxFuture<'a, Result<(), Error>>;
             fn consumed_queues(&self) -> Vec<(String, String)>;
+            fn handler_settings(&self) -> Vec<(String, String, Vec<String>)>;
         }
 
         impl BuilderPlan for crate::RuntimeBuilder {
@@ -230,6 +274,9 @@ pub mod __private {
             }
             fn consumed_queues(&self) -> Vec<(String, String)> {
                 self.consumed_queues()
+            }
+            fn handler_settings(&self) -> Vec<(String, String, Vec<String>)> {
+                self.handler_settings()
             }
         }
 

@@ -11,6 +11,8 @@
 //! and [`eventually`] / [`with_timeout`] bound every wait so that a broken
 //! test fails instead of hanging.
 //!
+//! [`webdriver::Browser`] drives a headless Chromium, for tests of pages in a browser.
+//!
 //! Server locations come from the environment: `DATABASE_URL` (the admin
 //! database on which test databases are created) and `AMQP_URL`.
 
@@ -18,6 +20,7 @@ pub mod app;
 pub mod fixture;
 pub mod logs;
 mod management;
+pub mod webdriver;
 
 pub use fixture::Mode;
 

@@ -20,6 +20,7 @@ mod brokers;
 mod chaos;
 mod cluster;
 mod connect;
+mod console;
 mod consumer_timeout;
 mod copies;
 mod crash;

@@ -216,3 +216,115 @@ async fn the_network_proxy_delays_each_way_by_its_latency() {
     // A lower bound only: a round trip cannot beat the latency both ways.
     assert!(sent.elapsed() >= Duration::from_millis(400), "{:?}", sent.elapsed());
 }
+
+/// A page of a form posting its `value` to itself, and of what was posted, echoed: served
+/// on a free loopback port, a thread for each connection, until the process ends.
+fn form_server() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the form server");
+    let address = listener.local_addr().expect("its address");
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || serve_form(stream));
+        }
+    });
+    address
+}
+
+fn serve_form(mut stream: std::net::TcpStream) -> std::io::Result<()> {
+    use std::io::{BufRead, Read, Write};
+    // Chromium opens connections ahead of need, and may never send on them.
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut reader = std::io::BufReader::new(stream.try_clone()?);
+    let mut request = String::new();
+    reader.read_line(&mut request)?;
+    let mut length = 0;
+    let mut header = String::new();
+    while reader.read_line(&mut header)? > 0 && !header.trim().is_empty() {
+        if let Some((name, value)) = header.split_once(':') {
+            if name.eq_ignore_ascii_case("content-length") {
+                length = value.trim().parse().expect("a length");
+            }
+        }
+        header.clear();
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body)?;
+    let (status, page) = match request.split_whitespace().take(2).collect::<Vec<_>>()[..] {
+        ["GET", "/"] => (
+            "200 OK",
+            "<!doctype html><title>idemq form</title><form method=post action=/>\
+             <input name=value><button id=send>Send</button></form>"
+                .to_owned(),
+        ),
+        ["POST", "/"] => {
+            let posted = body.strip_prefix(b"value=").map(form_decoded).unwrap_or_default();
+            let posted = posted.replace('&', "&amp;").replace('<', "&lt;");
+            ("200 OK", format!("<!doctype html><title>echo</title><p id=echo>{posted}</p>"))
+        }
+        _ => ("404 Not Found", String::new()),
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{page}",
+        page.len()
+    )
+}
+
+/// An `application/x-www-form-urlencoded` value, decoded.
+fn form_decoded(encoded: &[u8]) -> String {
+    let mut decoded = Vec::new();
+    let mut bytes = encoded.iter();
+    while let Some(&byte) = bytes.next() {
+        decoded.push(match byte {
+            b'+' => b' ',
+            b'%' => {
+                let hex = [*bytes.next().expect("two hex digits"), *bytes.next().expect("two hex digits")];
+                u8::from_str_radix(std::str::from_utf8(&hex).expect("hex"), 16).expect("hex")
+            }
+            byte => byte,
+        });
+    }
+    String::from_utf8(decoded).expect("UTF-8")
+}
+
+/// The WebDriver client against Debian's headless Chromium: what is typed into a form
+/// comes back through a real submit and page load, WebDriver's errors come back as
+/// errors, and the screenshot saved is a PNG.
+#[test]
+fn the_webdriver_client_fills_a_form_in_headless_chromium_and_saves_a_screenshot() {
+    use idemq_tests::webdriver::{Browser, WebDriverError};
+    let typed = "exactly once & 100% <sure>";
+    let address = form_server();
+    let browser = Browser::start().expect("start headless Chromium");
+    browser.goto(&format!("http://{address}/")).expect("load the form");
+    assert_eq!(browser.title().expect("title"), "idemq form");
+    assert_eq!(browser.find_all("input, button").expect("the form's fields").len(), 2);
+    assert!(browser.page_source().expect("source").contains("<form"));
+    // `find` fails at once, `wait_for` after its timeout, with WebDriver's error.
+    let missing = browser.wait_for("#missing", Duration::from_millis(300)).map(|_| ()).expect_err("none");
+    assert!(
+        matches!(&missing, WebDriverError::Command { error, message, .. }
+            if error == "no such element" && message.contains("waited")),
+        "{missing}"
+    );
+
+    let input = browser.find("input[name=value]").expect("the input");
+    input.send_keys(typed).expect("type");
+    assert_eq!(input.attribute("name").expect("its name").as_deref(), Some("value"));
+    let value =
+        browser.execute_script("return document.querySelector(arguments[0]).value", &["input".into()]);
+    assert_eq!(value.expect("the input's value"), typed);
+    browser.find("#send").expect("the button").click().expect("submit");
+    let echo = browser.wait_for("#echo", Duration::from_secs(10)).expect("the answer page");
+    assert_eq!(echo.text().expect("the echo"), typed);
+    assert_eq!(browser.current_url().expect("url"), format!("http://{address}/"));
+
+    let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/test-screenshots"));
+    std::fs::create_dir_all(dir).expect("the screenshots' directory");
+    let path = dir.join("webdriver_form.png");
+    let _ = std::fs::remove_file(&path);
+    browser.screenshot(&path).expect("a screenshot");
+    let png = std::fs::read(&path).expect("the screenshot file");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "{} is not a PNG", path.display());
+}

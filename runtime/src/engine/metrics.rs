@@ -61,6 +61,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use super::pages::{Live, Mount, PageRequest, PageResponse, Pages, Probe, MAX_BODY, PREFIX};
 use crate::base::observe::{ConnectionEvent, StreamEvent, StreamState};
 use crate::base::observe::{DecidedBatch, InfrastructureRetry, Observe, RelayPass};
 use crate::base::outcome::{FailureKind, Outcome, Settled};
@@ -492,6 +493,16 @@ impl Observe for Metrics {
     }
 }
 
+impl Probe for Metrics {
+    fn render(&self) -> String {
+        Metrics::render(self)
+    }
+
+    fn readiness(&self) -> (Option<String>, String) {
+        Metrics::readiness(self)
+    }
+}
+
 /// The HTTP thread of [`serve`]: it stops (within 200 ms) when this is dropped.
 #[derive(Debug)]
 pub(crate) struct Serving(Arc<AtomicBool>);
@@ -508,9 +519,12 @@ impl Drop for Serving {
 /// # Errors
 /// [`Error::ConfigIo`](crate::Error::ConfigIo): the address cannot be bound (in use,
 /// not local).
-pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, crate::error::Error> {
+pub(crate) fn serve(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    mount: Option<Mount>,
+) -> Result<Serving, crate::error::Error> {
     let stop = Arc::new(AtomicBool::new(false));
-    let serving = Serving(Arc::clone(&stop));
     // The liveness beat: a task on the async runtime, so `/healthz` (answered by a
     // thread of its own) tells whether the runtime still runs its tasks.
     let (beating, stopped) = (Arc::clone(&metrics), Arc::clone(&stop));
@@ -520,19 +534,50 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
             tokio::time::sleep(BEAT_EVERY).await;
         }
     });
+    listen(addr, Some(metrics), mount, stop, "cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR)")
+}
+
+/// Serves the mounted pages alone on `addr` (the CLI's `console`, without a
+/// runtime: no metrics, no health endpoints) until the returned [`Serving`] is
+/// dropped.
+pub(crate) fn serve_pages(addr: SocketAddr, mount: Mount) -> Result<Serving, crate::error::Error> {
+    listen(addr, None, Some(mount), Arc::new(AtomicBool::new(false)), "cannot serve the console on {addr}")
+}
+
+/// Binds `addr` and answers from a thread of its own until `stop`: the metrics
+/// and health endpoints (with `metrics`), and the mounted pages.
+fn listen(
+    addr: SocketAddr,
+    metrics: Option<Arc<Metrics>>,
+    mount: Option<Mount>,
+    stop: Arc<AtomicBool>,
+    cannot: &str,
+) -> Result<Serving, crate::error::Error> {
+    let serving = Serving(Arc::clone(&stop));
     let server = tiny_http::Server::http(addr).map_err(|err| crate::error::Error::ConfigIo {
-        message: format!("cannot serve metrics on {addr} (--http-addr / IDEMQ_HTTP_ADDR)"),
+        message: cannot.replace("{addr}", &addr.to_string()),
         // tiny_http boxes the socket's I/O error.
         source: err.downcast::<std::io::Error>().map_or_else(std::io::Error::other, |err| *err),
     })?;
+    let bound = server.server_addr().to_ip().unwrap_or(addr);
+    let probe = metrics.clone().map(|metrics| metrics as Arc<dyn Probe>);
+    let pages = mount.map(|mount| mount(bound, Live { metrics: probe }));
     std::thread::Builder::new()
         .name("idemq-http".into())
         .spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let Ok(Some(request)) = server.recv_timeout(Duration::from_millis(200)) else { continue };
-                let (status, body) = match request.url() {
-                    "/metrics" => (200, metrics.render()),
-                    "/healthz" => match metrics.stalled() {
+                if let Some(pages) = pages.as_ref().filter(|_| is_page(request.url())) {
+                    let pages = Arc::clone(pages);
+                    // A thread per page: reading the broker must not hold up a scrape.
+                    let _ = std::thread::Builder::new()
+                        .name("idemq-page".into())
+                        .spawn(move || answer_page(request, &pages));
+                    continue;
+                }
+                let (status, body) = match (request.url(), &metrics) {
+                    ("/metrics", Some(metrics)) => (200, metrics.render()),
+                    ("/healthz", Some(metrics)) => match metrics.stalled() {
                         None => (200, "ok\n".to_owned()),
                         Some(since) => (
                             503,
@@ -543,13 +588,17 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
                             ),
                         ),
                     },
-                    "/readyz" => match metrics.readiness() {
+                    ("/readyz", Some(metrics)) => match metrics.readiness() {
                         (None, report) => (200, format!("ready\n{report}")),
                         (Some(why), report) => (503, format!("not ready: {why}\n{report}")),
                     },
+                    (_, None) => (404, "not found: the console is under /console\n".to_owned()),
+                    _ if pages.is_some() => {
+                        (404, "not found: /metrics, /healthz, /readyz, /console\n".to_owned())
+                    }
                     _ => (404, "not found: /metrics, /healthz, /readyz\n".to_owned()),
                 };
-                let content_type = if request.url() == "/metrics" {
+                let content_type = if request.url() == "/metrics" && status == 200 {
                     "application/openmetrics-text; version=1.0.0; charset=utf-8"
                 } else {
                     "text/plain; charset=utf-8"
@@ -566,4 +615,42 @@ pub(crate) fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<Serving, 
             source,
         })?;
     Ok(serving)
+}
+
+/// Whether `url` is one of the mounted pages' ([`PREFIX`] or under it).
+fn is_page(url: &str) -> bool {
+    url.strip_prefix(PREFIX).is_some_and(|rest| rest.is_empty() || rest.starts_with(['/', '?']))
+}
+
+/// Reads `request` (a body past [`MAX_BODY`] is refused), asks `pages`, answers.
+fn answer_page(mut request: tiny_http::Request, pages: &Pages) {
+    use std::io::Read as _;
+    let mut body = Vec::new();
+    let read = request.as_reader().take(MAX_BODY as u64 + 1).read_to_end(&mut body);
+    let answer = if read.is_err() || body.len() > MAX_BODY {
+        PageResponse {
+            status: 413,
+            headers: vec![("Content-Type".into(), "text/plain; charset=utf-8".into())],
+            body: b"request body too large or unreadable\n".to_vec(),
+        }
+    } else {
+        pages(PageRequest {
+            method: request.method().as_str().to_owned(),
+            url: request.url().to_owned(),
+            headers: request
+                .headers()
+                .iter()
+                .map(|header| (header.field.as_str().as_str().to_owned(), header.value.as_str().to_owned()))
+                .collect(),
+            body,
+            remote: request.remote_addr().copied(),
+        })
+    };
+    let mut response = tiny_http::Response::from_data(answer.body).with_status_code(answer.status);
+    for (name, value) in answer.headers {
+        if let Ok(header) = tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes()) {
+            response.add_header(header);
+        }
+    }
+    let _ = request.respond(response);
 }

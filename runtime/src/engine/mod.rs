@@ -7,6 +7,8 @@ pub(crate) mod flow;
 pub(crate) mod hook;
 #[cfg(feature = "metrics")]
 pub(crate) mod metrics;
+#[cfg(feature = "metrics")]
+pub(crate) mod pages;
 pub(crate) mod relay;
 pub(crate) mod runtime;
 pub(crate) mod session;

@@ -100,6 +100,9 @@ pub struct RuntimeBuilder {
     pub(super) allow_unpatched_amqp_parser: bool,
     #[cfg(feature = "metrics")]
     pub(super) http_addr: Option<std::net::SocketAddr>,
+    /// Pages served beside the metrics (the CLI's console, through `__private::sibling`).
+    #[cfg(feature = "metrics")]
+    pub(super) pages: Option<crate::engine::pages::Mount>,
     /// The test kit's fault hook (`idemq-testing`, through `__private::sibling`).
     pub(super) fault_hook: Option<crate::engine::hook::FaultHook>,
 }
@@ -161,6 +164,8 @@ impl RuntimeBuilder {
             allow_unpatched_amqp_parser: false,
             #[cfg(feature = "metrics")]
             http_addr: None,
+            #[cfg(feature = "metrics")]
+            pages: None,
             fault_hook: None,
         }
     }
@@ -557,6 +562,58 @@ impl RuntimeBuilder {
     /// `idemq-testing`) calls this through `__private::sibling`; nothing else does.
     pub(crate) fn with_fault_hook(mut self, hook: crate::engine::hook::FaultHook) -> Self {
         self.fault_hook = Some(hook);
+        self
+    }
+
+    /// Each consumer's settings in words (the console's handlers page): handler,
+    /// queue, and how it runs (batch, lane, concurrency, rate limit, kill switch).
+    pub(crate) fn handler_settings(&self) -> Vec<(String, String, Vec<String>)> {
+        let last =
+            |list: &[(String, u32)], name: &str| list.iter().rev().find(|(n, _)| n == name).map(|(_, v)| *v);
+        self.consumers
+            .iter()
+            .map(|registration| {
+                let handler = &registration.handler;
+                let name = handler.name();
+                let mut words = Vec::new();
+                match registration.batch_size(self.batch_size) {
+                    1 => words.push("per message".to_owned()),
+                    size if handler.batched() => words.push(format!("batch handler, up to {size} a call")),
+                    size => words.push(format!("group commit, up to {size} a transaction")),
+                }
+                if let Some(lane) = handler.lane_path() {
+                    words.push(format!("lane by {lane}"));
+                }
+                let concurrency = self
+                    .handler_concurrency
+                    .iter()
+                    .rev()
+                    .find(|(n, _)| n == name)
+                    .map_or(self.concurrency, |(_, n)| *n);
+                words.push(format!("concurrency {concurrency}"));
+                if let Some(rate) = last(&self.rate_limits, name) {
+                    words.push(format!("rate limit {rate}/s"));
+                }
+                let switch = self
+                    .handler_kill_switches
+                    .iter()
+                    .rev()
+                    .find(|(n, _)| n == name)
+                    .map_or(self.kill_switch.as_ref(), |(_, switch)| switch.as_ref());
+                words.push(match switch {
+                    Some(switch) => format!("kill switch {switch}"),
+                    None => "no kill switch".to_owned(),
+                });
+                (name.to_owned(), registration.queue.clone(), words)
+            })
+            .collect()
+    }
+
+    /// Mounts pages beside the metrics (the CLI's console), served once `http_addr`
+    /// is set.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn with_pages(mut self, mount: crate::engine::pages::Mount) -> Self {
+        self.pages = Some(mount);
         self
     }
 }

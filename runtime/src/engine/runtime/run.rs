@@ -156,7 +156,9 @@ impl Assembly {
         }
         #[cfg(feature = "metrics")]
         let serving = match (b.http_addr, &metrics) {
-            (Some(addr), Some(metrics)) => Some(crate::engine::metrics::serve(addr, Arc::clone(metrics))?),
+            (Some(addr), Some(metrics)) => {
+                Some(crate::engine::metrics::serve(addr, Arc::clone(metrics), b.pages.clone())?)
+            }
             _ => None,
         };
 
