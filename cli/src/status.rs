@@ -14,13 +14,9 @@
 
 use idemq_core::__private::sibling;
 use idemq_core::__private::sibling::QueueText as _;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
-use futures_util::StreamExt;
-use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::Connection;
 
 use crate::common::{connect_broker, connect_db, exchange_exists, passive_queue, say, CliResult, Out};
@@ -39,11 +35,6 @@ const COUNT_TIMEOUT: Duration = Duration::from_secs(10);
 /// only, so a stream published to just now may still read 0).
 const FIRST_DELIVERY: Duration = Duration::from_secs(5);
 const FIRST_DELIVERY_OF_AN_EMPTY_STREAM: Duration = Duration::from_secs(1);
-
-/// The pause in deliveries that ends a read of a stream's last chunk (see
-/// [`stream_ends`]), and the longest such a read lasts on a stream still written to.
-const BURST_GAP: Duration = Duration::from_millis(300);
-const BURST_LIMIT: Duration = Duration::from_secs(5);
 
 /// A figure: a value, or why it could not be read.
 type Figure<T> = Result<T, String>;
@@ -114,7 +105,7 @@ pub(crate) async fn status_to(
     match connect_broker(&inventory.amqp_url).await {
         Ok(connection) => {
             // Each stream's end is read on a channel of its own, all at once: a read
-            // lasts at least BURST_GAP.
+            // lasts at least stream_end::BURST_GAP.
             let streams = futures_util::future::join_all(
                 plans
                     .iter()
@@ -579,6 +570,9 @@ async fn read_stream(connection: &Connection, stream: &str) -> StreamRead {
     StreamRead { queue, ends }
 }
 
+/// The consumer tag of `status`'s reads of a stream.
+const STATUS_CONSUMER: &str = "idemq-status";
+
 /// Where `stream`'s kept messages begin and end, read over AMQP 0-9-1 (RabbitMQ 3.9
 /// and on): the offsets the broker sets on what it delivers (`x-stream-offset`).
 ///
@@ -588,9 +582,9 @@ async fn read_stream(connection: &Connection, stream: &str) -> StreamRead {
 ///   stream (and what is committed after it), from the chunk's first message, in one
 ///   burst — the broker reads every committed entry its credit allows as soon as
 ///   the consumer attaches, and the credit here is renewed as deliveries come. So
-///   the greatest offset delivered before the deliveries pause for [`BURST_GAP`] is
+///   the greatest offset delivered before the deliveries pause for a moment is
 ///   the stream's last, exact as of the read (a stream still written to ends later
-///   a moment after; a read lasts at most [`BURST_LIMIT`]).
+///   a moment after; a read lasts a few seconds at most).
 ///
 /// Not the `messages` of a passive declare, which for a stream is its kept messages
 /// as of the broker's last statistics tick (every 5 s by default: 0 for a stream
@@ -598,88 +592,20 @@ async fn read_stream(connection: &Connection, stream: &str) -> StreamRead {
 /// here to tell how long to wait for a first delivery (`kept`).
 async fn stream_ends(connection: &Connection, stream: &str, kept: u32) -> Figure<Ends> {
     let wait = if kept > 0 { FIRST_DELIVERY } else { FIRST_DELIVERY_OF_AN_EMPTY_STREAM };
-    let Some(first) = read_offset(connection, stream, "first", wait, false).await? else {
+    let Some(first) =
+        sibling::stream_end::read_offset(connection, stream, "first", wait, false, STATUS_CONSUMER).await?
+    else {
         return Ok(Ends::Empty(wait));
     };
-    match read_offset(connection, stream, "last", FIRST_DELIVERY, true).await? {
+    match sibling::stream_end::read_offset(connection, stream, "last", FIRST_DELIVERY, true, STATUS_CONSUMER)
+        .await?
+    {
         Some(last) => Ok(Ends::Kept { first, last: last.max(first) }),
         None => Err(format!(
             "the broker delivered nothing from the end of '{stream}' within {}",
             human(FIRST_DELIVERY)
         )),
     }
-}
-
-/// The offset of the first delivery of a consumer of `stream` started at `from`
-/// (`first` or `last`), or with `burst` the greatest offset delivered until they
-/// pause; `None` when nothing is delivered within `wait`. On a channel of its own,
-/// closed after (nothing is taken from a stream).
-async fn read_offset(
-    connection: &Connection,
-    stream: &str,
-    from: &str,
-    wait: Duration,
-    burst: bool,
-) -> Figure<Option<i64>> {
-    let failed = |err: lapin::Error| format!("reading the stream '{stream}' from its {from} message: {err}");
-    let channel = connection.create_channel().await.map_err(failed)?;
-    // A stream consumer needs a prefetch: the largest there is, for a burst.
-    let prefetch = if burst { u16::MAX } else { 1 };
-    let consumed = async {
-        channel.basic_qos(prefetch, BasicQosOptions { global: false }).await?;
-        let mut args = FieldTable::default();
-        args.insert("x-stream-offset".into(), AMQPValue::LongString(LongString::from(from)));
-        channel
-            .basic_consume(stream.into(), STATUS_CONSUMER.into(), BasicConsumeOptions::default(), args)
-            .await
-    };
-    let mut consumer = match consumed.await {
-        Ok(consumer) => consumer,
-        Err(err) => {
-            let _ = channel.close(200, "inspected".into()).await;
-            return Err(failed(err));
-        }
-    };
-    let read = async {
-        let Ok(Some(delivery)) = tokio::time::timeout(wait, consumer.next()).await else { return Ok(None) };
-        let mut offset = offset_of(&delivery.map_err(failed)?)?;
-        if burst {
-            let until = Instant::now() + BURST_LIMIT;
-            let mut unacked = 0_u32;
-            while Instant::now() < until {
-                let Ok(Some(Ok(delivery))) = tokio::time::timeout(BURST_GAP, consumer.next()).await else {
-                    break;
-                };
-                offset = offset.max(offset_of(&delivery)?);
-                // An ack on a stream only renews the credit.
-                unacked += 1;
-                if unacked >= 1024 {
-                    let _ = delivery.acker.ack(BasicAckOptions { multiple: true }).await;
-                    unacked = 0;
-                }
-            }
-        }
-        Ok(Some(offset))
-    };
-    let read = read.await;
-    // Cancelled before the channel closes: RabbitMQ 3.10 keeps counting a stream
-    // consumer whose channel closed without a cancel among the stream's consumers
-    // (`rabbitmqctl list_queues consumers`) until its metrics are collected, minutes
-    // later.
-    let _ = channel.basic_cancel(STATUS_CONSUMER.into(), BasicCancelOptions::default()).await;
-    let _ = channel.close(200, "inspected".into()).await;
-    read
-}
-
-/// The consumer tag of `status`'s reads of a stream.
-const STATUS_CONSUMER: &str = "idemq-status";
-
-/// A stream delivery's offset, which the broker sets.
-fn offset_of(delivery: &Delivery) -> Figure<i64> {
-    sibling::header(&delivery.properties, "x-stream-offset")
-        .and_then(sibling::text)
-        .and_then(|offset| offset.parse().ok())
-        .ok_or_else(|| "a delivery from the stream carries no x-stream-offset: is it a stream?".to_owned())
 }
 
 /// The CLI's database connection, each statement cut after [`COUNT_TIMEOUT`]; or why

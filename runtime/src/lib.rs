@@ -109,7 +109,7 @@ pub mod observe {
     pub use crate::base::observe::Sweep;
     pub use crate::base::observe::{
         on_connection, on_settled, Commit, ConnectionEvent, DecidedBatch, InfrastructureRetry,
-        KillSwitchEvent, Observe, RelayPass, StreamEvent, StreamState,
+        KillSwitchEvent, Observe, RelayPass, StreamEvent, StreamLag, StreamState,
     };
     pub use crate::base::outcome::{Settled, Stats, StatsSnapshot};
 }
@@ -160,6 +160,11 @@ pub mod __private {
         pub use crate::config::{parse_switch, resolve};
         pub use crate::engine::hook::{FaultContext, FaultHook, FaultPoint};
         pub use crate::engine::runtime::plan::QueuePlan;
+
+        /// Where a stream ends (`status`).
+        pub mod stream_end {
+            pub use crate::broker::stream_end::{read_offset, BURST_GAP};
+        }
         pub use crate::engine::runtime::settings::SETTINGS;
         pub use crate::handler::identity;
 

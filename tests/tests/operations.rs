@@ -566,3 +566,49 @@ async fn status_and_declare_print_a_line_per_queue_name_a_missing_exchange_and_f
         assert!(nonzero.contains(kept), "{kept} missing:\n{nonzero}");
     }
 }
+
+/// `console` serves the console without a consumer: the code's handlers and their
+/// settings, read-only, to loopback. Listening beyond loopback without a token, it
+/// serves nothing, saying how to set one; with the token, it serves the pages to a
+/// request that presents it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_console_command_serves_the_pages_alone_and_nothing_beyond_loopback_without_a_token() {
+    let place = Place::new().await;
+    let env = place.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(name, value)| (*name, value.as_str())).collect();
+    let addr = idemq_tests::free_addr();
+    let local = idemq_tests::app::App::spawn(APP, &["console", "--addr", &addr.to_string()], &env);
+    let page = wait_for_page(addr, "/console").await;
+    assert!(page.starts_with("HTTP/1.0 200"), "{page}");
+    assert!(page.contains("apply_payment") && page.contains("runs without a consumer"), "{page}");
+    assert!(page.contains("lane by account"), "the handler's settings: {page}");
+    drop(local);
+
+    let everywhere = std::net::SocketAddr::from(([0, 0, 0, 0], idemq_tests::free_addr().port()));
+    let open = idemq_tests::app::App::spawn(APP, &["console", "--addr", &everywhere.to_string()], &env);
+    let reached = std::net::SocketAddr::from(([127, 0, 0, 1], everywhere.port()));
+    let page = wait_for_page(reached, "/console/dead-letters").await;
+    assert!(page.starts_with("HTTP/1.0 403") && page.contains("IDEMQ_CONSOLE_TOKEN"), "{page}");
+    drop(open);
+
+    let mut env = env.clone();
+    env.push(("IDEMQ_CONSOLE_TOKEN", "t0ken"));
+    let everywhere = std::net::SocketAddr::from(([0, 0, 0, 0], idemq_tests::free_addr().port()));
+    let guarded = idemq_tests::app::App::spawn(APP, &["console", "--addr", &everywhere.to_string()], &env);
+    let reached = std::net::SocketAddr::from(([127, 0, 0, 1], everywhere.port()));
+    let page = wait_for_page(reached, "/console").await;
+    assert!(page.starts_with("HTTP/1.0 401") && page.contains("name=\"token\""), "the login form: {page}");
+    drop(guarded);
+}
+
+/// `GET path` once the console answers (30 s at most): the whole answer.
+async fn wait_for_page(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut answer = String::new();
+    idemq_tests::eventually(&format!("the console on {addr}"), Duration::from_secs(30), || {
+        answer = idemq_tests::http_get(addr, path);
+        let answered = !answer.is_empty();
+        async move { answered }
+    })
+    .await;
+    answer
+}

@@ -748,3 +748,56 @@ async fn a_partition_owner_cut_from_the_broker_gives_its_stream_to_the_other_pro
 
     each_once_in_its_streams_order(&bed, &partitions, &all).await;
 }
+
+static LAG_GATE_OPEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Applies payments once the test opens its gate.
+#[idempotent_handler(key = "payment_id", name = "stream_held", dedup = false)]
+async fn stream_held(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    while !std::sync::atomic::AtomicBool::load(&LAG_GATE_OPEN, std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    record_payment(conn, &msg).await?;
+    Ok(())
+}
+
+/// Each stream lag the runtime reports.
+#[derive(Default)]
+struct Lags(std::sync::Mutex<Vec<(String, i64)>>);
+
+impl idemq::observe::Observe for Lags {
+    fn stream_lag(&self, lag: &idemq::observe::StreamLag<'_>) {
+        self.0.lock().unwrap().push((lag.stream.to_owned(), lag.messages));
+    }
+}
+
+/// The consumer reads its stream's end when it starts (and every 15 s): held at
+/// its first message, it reports the whole backlog as its lag, on the metrics and
+/// to observers; then it applies all of it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_consumer_held_at_its_first_message_reports_the_backlog_as_its_lag() {
+    let (bed, stream) = stream_bed().await;
+    let backlog: Vec<_> = (0..40).map(|i| payment(9000 + i)).collect();
+    publish(&bed, &stream, &backlog).await;
+    let lags = std::sync::Arc::new(Lags::default());
+    let addr = idemq_tests::free_addr();
+    let builder = bed
+        .runtime()
+        .topology(topology(&stream))
+        .consume(&stream, stream_held)
+        .observe(std::sync::Arc::clone(&lags))
+        .http_addr(addr);
+    let running = Running::start(builder);
+    idemq_tests::eventually("the lag read", Duration::from_secs(30), || async {
+        lags.0.lock().unwrap().iter().any(|(_, messages)| *messages > 0)
+    })
+    .await;
+    assert_eq!(lags.0.lock().unwrap()[0], (stream.clone(), 40), "the backlog, nothing applied yet");
+    let metrics = idemq_tests::http_get(addr, "/metrics");
+    let series = format!("idemq_stream_lag_messages{{stream=\"{stream}\",handler=\"stream_held\"}} 40");
+    assert!(metrics.contains(&series), "{series} in:\n{metrics}");
+    LAG_GATE_OPEN.store(true, std::sync::atomic::Ordering::SeqCst);
+    running.wait_settled(backlog.len()).await;
+    running.stop().await.expect("clean shutdown");
+    assert_eq!(applied(&bed).await, ids(&backlog));
+}

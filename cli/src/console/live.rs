@@ -96,6 +96,16 @@ impl Samples {
         }
     }
 
+    /// Per minute, the counter `name` (summed over its labels) between the oldest
+    /// sample and `text` (now); `None` before the oldest is a second old.
+    pub(super) fn per_minute(&self, text: &str, name: &str) -> Option<f64> {
+        let samples = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let oldest = samples.front().filter(|sample| sample.at.elapsed() >= Duration::from_secs(1))?;
+        let sum = |set: &[Series]| set.iter().filter(|s| s.name == name).map(|s| s.value).sum::<f64>();
+        let delta = sum(&parse(text)) - sum(&oldest.series);
+        Some(delta.max(0.0) * 60.0 / oldest.at.elapsed().as_secs_f64())
+    }
+
     /// The figures of each handler between the oldest sample and `text` (now).
     pub(super) fn figures(&self, text: &str) -> Vec<Figures> {
         let now = parse(text);
@@ -125,6 +135,8 @@ pub(super) struct Figures {
     pub(super) paused: bool,
     /// Times its kill switch opened since start.
     pub(super) trips: f64,
+    /// A stream handler's lag: messages, and seconds behind (`idemq_stream_lag_*`).
+    pub(super) stream_lag: Option<(f64, f64)>,
 }
 
 /// Each handler's figures from the series `now` and, `since` ago, `before`.
@@ -186,9 +198,22 @@ pub(super) fn figures(now: &[Series], before: &[Series], since: Option<Duration>
                 in_flight: f64::from_bits(in_flight),
                 paused: value(now, "idemq_kill_switch_open", None) > 0.0,
                 trips: value(now, "idemq_kill_switch_trips_total", None),
+                stream_lag: stream_lag(now, handler, queue),
             }
         })
         .collect()
+}
+
+/// `handler`'s lag on `stream`, if it is a stream it reads.
+fn stream_lag(now: &[Series], handler: &str, stream: &str) -> Option<(f64, f64)> {
+    let value = |name: &str| {
+        now.iter()
+            .find(|s| {
+                s.name == name && s.label("handler") == Some(handler) && s.label("stream") == Some(stream)
+            })
+            .map(|s| s.value)
+    };
+    Some((value("idemq_stream_lag_messages")?, value("idemq_stream_lag_seconds").unwrap_or(0.0)))
 }
 
 /// The `q` quantile of cumulative `buckets` (upper bound, count), sorted by bound;

@@ -246,7 +246,11 @@ impl Mounted {
             }
             ("GET", "/database") => {
                 let database = self.runtime.block_on(facts::database(&self.inventory.database_url));
-                html(200, view::database(&page, &database, self.live.readiness()))
+                let relay = self
+                    .live
+                    .metrics_text()
+                    .and_then(|text| self.samples.per_minute(&text, "idemq_outbox_published_total"));
+                html(200, view::database(&page, &database, relay, self.live.readiness()))
             }
             ("GET", "/audit") => {
                 let rows = self.runtime.block_on(facts::audit(&self.inventory.database_url, 200));

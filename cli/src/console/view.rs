@@ -138,7 +138,15 @@ pub(super) fn handlers(page: &Page<'_>, rows: &[HandlerRow]) -> Markup {
                             td {
                                 @match &row.figures {
                                     Some(Some(f)) if f.paused => span.badge.bad title="its kill switch opened: the queue is left alone until a trial message succeeds" { "paused (kill switch)" },
-                                    Some(Some(_)) => span.badge.ok { "running" },
+                                    Some(Some(f)) => {
+                                        span.badge.ok { "running" }
+                                        @if let Some((messages, seconds)) = f.stream_lag {
+                                            br;
+                                            span.muted title="messages after the last applied; at least this far behind in time (read every 15 s)" {
+                                                "lag " (messages) " messages, " (human(Duration::from_secs_f64(seconds.max(0.0))))
+                                            }
+                                        }
+                                    },
                                     Some(None) => span.badge.warn { "not started" },
                                     None => span.muted { "—" },
                                 }
@@ -366,6 +374,7 @@ fn age(seconds: Option<i64>) -> String {
 pub(super) fn database(
     page: &Page<'_>,
     database: &Database,
+    relay_per_minute: Option<f64>,
     readiness: Option<(Option<String>, String)>,
 ) -> Markup {
     frame(
@@ -375,7 +384,13 @@ pub(super) fn database(
         html! {
             table { tbody {
                 tr { th { "outbox backlog" } td { (figure(&database.outbox, |(rows, oldest)| html! { (rows) " rows waiting; oldest " (age(*oldest)) " (the relay's lag)" })) } }
-                tr { th { "outbox failing" } td { (figure(&database.outbox_failing, |(rows, error)| html! {
+                tr { th { "relay" } td {
+                @match relay_per_minute {
+                    Some(rate) => { (format!("{rate:.0}")) " messages published per minute over the last minute" },
+                    None => span.muted { "— (the relay's rate is on a running service's console)" },
+                }
+            } }
+            tr { th { "outbox failing" } td { (figure(&database.outbox_failing, |(rows, error)| html! {
                     (rows) " rows failed to publish at least once"
                     @if let Some(error) = error { "; last error: " code { (error) } }
                 })) } }

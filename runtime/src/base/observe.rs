@@ -94,6 +94,23 @@ pub struct StreamEvent {
     pub state: StreamState,
 }
 
+/// How far a stream consumer is behind its stream's end: read every 15 s while
+/// this process owns the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StreamLag<'a> {
+    /// The handler's name.
+    pub handler: &'static str,
+    /// The stream (or partition).
+    pub stream: &'a str,
+    /// Messages after the last one applied (0: caught up).
+    pub messages: i64,
+    /// How long ago a read of the stream's end first saw an offset still not
+    /// applied: at least this far behind (to within the 15 s between reads);
+    /// zero once caught up.
+    pub behind: Duration,
+}
+
 /// A subscriber to what the runtime does. Every method has a no-op default:
 /// implement the ones you need. Methods run on the runtime's tasks, in line: keep
 /// them quick (count, record, send to a channel), never block.
@@ -138,6 +155,11 @@ pub trait Observe: Send + Sync + 'static {
     /// A stream consumer's ownership changed (it took, waits for or gave up a stream).
     fn stream(&self, event: &StreamEvent) {
         let _ = event;
+    }
+
+    /// A stream consumer's lag was read ([`StreamLag`]).
+    fn stream_lag(&self, lag: &StreamLag<'_>) {
+        let _ = lag;
     }
 
     /// A delivery was received from the broker (it is settled later, once).
@@ -290,6 +312,10 @@ impl Observers {
         self.0.iter().for_each(|o| o.stream(event));
     }
 
+    pub(crate) fn stream_lag(&self, lag: &StreamLag<'_>) {
+        self.0.iter().for_each(|o| o.stream_lag(lag));
+    }
+
     pub(crate) fn received(&self, queue: &str) {
         self.0.iter().for_each(|o| o.received(queue));
     }
@@ -331,6 +357,10 @@ impl<T: Observe> Observe for Arc<T> {
 
     fn stream(&self, event: &StreamEvent) {
         (**self).stream(event);
+    }
+
+    fn stream_lag(&self, lag: &StreamLag<'_>) {
+        (**self).stream_lag(lag);
     }
 
     fn batch(&self, batch: &DecidedBatch<'_>) {

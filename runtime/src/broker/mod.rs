@@ -11,4 +11,5 @@ pub(crate) mod exchanges;
 pub(crate) mod parser;
 pub(crate) mod partitions;
 pub(crate) mod publisher;
+pub(crate) mod stream_end;
 pub(crate) mod topology;

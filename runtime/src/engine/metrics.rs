@@ -40,6 +40,8 @@
 //! | `idemq_outbox_backlog` | rows waiting in the outbox (refreshed every 5 s) |
 //! | `idemq_outbox_oldest_seconds` | the age of the oldest row waiting in the outbox: the relay's lag (refreshed every 5 s) |
 //! | `idemq_stream_owned{stream, handler}` | 1 while this process owns the stream for the handler |
+//! | `idemq_stream_lag_messages{stream, handler}` | messages in the stream after the last one the handler applied (read every 15 s while this process owns it; 0 otherwise) |
+//! | `idemq_stream_lag_seconds{stream, handler}` | how long ago a read of the stream's end first saw an offset still not applied: at least this far behind in time (0 once caught up) |
 //! | `idemq_kill_switch_open{queue, handler}` | 1 while the handler's kill switch holds its queue paused (`RuntimeBuilder::kill_switch`) |
 //! | `idemq_kill_switch_trips_total{queue, handler}` | times it opened, a failed try after a pause included |
 //! | `idemq_dedup_rows_deleted_total` | rows the retention sweep deleted |
@@ -111,6 +113,8 @@ pub(crate) struct Metrics {
     outbox_backlog: Gauge,
     outbox_oldest: Gauge,
     stream_owned: Family<Labels, Gauge>,
+    stream_lag_messages: Family<Labels, Gauge>,
+    stream_lag_seconds: Family<Labels, Gauge>,
     kill_switch_open: Family<Labels, Gauge>,
     kill_switch_trips: Family<Labels, Counter>,
     dedup_deleted: Counter,
@@ -155,6 +159,8 @@ impl Metrics {
             outbox_backlog: Gauge::default(),
             outbox_oldest: Gauge::default(),
             stream_owned: Family::default(),
+            stream_lag_messages: Family::default(),
+            stream_lag_seconds: Family::default(),
             kill_switch_open: Family::default(),
             kill_switch_trips: Family::default(),
             dedup_deleted: Counter::default(),
@@ -251,6 +257,16 @@ impl Metrics {
             "idemq_stream_owned",
             "1 while this process owns the stream for the handler",
             self.stream_owned.clone(),
+        );
+        registry.register(
+            "idemq_stream_lag_messages",
+            "Messages in the stream after the last one the handler applied",
+            self.stream_lag_messages.clone(),
+        );
+        registry.register(
+            "idemq_stream_lag_seconds",
+            "How long ago a read of the stream's end first saw an offset the handler has not applied",
+            self.stream_lag_seconds.clone(),
         );
         registry.register(
             "idemq_kill_switch_open",
@@ -447,9 +463,22 @@ impl Observe for Metrics {
         }
     }
 
+    fn stream_lag(&self, lag: &crate::base::observe::StreamLag<'_>) {
+        let labels = vec![("stream", lag.stream.to_owned()), ("handler", lag.handler.to_owned())];
+        self.stream_lag_messages.get_or_create(&labels).set(lag.messages);
+        self.stream_lag_seconds
+            .get_or_create(&labels)
+            .set(i64::try_from(lag.behind.as_secs()).unwrap_or(i64::MAX));
+    }
+
     fn stream(&self, event: &StreamEvent) {
         let labels = vec![("stream", event.stream.clone()), ("handler", event.handler.to_owned())];
         self.stream_owned.get_or_create(&labels).set(i64::from(event.state == StreamState::Owned));
+        if event.state != StreamState::Owned {
+            // Another process reads it now: its lag is that one's to report.
+            self.stream_lag_messages.get_or_create(&labels).set(0);
+            self.stream_lag_seconds.get_or_create(&labels).set(0);
+        }
         let mut streams = self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let entry =
             streams.entry((event.stream.clone(), event.handler)).or_insert((event.state, Instant::now()));

@@ -56,6 +56,7 @@
 //!   enough): with them, a message published twice (a publisher's retransmission, at
 //!   two offsets) is applied once.
 
+mod lag;
 mod link;
 mod owner;
 mod run;
@@ -265,7 +266,17 @@ async fn subscribe(
     };
     let (end, consumed) = match opened {
         Ok((mut runner, consumer)) => {
-            let end = pump(spec, &mut runner, consumer, owner, &ctx.link, stop).await;
+            let probe = lag::probe(
+                &connection,
+                spec.stream(),
+                spec.handler.name(),
+                runner.applied(),
+                &ctx.shared.observers,
+            );
+            let end = tokio::select! {
+                end = pump(spec, &mut runner, consumer, owner, &ctx.link, stop) => end,
+                never = probe => match never {},
+            };
             // The channels first: lapin reports channels still open when their
             // connection closes as errors.
             runner.close_channels().await;

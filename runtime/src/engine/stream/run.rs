@@ -51,6 +51,8 @@ pub(super) struct Runner {
     publisher: Channel,
     /// The last offset applied or dead-lettered, as stored.
     last: i64,
+    /// The same, for the lag probe ([`super::lag`]).
+    applied: Arc<std::sync::atomic::AtomicI64>,
     session: u64,
     frame_max: u32,
     /// The subscription's first message is yet to come: it runs alone.
@@ -83,12 +85,24 @@ impl Runner {
             channel,
             publisher,
             last,
+            applied: Arc::new(std::sync::atomic::AtomicI64::new(last)),
             session,
             frame_max,
             fresh: true,
             alone_in_process: false,
             unknown_commit: false,
         }
+    }
+
+    /// The last offset applied or dead-lettered, as the lag probe reads it.
+    pub(super) fn applied(&self) -> Arc<std::sync::atomic::AtomicI64> {
+        Arc::clone(&self.applied)
+    }
+
+    /// `offset` is stored: the run goes on after it.
+    fn stored(&mut self, offset: i64) {
+        self.last = offset;
+        self.applied.store(offset, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Closes both channels (each handshake bounded), before their connection.
@@ -314,7 +328,7 @@ impl Runner {
                 Err(reason) => self.wait_out(&reason, &mut backoff, stop).await?,
             }
         }
-        self.last = item.offset;
+        self.stored(item.offset);
         let outcome = Outcome::DeadLettered { kind, error: error.to_owned() };
         self.settled(item, key, outcome, 0, None, None);
         Ok(())

@@ -374,7 +374,7 @@ impl Runner {
                 return Tx::Failed { at, error, kind: FailureKind::Handler, cut: false };
             }
         }
-        self.last = target;
+        self.stored(target);
         if !published.is_empty() {
             self.shared.outbox.committed();
         }
