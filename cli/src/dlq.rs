@@ -332,7 +332,7 @@ pub(crate) struct Filter {
     handler: Option<String>,
     queue: Option<String>,
     limit: Option<usize>,
-    /// One message only (the console's replay of a letter).
+    /// One message only, by its [`letter_key`] (the console's replay of a letter).
     message_id: Option<String>,
     /// `kind` and `handler` as given, `None` meaning the header is absent (the
     /// console's groups, which include the broker's dead letters without them).
@@ -365,10 +365,12 @@ impl Filter {
     fn matches(&self, letter: &Letter) -> bool {
         let delivery = &letter.delivery;
         if self.exact {
-            let id = delivery.properties.message_id().as_ref().map(ToString::to_string);
             return header(delivery, headers::ERROR_KIND) == self.kind
                 && header(delivery, headers::HANDLER) == self.handler
-                && self.message_id.as_ref().is_none_or(|wanted| id.as_ref() == Some(wanted));
+                && self
+                    .message_id
+                    .as_ref()
+                    .is_none_or(|wanted| letter_key(delivery).as_ref() == Some(wanted));
         }
         self.kind.as_ref().is_none_or(|kind| header(delivery, headers::ERROR_KIND).as_deref() == Some(kind))
             && self.handler.as_ref().is_none_or(|h| header(delivery, headers::HANDLER).as_deref() == Some(h))
@@ -388,6 +390,15 @@ pub(crate) fn header(delivery: &Delivery, name: &str) -> Option<String> {
 }
 
 /// How often the letter was replayed (`x-idemq-replay`).
+/// What names one message among the dead letters (the console's single-letter
+/// actions): its lineage (`x-idemq-copy-id` without the copy number), which idemq
+/// writes on every delivery it settles, else its `message_id`.
+pub(crate) fn letter_key(delivery: &Delivery) -> Option<String> {
+    header(delivery, headers::COPY_ID)
+        .map(|id| identity::lineage_of(&id).to_owned())
+        .or_else(|| delivery.properties.message_id().as_ref().map(ToString::to_string))
+}
+
 /// A header's value as `show` and the console print it: a value whose name
 /// says it is a credential (`authorization`, `*token*`, `*secret*`, `*password*`,
 /// `*api-key*`, `cookie`) is hidden, and a URL's password redacted.

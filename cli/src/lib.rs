@@ -8,12 +8,13 @@
 //!                [--namespace NS] [--shutdown-deadline D] [--heartbeat D] [--reconnect-max-backoff D]
 //!                [--database-retry-limit D] [--relay on|off] [--relay-poll-interval D]
 //!                [--kill-switch 15%/10/1m/1m|off] [--rate-limit HANDLER=N]... [--handler-concurrency HANDLER=N]...
-//!                                                                     consume until SIGINT/SIGTERM
+//!                [--console-actions]                                  consume until SIGINT/SIGTERM (the console under /console)
 //! <app> migrate  [--status]                                           idemq's (and the app's) migrations
 //! <app> declare  [--apply] [--missing]                                a line per queue (with its DLQ and wait queues), exchanges, bindings: what exists
 //! <app> status   [--nonzero]                                          a line per queue: ready, consumers, dead letters, retries; streams' ends and lags
 //! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
 //! <app> dlq      list | show N | replay | purge  [--queue Q]          inspect and replay dead letters
+//! <app> console  [--addr 127.0.0.1:9465] [--console-actions]         the operations console alone ([`Console`])
 //! <app> --version                                                     the name and version (see [`Cli::version`]), exit 0
 //! ```
 //!

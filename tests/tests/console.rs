@@ -54,7 +54,8 @@ fn status_of(addr: SocketAddr, path: &str, authorization: Option<&str>) -> u16 {
 /// messages that are not payments: seven dead letters in two groups. The operator logs
 /// in (after a wrong token, refused), finds the groups, replays the ledger's group
 /// once the ledger is fixed: each payment is applied exactly once (the second copy
-/// is a duplicate), the other group stays, and the audit list says who did it.
+/// is a duplicate); one letter of the other group is purged on its own, the other
+/// stays; and the audit list says who did what.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_console_groups_dead_letters_replays_a_group_once_and_refuses_a_wrong_token() {
     let bed = Bed::new().await;
@@ -95,15 +96,17 @@ async fn the_console_groups_dead_letters_replays_a_group_once_and_refuses_a_wron
         assert_eq!(bed.ledger_rows(&p.payment_id).await, 1, "{} applied once", p.payment_id);
     }
     assert!(bed.doubled().await.is_empty());
-    idemq_tests::eventually("the other group left alone", Duration::from_secs(30), || async {
-        bed.broker.message_count(&bed.dlq).await == 2
+    idemq_tests::eventually("one letter of the other group left", Duration::from_secs(30), || async {
+        bed.broker.message_count(&bed.dlq).await == 1
     })
     .await;
-    let audit = bed
-        .db
-        .count("SELECT count(*) FROM idemq_console_audit WHERE who = 'ana' AND action = 'replay'")
-        .await;
-    assert_eq!(audit, 1, "one replay in the audit table");
+    let completed =
+        "SELECT count(*) FROM idemq_console_audit WHERE who = 'ana' AND result NOT LIKE 'started%'";
+    assert_eq!(
+        bed.db.count(completed).await,
+        2,
+        "the replay and the purge in the audit table, each completed"
+    );
     running.stop().await.expect("stop");
 }
 
@@ -172,10 +175,28 @@ fn operate(addr: SocketAddr, queue: &str, dlq: &str) -> Result<(), WebDriverErro
     let done = browser.find("main pre")?.text()?;
     assert!(done.contains("replayed") && !done.contains("would"), "{done}");
 
+    // One message of the other group purged on its own, after its confirmation.
+    browser.goto(&url("/dead-letters"))?;
+    let mut decode = None;
+    for link in browser.find_all("main table a")? {
+        if link.attribute("href")?.is_some_and(|href| href.contains("kind=decode")) {
+            decode = Some(link);
+        }
+    }
+    decode.expect("a link to the decode group").click()?;
+    browser.wait_for("details form[action$='/purge'] button", Duration::from_secs(10))?.click()?;
+    let dry_run = browser.wait_for("main pre", Duration::from_secs(10))?.text()?;
+    assert!(dry_run.contains("would purge 1 dead letters"), "{dry_run}");
+    browser.find("main form button[type=submit]")?.click()?;
+    wait_for_text(&browser, "main h1", "done")?;
+    let done = browser.find("main pre")?.text()?;
+    assert!(done.contains("purged 1 dead letters"), "{done}");
+
     // The audit list says who did what.
     browser.goto(&url("/audit"))?;
     let audit = browser.find("main table")?.text()?;
     assert!(audit.contains("ana") && audit.contains("replay") && audit.contains(dlq), "{audit}");
+    assert!(audit.contains("purge") && audit.contains("letter="), "{audit}");
     browser.screenshot(shots.join("console-audit.png"))?;
 
     // Queues & streams, database & outbox: the status report and the figures.

@@ -1,15 +1,16 @@
 //! Who may see the console, and who may act on it.
 //!
-//! - **Reading**: without credentials only when the console listens on a loopback
-//!   address and the request comes from one (the operator's own machine, or a
-//!   `kubectl port-forward`). Anywhere else the console needs a token
+//! - **Reading**: without credentials only when no token is configured, the
+//!   console listens on a loopback address and the request comes from one (the
+//!   operator's own machine, or a `kubectl port-forward`). With a token configured
 //!   (`IDEMQ_CONSOLE_TOKEN`, or `IDEMQ_CONSOLE_TOKEN_FILE` naming a file holding
-//!   it) and every request must carry it; without a token configured it refuses
-//!   every page, saying how to set one.
+//!   it), every request must carry it, loopback too (a proxy or sidecar on the same
+//!   host is no operator); without one, a console beyond loopback refuses every
+//!   page, saying how to set one.
 //! - **Acting** (replay, purge): only when actions are enabled (`--console-actions`)
 //!   and a token is configured, by a request that presents it, loopback or not.
 //! - **Presenting the token**: the login form (a session cookie, `HttpOnly`,
-//!   `SameSite=Strict`, scoped to `/console`), HTTP basic auth (any user name, which
+//!   `SameSite=Strict`, scoped to `/console`, valid for [`SESSION_FOR`]), HTTP basic auth (any user name, which
 //!   the audit records; the token as password), or `Authorization: Bearer`. A wrong
 //!   token is refused with 401 and a WARN, never taken as no token.
 //! - **Forms**: every action posts a form key that only the console's own pages
@@ -26,6 +27,9 @@ use idemq_core::__private::sibling::pages::PageRequest;
 /// The session cookie's name.
 pub(super) const COOKIE: &str = "idemq_console";
 
+/// How long a login lasts.
+pub(super) const SESSION_FOR: std::time::Duration = std::time::Duration::from_secs(12 * 60 * 60);
+
 /// Who a request comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Who {
@@ -34,6 +38,8 @@ pub(super) enum Who {
     /// Presented the token: the name it gave (basic auth's user, the login form's
     /// name), else `operator`.
     Operator(String),
+    /// Not logged in (the login page, a refusal).
+    Nobody,
 }
 
 impl Who {
@@ -42,6 +48,7 @@ impl Who {
         match self {
             Who::Local => "local (no token)".to_owned(),
             Who::Operator(name) => name.clone(),
+            Who::Nobody => "nobody".to_owned(),
         }
     }
 }
@@ -66,8 +73,8 @@ pub(super) struct Access {
     pub(super) actions: bool,
     /// The key every action's form carries.
     pub(super) form_key: String,
-    /// Login sessions: cookie value → name.
-    sessions: Mutex<HashMap<String, String>>,
+    /// Login sessions: cookie value → name, and when it was opened.
+    sessions: Mutex<HashMap<String, (String, std::time::Instant)>>,
 }
 
 impl Access {
@@ -97,11 +104,11 @@ impl Access {
         };
         match presented {
             Some(Presented::Session(session)) => {
-                let sessions = self.sessions.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut sessions = self.sessions.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                sessions.retain(|_, (_, opened)| opened.elapsed() < SESSION_FOR);
                 match sessions.get(&session) {
-                    Some(name) => Ok(Who::Operator(name.clone())),
-                    // A stale cookie (the process restarted): as if none was given.
-                    None if self.loopback && is_loopback(request.remote) => Ok(Who::Local),
+                    Some((name, _)) => Ok(Who::Operator(name.clone())),
+                    // A stale cookie (expired, or the process restarted): log in again.
                     None => Err(Refusal::Unauthenticated),
                 }
             }
@@ -109,7 +116,6 @@ impl Access {
                 true => Ok(Who::Operator(name)),
                 false => Err(Refusal::WrongToken),
             },
-            None if self.loopback && is_loopback(request.remote) => Ok(Who::Local),
             None => Err(Refusal::Unauthenticated),
         }
     }
@@ -125,7 +131,9 @@ impl Access {
             "" => "operator".to_owned(),
             name => name.chars().filter(|c| !c.is_control()).take(64).collect(),
         };
-        self.sessions.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(session.clone(), name);
+        let mut sessions = self.sessions.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        sessions.retain(|_, (_, opened)| opened.elapsed() < SESSION_FOR);
+        sessions.insert(session.clone(), (name, std::time::Instant::now()));
         Some(session)
     }
 
@@ -154,7 +162,7 @@ impl Access {
                     .to_owned(),
             );
         }
-        if *who == Who::Local {
+        if !matches!(who, Who::Operator(_)) {
             return Err("actions need the token: log in first".to_owned());
         }
         if !form_key.is_some_and(|key| same(key.as_bytes(), self.form_key.as_bytes())) {
@@ -252,14 +260,18 @@ mod tests {
     }
 
     #[test]
-    fn a_wrong_token_is_refused_even_on_loopback_and_the_right_one_names_its_user() {
+    fn with_a_token_every_request_needs_it_a_wrong_one_is_refused_and_the_right_one_names_its_user() {
         let access = Access::new(Some("s3cret".into()), "0.0.0.0:9000".parse().unwrap(), true);
         assert_eq!(access.who(&request(AWAY, &[])), Err(Refusal::Unauthenticated));
         assert_eq!(access.who(&request(AWAY, &[("Authorization", "Bearer nope")])), Err(Refusal::WrongToken));
         let basic = format!("Basic {}", base64::engine::general_purpose::STANDARD.encode("ana:s3cret"));
         assert_eq!(access.who(&request(AWAY, &[("Authorization", &basic)])), Ok(Who::Operator("ana".into())));
         let local = Access::new(Some("s3cret".into()), "127.0.0.1:9000".parse().unwrap(), true);
-        assert_eq!(local.who(&request(LOCAL, &[])), Ok(Who::Local));
+        assert_eq!(
+            local.who(&request(LOCAL, &[])),
+            Err(Refusal::Unauthenticated),
+            "a token is asked of loopback too"
+        );
         assert_eq!(
             local.who(&request(LOCAL, &[("authorization", "Bearer s3cre")])),
             Err(Refusal::WrongToken)

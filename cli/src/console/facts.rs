@@ -166,8 +166,11 @@ pub(super) async fn start(url: &str, who: &str, action: &str, target: &str) -> F
     .get_result(&mut conn)
     .await
     .map_err(|err| match err.to_string() {
-        why if why.contains("idemq_console_audit") => {
+        why if why.contains("does not exist") => {
             format!("{why}: the audit table is missing — run `migrate` (or `run`, which migrates) first")
+        }
+        why if why.contains("permission denied") => {
+            format!("{why}: the console's database role needs INSERT, UPDATE and SELECT on idemq_console_audit")
         }
         why => why,
     })?;

@@ -15,6 +15,8 @@ use crate::status::Inventory;
 #[derive(Debug, Clone)]
 pub(super) struct LetterView {
     pub(super) message_id: Option<String>,
+    /// What names it for an action on it alone ([`dlq::letter_key`]).
+    pub(super) key: Option<String>,
     /// The queue it came from (where a replay sends it).
     pub(super) queue: Option<String>,
     pub(super) copies: usize,
@@ -125,6 +127,7 @@ fn view(letter: &dlq::Letter) -> LetterView {
     const SHOWN: usize = 16 * 1024;
     LetterView {
         message_id: p.message_id().as_ref().map(ToString::to_string),
+        key: dlq::letter_key(d),
         queue: letter.queue.clone(),
         copies: letter.copies.len(),
         at: dlq::header(d, headers::LAST_FAILURE),
@@ -161,8 +164,8 @@ impl Target {
             self.handler.as_deref().unwrap_or("(none)"),
             self.kind.as_deref().unwrap_or("(none)")
         );
-        if let Some(id) = &self.message_id {
-            words.push_str(&format!(" message_id={id}"));
+        if let Some(key) = &self.message_id {
+            words.push_str(&format!(" letter={key}"));
         }
         words
     }

@@ -97,10 +97,10 @@ impl Samples {
     }
 
     /// Per minute, the counter `name` (summed over its labels) between the oldest
-    /// sample and `text` (now); `None` before the oldest is a second old.
+    /// sample and `text` (now); `None` before the oldest is [`EVERY`] old.
     pub(super) fn per_minute(&self, text: &str, name: &str) -> Option<f64> {
         let samples = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let oldest = samples.front().filter(|sample| sample.at.elapsed() >= Duration::from_secs(1))?;
+        let oldest = samples.front().filter(|sample| sample.at.elapsed() >= EVERY)?;
         let sum = |set: &[Series]| set.iter().filter(|s| s.name == name).map(|s| s.value).sum::<f64>();
         let delta = sum(&parse(text)) - sum(&oldest.series);
         Some(delta.max(0.0) * 60.0 / oldest.at.elapsed().as_secs_f64())
@@ -110,7 +110,7 @@ impl Samples {
     pub(super) fn figures(&self, text: &str) -> Vec<Figures> {
         let now = parse(text);
         let samples = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let oldest = samples.front().filter(|sample| sample.at.elapsed() >= Duration::from_secs(1));
+        let oldest = samples.front().filter(|sample| sample.at.elapsed() >= EVERY);
         let since = oldest.map(|sample| sample.at.elapsed());
         let before: &[Series] = oldest.map_or(&[], |sample| &sample.series);
         figures(&now, before, since)
@@ -123,7 +123,8 @@ pub(super) struct Figures {
     pub(super) handler: String,
     pub(super) queue: String,
     /// Per minute, by outcome (`applied`, `duplicate`, `retried`, `dead_lettered`…);
-    /// `None` before the first sample is a second old.
+    /// empty until the first sample is [`EVERY`] old (a rate over a second or two
+    /// would say little).
     pub(super) per_minute: BTreeMap<String, f64>,
     /// Over how long the rates were measured.
     pub(super) over: Option<Duration>,

@@ -60,11 +60,25 @@ impl Settings {
     /// and `--console-actions`.
     pub(crate) fn from_env(actions_flag: bool) -> Result<Self, idemq_core::Error> {
         let file_name = format!("{TOKEN_ENV}_FILE");
-        let token = idemq_core::__private::sibling::resolve(
-            (TOKEN_ENV, std::env::var(TOKEN_ENV).ok()),
-            (&file_name, std::env::var_os(&file_name).as_deref().map(std::path::Path::new)),
-        )?
-        .map(|token| token.trim().to_owned());
+        let token = match (std::env::var(TOKEN_ENV).ok(), std::env::var_os(&file_name)) {
+            (Some(_), Some(_)) => {
+                return Err(idemq_core::Error::Config(format!(
+                    "both {TOKEN_ENV} and {file_name} are set: keep one ({file_name} names a file holding the token)"
+                )))
+            }
+            (Some(token), None) => Some(token),
+            (None, Some(path)) => Some(std::fs::read_to_string(&path).map_err(|source| idemq_core::Error::ConfigIo {
+                message: format!("cannot read the console's token from {file_name}={}", path.to_string_lossy()),
+                source,
+            })?),
+            (None, None) => None,
+        };
+        let token = token.map(|token| token.trim().to_owned());
+        if token.as_deref() == Some("") {
+            return Err(idemq_core::Error::Config(format!(
+                "the console's token ({TOKEN_ENV} or {file_name}) is empty: give one, or unset it"
+            )));
+        }
         let actions = match std::env::var(ACTIONS_ENV) {
             Ok(value) => idemq_core::__private::sibling::parse_switch(&value)
                 .map_err(|why| idemq_core::Error::Config(format!("{ACTIONS_ENV}: {why}")))?,
@@ -223,7 +237,8 @@ impl Mounted {
         let page = Page { who: &who, access: &self.access, app: self.app };
         match (method.as_str(), path.as_str()) {
             ("GET", "" | "/handlers") => {
-                let mut response = html(200, view::handlers(&page, &self.handlers()));
+                let waiting = self.live.readiness().and_then(|(why, _)| why);
+                let mut response = html(200, view::handlers(&page, &self.handlers(), waiting.as_deref()));
                 if self.live.metrics_text().is_some() {
                     response.headers.push(("Refresh".into(), "10".into()));
                 }
@@ -250,7 +265,13 @@ impl Mounted {
                     .live
                     .metrics_text()
                     .and_then(|text| self.samples.per_minute(&text, "idemq_outbox_published_total"));
-                html(200, view::database(&page, &database, relay, self.live.readiness()))
+                let brokers: Vec<String> = self
+                    .inventory
+                    .amqp_url
+                    .split(',')
+                    .map(|address| idemq_core::connect::redact(address.trim()))
+                    .collect();
+                html(200, view::database(&page, &database, relay, &brokers, self.live.readiness()))
             }
             ("GET", "/audit") => {
                 let rows = self.runtime.block_on(facts::audit(&self.inventory.database_url, 200));
@@ -362,7 +383,7 @@ impl Mounted {
     }
 
     fn login(&self, request: &PageRequest, method: &str) -> PageResponse {
-        let page_who = Who::Local;
+        let page_who = Who::Nobody;
         let page = Page { who: &page_who, access: &self.access, app: self.app };
         if method != "POST" {
             return html(200, view::login(&page, None));
@@ -392,7 +413,7 @@ impl Mounted {
     }
 
     fn refused(&self, request: &PageRequest, refusal: Refusal) -> PageResponse {
-        let who = Who::Local;
+        let who = Who::Nobody;
         let page = Page { who: &who, access: &self.access, app: self.app };
         match refusal {
             Refusal::WrongToken => {

@@ -35,6 +35,9 @@ td.k{font-weight:600;color:#4a5368;width:230px;word-break:break-all}
 details{background:#fff;border:1px solid #e3e6ec;margin:6px 0;padding:6px 10px}summary{cursor:pointer}
 ";
 
+/// The most letters a group's page shows (the actions take them all).
+const SHOWN_LETTERS: usize = 50;
+
 /// The frame around every page.
 fn frame(page: &Page<'_>, on: &str, title: &str, body: Markup) -> Markup {
     let link = |path: &str, name: &str| {
@@ -61,6 +64,7 @@ fn frame(page: &Page<'_>, on: &str, title: &str, body: Markup) -> Markup {
                         @match page.who {
                             Who::Local => "local, read-only",
                             Who::Operator(name) => (name),
+                            Who::Nobody => "not logged in",
                         }
                         " · "
                         @if page.access.actions { "actions on" } @else { "read-only console" }
@@ -106,7 +110,7 @@ fn rate(figures: &Figures, outcome: &str) -> String {
     }
 }
 
-pub(super) fn handlers(page: &Page<'_>, rows: &[HandlerRow]) -> Markup {
+pub(super) fn handlers(page: &Page<'_>, rows: &[HandlerRow], waiting: Option<&str>) -> Markup {
     let running = rows.iter().any(|row| row.figures.is_some());
     let over = rows.iter().find_map(|row| row.figures.as_ref()?.as_ref()?.over);
     frame(
@@ -114,7 +118,10 @@ pub(super) fn handlers(page: &Page<'_>, rows: &[HandlerRow]) -> Markup {
         "",
         "Handlers",
         html! {
-            @if !running {
+            @if let Some(why) = waiting {
+            p.error { "Not consuming: " (why) }
+        }
+        @if !running {
                 p.note { "This console runs without a consumer (the " code { "console" } " command): the settings below are \
                           the code's. Live figures are on the console of a running service (" code { "run --http-addr" } ")." }
             } @else {
@@ -138,8 +145,12 @@ pub(super) fn handlers(page: &Page<'_>, rows: &[HandlerRow]) -> Markup {
                             td {
                                 @match &row.figures {
                                     Some(Some(f)) if f.paused => span.badge.bad title="its kill switch opened: the queue is left alone until a trial message succeeds" { "paused (kill switch)" },
+                                    Some(Some(_)) if waiting.is_some() => span.badge.warn title=(waiting.unwrap_or_default()) { "waiting" },
                                     Some(Some(f)) => {
                                         span.badge.ok { "running" }
+                                        @if f.trips > 0.0 {
+                                            br; span.muted { "kill switch opened " (f.trips) " times since start" }
+                                        }
                                         @if let Some((messages, seconds)) = f.stream_lag {
                                             br;
                                             span.muted title="messages after the last applied; at least this far behind in time (read every 15 s)" {
@@ -224,9 +235,12 @@ pub(super) fn dead_letters(
             }
             @if let Some(chosen) = chosen {
                 @if let Some(group) = shown {
-                    h2 { (group.count()) " in " (group.dlq) " · " (group.handler.as_deref().unwrap_or("the broker's")) " · " (group.kind.as_deref().unwrap_or("no kind")) }
-                    (actions(page, chosen, None, &format!("Replay these {} letters", group.count()), "Purge these letters"))
-                    @for (n, letter) in group.letters.iter().enumerate() {
+                    h2 { (group.count()) " letters (" (group.letters.len()) " messages) in " (group.dlq) " · " (group.handler.as_deref().unwrap_or("the broker's")) " · " (group.kind.as_deref().unwrap_or("no kind")) }
+                    (actions(page, chosen, None, &format!("Replay these {} messages", group.letters.len()), &format!("Purge these {} letters", group.count())))
+                    @if group.letters.len() > SHOWN_LETTERS {
+                        p.muted { "The first " (SHOWN_LETTERS) " of " (group.letters.len()) " messages; the actions take the whole group." }
+                    }
+                    @for (n, letter) in group.letters.iter().take(SHOWN_LETTERS).enumerate() {
                         details open[n == 0] {
                             summary {
                                 b { "#" (n + 1) } " "
@@ -240,8 +254,8 @@ pub(super) fn dead_letters(
                             table { tbody { @for (name, value) in &letter.headers { tr { td.k { (name) } td { code { (value) } } } } } }
                             p.muted { "body, " (letter.body_bytes) " bytes:" }
                             pre { (letter.body) }
-                            @if let Some(id) = &letter.message_id {
-                                (actions(page, chosen, Some(id), "Replay this letter", "Purge this letter"))
+                            @if let Some(key) = &letter.key {
+                                (actions(page, chosen, Some(key), "Replay this message", "Purge this message"))
                             }
                         }
                     }
@@ -259,10 +273,17 @@ fn actions(page: &Page<'_>, key: &GroupKey, message_id: Option<&str>, replay: &s
     if !page.access.actions {
         return html! {};
     }
+    if !matches!(page.who, Who::Operator(_)) {
+        return html! { p.muted { a href=(format!("{PREFIX}/login")) { "Log in" } " to replay or purge." } };
+    }
     html! {
         p {
             form.inline method="post" action=(format!("{PREFIX}/dead-letters/replay")) {
                 (hidden(page, key, message_id))
+                label.muted title="a letter already replayed this often stays in the DLQ" {
+                    "replay cap " input type="number" name="max_replays" min="0" style="width:4em" value=(crate::dlq::DEFAULT_MAX_REPLAYS);
+                }
+                " "
                 button type="submit" { (replay) "…" }
             }
             " "
@@ -375,6 +396,7 @@ pub(super) fn database(
     page: &Page<'_>,
     database: &Database,
     relay_per_minute: Option<f64>,
+    brokers: &[String],
     readiness: Option<(Option<String>, String)>,
 ) -> Markup {
     frame(
@@ -408,6 +430,9 @@ pub(super) fn database(
                 })) } }
             } }
             h2 { "Broker and readiness" }
+            p { "Broker addresses (the first that answers is used; passwords hidden): "
+                @for (n, address) in brokers.iter().enumerate() { @if n > 0 { ", " } code { (address) } } }
+
             @match readiness {
                 Some((None, report)) => { p { span.badge.ok { "ready" } } pre { (report) } },
                 Some((Some(why), report)) => { p { span.badge.bad { "not ready" } " " (why) } pre { (report) } },

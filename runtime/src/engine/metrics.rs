@@ -63,7 +63,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use super::pages::{Live, Mount, PageRequest, PageResponse, Pages, Probe, MAX_BODY, PREFIX};
+use super::pages::{Live, Mount, PageRequest, PageResponse, Pages, Probe, MAX_AT_ONCE, MAX_BODY, PREFIX};
 use crate::base::observe::{ConnectionEvent, StreamEvent, StreamState};
 use crate::base::observe::{DecidedBatch, InfrastructureRetry, Observe, RelayPass};
 use crate::base::outcome::{FailureKind, Outcome, Settled};
@@ -591,17 +591,29 @@ fn listen(
     let bound = server.server_addr().to_ip().unwrap_or(addr);
     let probe = metrics.clone().map(|metrics| metrics as Arc<dyn Probe>);
     let pages = mount.map(|mount| mount(bound, Live { metrics: probe }));
+    let answering = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("idemq-http".into())
         .spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let Ok(Some(request)) = server.recv_timeout(Duration::from_millis(200)) else { continue };
                 if let Some(pages) = pages.as_ref().filter(|_| is_page(request.url())) {
-                    let pages = Arc::clone(pages);
+                    if answering.fetch_add(1, Ordering::SeqCst) >= MAX_AT_ONCE {
+                        answering.fetch_sub(1, Ordering::SeqCst);
+                        let busy =
+                            tiny_http::Response::from_string("busy: too many console pages at once; retry\n");
+                        let _ = request.respond(busy.with_status_code(503));
+                        continue;
+                    }
+                    let (pages, done) = (Arc::clone(pages), Arc::clone(&answering));
                     // A thread per page: reading the broker must not hold up a scrape.
-                    let _ = std::thread::Builder::new()
-                        .name("idemq-page".into())
-                        .spawn(move || answer_page(request, &pages));
+                    let spawned = std::thread::Builder::new().name("idemq-page".into()).spawn(move || {
+                        answer_page(request, &pages);
+                        done.fetch_sub(1, Ordering::SeqCst);
+                    });
+                    if spawned.is_err() {
+                        answering.fetch_sub(1, Ordering::SeqCst);
+                    }
                     continue;
                 }
                 let (status, body) = match (request.url(), &metrics) {

@@ -11,6 +11,10 @@ use std::sync::Arc;
 /// The paths the mounted pages answer: `/console` and everything under it.
 pub const PREFIX: &str = "/console";
 
+/// The most pages answered at once: a request beyond them is answered 503 at once
+/// (each page is a thread of its own).
+pub(crate) const MAX_AT_ONCE: usize = 16;
+
 /// The largest request body read (a form's fields): the rest is refused.
 pub const MAX_BODY: usize = 64 * 1024;
 
