@@ -126,8 +126,7 @@ fn operate(addr: SocketAddr, queue: &str, dlq: &str) -> Result<(), WebDriverErro
     browser.goto(&url("/login"))?;
     browser.find("input[name=token]")?.send_keys("wrong-token")?;
     browser.find("main button")?.click()?;
-    let refused = browser.wait_for("p.error", Duration::from_secs(10))?.text()?;
-    assert!(refused.contains("Wrong token"), "{refused}");
+    wait_for_text(&browser, "p.error", "Wrong token")?;
     browser.find("input[name=token]")?.send_keys(TOKEN)?;
     browser.find("input[name=name]")?.send_keys("ana")?;
     browser.find("main button")?.click()?;
@@ -163,11 +162,15 @@ fn operate(addr: SocketAddr, queue: &str, dlq: &str) -> Result<(), WebDriverErro
         }
     }
     group.expect("a link to the ledger's group").click()?;
-    let letters = browser.wait_for("details", Duration::from_secs(10))?.text()?;
+    // Each wait is for what only the next page says: until it loads, the page
+    // before answers (and its elements go stale under the reader).
+    wait_for_text(&browser, "main h2", "messages) in")?;
+    let letters = browser.find("details")?.text()?;
     assert!(letters.contains("account rules v2"), "the error is shown: {letters}");
     browser.screenshot(shots.join("console-group.png"))?;
     browser.find("main form[action$='/replay'] button")?.click()?;
-    let dry_run = browser.wait_for("main pre", Duration::from_secs(10))?.text()?;
+    wait_for_text(&browser, "main h1", "dry run")?;
+    let dry_run = browser.find("main pre")?.text()?;
     assert!(dry_run.contains("would replay"), "{dry_run}");
     browser.screenshot(shots.join("console-replay-dry-run.png"))?;
     browser.find("main form button[type=submit]")?.click()?;
@@ -184,8 +187,10 @@ fn operate(addr: SocketAddr, queue: &str, dlq: &str) -> Result<(), WebDriverErro
         }
     }
     decode.expect("a link to the decode group").click()?;
-    browser.wait_for("details form[action$='/purge'] button", Duration::from_secs(10))?.click()?;
-    let dry_run = browser.wait_for("main pre", Duration::from_secs(10))?.text()?;
+    wait_for_text(&browser, "main h2", "decode")?;
+    browser.find("details form[action$='/purge'] button")?.click()?;
+    wait_for_text(&browser, "main h1", "dry run")?;
+    let dry_run = browser.find("main pre")?.text()?;
     assert!(dry_run.contains("would purge 1 dead letters"), "{dry_run}");
     browser.find("main form button[type=submit]")?.click()?;
     wait_for_text(&browser, "main h1", "done")?;

@@ -124,8 +124,8 @@ impl Console {
         Ok(Self { app, settings: Settings::from_env(false)? })
     }
 
-    /// The token that lets a request read beyond loopback, and act. Give it from a
-    /// secret, never in code.
+    /// The token every request must then present (loopback too), and that actions
+    /// need. Give it from a secret, never in code.
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.settings.token = Some(token.into());
         self

@@ -273,6 +273,9 @@ fn actions(page: &Page<'_>, key: &GroupKey, message_id: Option<&str>, replay: &s
     if !page.access.actions {
         return html! {};
     }
+    if !page.access.has_token() {
+        return html! { p.muted { "Replay and purge need the console's token: set " code { "IDEMQ_CONSOLE_TOKEN" } " where it runs." } };
+    }
     if !matches!(page.who, Who::Operator(_)) {
         return html! { p.muted { a href=(format!("{PREFIX}/login")) { "Log in" } " to replay or purge." } };
     }
