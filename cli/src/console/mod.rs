@@ -39,6 +39,10 @@ pub(crate) const TOKEN_ENV: &str = "IDEMQ_CONSOLE_TOKEN";
 /// The environment variable that enables actions, as `--console-actions` does.
 pub(crate) const ACTIONS_ENV: &str = "IDEMQ_CONSOLE_ACTIONS";
 
+/// How long a wrong token's answer waits: with at most 16 pages answered at once,
+/// guessing the token goes no faster than 32 tries a second.
+const WRONG_TOKEN_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// The console's settings: its token and whether it may act.
 #[derive(Clone)]
 pub(crate) struct Settings {
@@ -407,6 +411,7 @@ impl Mounted {
             }
             None => {
                 tracing::warn!(remote = ?request.remote, "console: login refused: wrong token");
+                std::thread::sleep(WRONG_TOKEN_PAUSE);
                 html(401, view::login(&page, Some("Wrong token.")))
             }
         }
@@ -418,6 +423,7 @@ impl Mounted {
         match refusal {
             Refusal::WrongToken => {
                 tracing::warn!(remote = ?request.remote, "console: request refused: wrong token");
+                std::thread::sleep(WRONG_TOKEN_PAUSE);
                 let mut response = html(401, view::message(&page, "Wrong token", "The token given is not this console's."));
                 response.headers.push(("WWW-Authenticate".into(), "Basic realm=\"idemq console\"".into()));
                 response
