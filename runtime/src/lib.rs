@@ -341,6 +341,7 @@ pub mod __private {
                     headers: row.headers,
                     mandatory: row.mandatory,
                     reply: None,
+                    due: None,
                 }
             }
         }

@@ -29,7 +29,7 @@ use serde::Serialize;
 use crate::base::outgoing::Message;
 use crate::base::BoxFuture;
 
-pub use crate::base::outgoing::{Outgoing, MAX_HEADER_BYTES, STATUS_HEADER};
+pub use crate::base::outgoing::{Outgoing, When, MAX_HEADER_BYTES, STATUS_HEADER};
 // Its old path: `PublishError` is at the crate root, shared by the three sinks.
 #[doc(hidden)]
 pub use crate::base::outgoing::PublishError;
@@ -73,7 +73,27 @@ pub fn enqueue(
     })
 }
 
-/// Rows waiting in the outbox (due or postponed): the relay's backlog.
+/// Cancels a scheduled message ([`Outgoing::deliver`]) in the caller's open
+/// transaction, by the id [`enqueue`] or [`Context::schedule`](crate::Context::schedule)
+/// returned: `true` if it was still waiting (it is never published, once this
+/// transaction commits), `false` if it was already published or never written. In a
+/// handler, pass the handler's connection: the cancel commits with its effects and
+/// its dedup row, or not at all. A message the relay is publishing at this moment
+/// is locked: the cancel waits for that pass, and answers `false`.
+///
+/// # Errors
+/// [`PublishError::Database`].
+pub fn cancel<'a>(
+    conn: &'a mut AsyncPgConnection,
+    message_id: &'a str,
+) -> BoxFuture<'a, Result<bool, PublishError>> {
+    Box::pin(async move {
+        crate::store::db::cancel_outbox(conn, message_id).await.map_err(PublishError::Database)
+    })
+}
+
+/// Rows due in the outbox (postponed ones included), waiting for the relay: its
+/// backlog. A scheduled message not yet due is not counted.
 ///
 /// # Errors
 /// The database's.

@@ -44,6 +44,7 @@ mod pipeline;
 mod privileges;
 mod publisher;
 mod rabbitmq4;
+mod scheduled;
 mod secrets;
 mod signals;
 mod sqlstate;

@@ -18,8 +18,10 @@ const STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The database page's figures.
 pub(super) struct Database {
-    /// Rows waiting in the outbox, and the oldest one's age in seconds.
+    /// Rows due in the outbox, and how long the oldest has been due, in seconds.
     pub(super) outbox: Figure<(i64, Option<i64>)>,
+    /// Scheduled messages not yet due, and in how many seconds the next is.
+    pub(super) scheduled: Figure<(i64, Option<i64>)>,
     /// Outbox rows that failed to publish at least once, and the last error seen.
     pub(super) outbox_failing: Figure<(i64, Option<String>)>,
     /// Dedup rows, and the oldest one's age in seconds.
@@ -66,6 +68,7 @@ pub(super) async fn database(url: &str) -> Database {
         Err(why) => {
             return Database {
                 outbox: Err(why.clone()),
+                scheduled: Err(why.clone()),
                 outbox_failing: Err(why.clone()),
                 dedup: Err(why.clone()),
                 replication: Err(why.clone()),
@@ -79,7 +82,20 @@ pub(super) async fn database(url: &str) -> Database {
                     extract(epoch FROM now() - min({column}))::bigint AS age FROM {table}"
         )
     };
-    let outbox = read::<CountAge>(&mut conn, &count_age("idemq_outbox", "created_at")).await;
+    // A scheduled message counts from when it is due (see the migration adding due_at).
+    let outbox = read::<CountAge>(
+        &mut conn,
+        "SELECT count(*) AS count, \
+                extract(epoch FROM now() - min(coalesce(due_at, created_at)))::bigint AS age \
+           FROM idemq_outbox WHERE coalesce(due_at, created_at) <= now()",
+    )
+    .await;
+    let scheduled = read::<CountAge>(
+        &mut conn,
+        "SELECT count(*) AS count, extract(epoch FROM min(due_at) - now())::bigint AS age \
+           FROM idemq_outbox WHERE due_at > now()",
+    )
+    .await;
     let failing = read::<Failing>(
         &mut conn,
         "SELECT count(*) AS count, \
@@ -99,6 +115,7 @@ pub(super) async fn database(url: &str) -> Database {
     .map_err(|err| err.to_string());
     Database {
         outbox: outbox.map(|row| (row.count, row.age)),
+        scheduled: scheduled.map(|row| (row.count, row.age)),
         outbox_failing: failing.map(|row| (row.count, row.last_error)),
         dedup: dedup.map(|row| (row.count, row.age)),
         replication,

@@ -408,8 +408,12 @@ pub(super) fn database(
         "Database & outbox",
         html! {
             table { tbody {
-                tr { th { "outbox backlog" } td { (figure(&database.outbox, |(rows, oldest)| html! { (rows) " rows waiting; oldest " (age(*oldest)) " (the relay's lag)" })) } }
-                tr { th { "relay" } td {
+                tr { th { "outbox backlog" } td { (figure(&database.outbox, |(rows, oldest)| html! { (rows) " rows due, waiting; the oldest due for " (age(*oldest)) " (the relay's lag)" })) } }
+                tr { th { "scheduled" } td { (figure(&database.scheduled, |(rows, next)| html! {
+                (rows) " messages scheduled, not yet due"
+                @if *rows > 0 { "; the next in " (age(*next)) }
+            })) } }
+            tr { th { "relay" } td {
                 @match relay_per_minute {
                     Some(rate) => { (format!("{rate:.0}")) " messages published per minute over the last minute" },
                     None => span.muted { "— (the relay's rate is on a running service's console)" },

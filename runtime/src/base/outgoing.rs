@@ -80,6 +80,33 @@ pub struct Outgoing {
     pub(crate) mandatory: bool,
     /// The reply to a request, which expires (see the module docs); `None`: an event.
     pub(crate) reply: Option<Expiry>,
+    /// When the relay publishes it ([`Outgoing::deliver`]); `None`: at once.
+    pub(crate) due: Option<When>,
+}
+
+/// When a scheduled message is due: at a time, or after a delay counted from the
+/// start of the transaction that writes it (PostgreSQL's `now()`, so the database's
+/// clock decides, as it does for the relay). `Duration` and `SystemTime` convert into
+/// it: `ctx.schedule(&msg, Duration::from_secs(900))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum When {
+    /// At this time.
+    At(std::time::SystemTime),
+    /// This long after the transaction's start.
+    After(Duration),
+}
+
+impl From<Duration> for When {
+    fn from(delay: Duration) -> Self {
+        When::After(delay)
+    }
+}
+
+impl From<std::time::SystemTime> for When {
+    fn from(at: std::time::SystemTime) -> Self {
+        When::At(at)
+    }
 }
 
 /// How a reply row expires, besides the relay's reply TTL.
@@ -145,6 +172,7 @@ impl Outgoing {
             headers: BTreeMap::new(),
             mandatory: true,
             reply: None,
+            due: None,
         })
     }
 
@@ -155,6 +183,24 @@ impl Outgoing {
     pub fn message_id(mut self, id: impl Into<String>) -> Self {
         self.message_id = Some(id.into());
         self
+    }
+
+    /// Schedules it: the relay publishes it when it is due, not before (to within
+    /// its poll interval, 1 s by default), and a restart in between changes nothing
+    /// (the row waits in the outbox). Only the outbox schedules: [`enqueue`](crate::outbox::enqueue),
+    /// a handler's [`Context::schedule`](crate::Context::schedule); the
+    /// [`Publisher`](crate::Publisher) refuses a scheduled message
+    /// ([`PublishError::Scheduled`]). Cancel it before it is due with
+    /// [`outbox::cancel`](crate::outbox::cancel), by the id it was given.
+    #[must_use]
+    pub fn deliver(mut self, when: impl Into<When>) -> Self {
+        self.due = Some(when.into());
+        self
+    }
+
+    /// When it is due, if it is scheduled.
+    pub fn due(&self) -> Option<When> {
+        self.due
     }
 
     /// Sets the AMQP `content_type`.
@@ -235,6 +281,7 @@ impl Outgoing {
             headers,
             mandatory: !request.reply_to.starts_with(DIRECT_REPLY_TO),
             reply: Some(Expiry { within: request.expires_in }),
+            due: None,
         }
     }
 }
@@ -398,6 +445,13 @@ pub enum PublishError {
     /// [`Publisher`](crate::Publisher): it was closed ([`Publisher::close`](crate::Publisher::close)).
     #[error("the publisher is closed")]
     Closed,
+    /// [`Publisher`](crate::Publisher): the message is scheduled
+    /// ([`Outgoing::deliver`]), and only the outbox keeps a message until it is due.
+    #[error(
+        "a scheduled message goes through the outbox, which keeps it until it is due: write it with \
+         outbox::enqueue in a transaction (or Context::schedule in a handler), not with the Publisher"
+    )]
+    Scheduled,
 }
 
 /// `<sha256(scope, key, part) in hex, 32 digits>`: the message id of a handler's

@@ -118,6 +118,25 @@ impl Context {
         self.publish_outgoing(Outgoing::of(message)?)
     }
 
+    /// Schedules a [`Message`]: written to the outbox with this transaction, published
+    /// by the relay once it is due — `when` a [`Duration`](std::time::Duration) from
+    /// the transaction's start, or a [`SystemTime`](std::time::SystemTime) — never if
+    /// the transaction rolls back. Returns its message id (deterministic, as every
+    /// message a handler publishes): keep it to cancel the message with
+    /// [`outbox::cancel`](crate::outbox::cancel) before it is due, in this handler's
+    /// transaction or a later one. A timeout: `ctx.schedule(&PaymentExpired { .. },
+    /// Duration::from_secs(15 * 60))`.
+    ///
+    /// # Errors
+    /// As [`Context::publish`].
+    pub fn schedule<M: Message>(
+        &mut self,
+        message: &M,
+        when: impl Into<crate::base::outgoing::When>,
+    ) -> Result<String, PublishError> {
+        self.publish_outgoing(Outgoing::of(message)?.deliver(when))
+    }
+
     /// Publishes a message built by hand (headers, a body that is not JSON); its
     /// message id is the handler's deterministic one, whatever it set. Like every
     /// message published here, it carries the delivery's trace (`traceparent`:

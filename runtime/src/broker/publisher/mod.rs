@@ -381,6 +381,9 @@ impl Publisher {
 /// published with (persistent).
 fn prepare(outgoing: Outgoing) -> Result<Prepared, PublishError> {
     outgoing.validate()?;
+    if outgoing.due.is_some() {
+        return Err(PublishError::Scheduled);
+    }
     let id = outgoing.message_id.clone().unwrap_or_else(crate::base::random_id);
     let properties = outgoing.properties(&id);
     Ok(Prepared {

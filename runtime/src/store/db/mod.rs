@@ -48,8 +48,8 @@ pub(crate) use marks::{clear_starts, copy_recorded, mark_start, record_copy};
 #[cfg(feature = "metrics")]
 pub(crate) use outbox::outbox_lag;
 pub(crate) use outbox::{
-    claim_outbox, delete_outbox, insert_outbox, notify_relays, outbox_backlog, postpone_outbox, OutboxRow,
-    CHANNEL,
+    cancel_outbox, claim_outbox, delete_outbox, insert_outbox, notify_relays, outbox_backlog,
+    postpone_outbox, OutboxRow, CHANNEL,
 };
 pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, SessionLimits};
 pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};

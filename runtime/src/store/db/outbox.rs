@@ -8,7 +8,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Bool, Bytea, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
-use crate::base::outgoing::Outgoing;
+use crate::base::outgoing::{Outgoing, When};
 use crate::store::schema::idemq_outbox;
 
 /// The `LISTEN`/`NOTIFY` channel relays wake on.
@@ -39,13 +39,25 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
         .iter()
         .map(|row| row.reply.and_then(|reply| reply.within).map(|within| millis(within, MAX_WINDOW)))
         .collect();
+    // A scheduled row's due time: at a time (ms since the epoch) or after a delay
+    // (ms from now); neither: now, as the column's default.
+    let (due_at, due_after): (Vec<Option<i64>>, Vec<Option<i64>>) = rows
+        .iter()
+        .map(|row| match row.due {
+            Some(When::At(at)) => (Some(epoch_millis(at)), None),
+            Some(When::After(delay)) => (None, Some(millis(delay, MAX_WINDOW))),
+            _ => (None, None),
+        })
+        .unzip();
     diesel::sql_query(
         "INSERT INTO idemq_outbox \
          (message_id, exchange, routing_key, body, content_type, correlation_id, headers, mandatory, reply, \
-          expires_at, message_type) \
-         SELECT m, e, r, b, c, k, h, y, p, now() + w * interval '1 millisecond', t \
+          expires_at, message_type, due_at, available_at) \
+         SELECT m, e, r, b, c, k, h, y, p, now() + w * interval '1 millisecond', t, d, coalesce(d, now()) \
          FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], $7::text[], \
-                     $8::bool[], $9::bool[], $10::bigint[], $11::text[]) AS u(m, e, r, b, c, k, h, y, p, w, t)",
+                     $8::bool[], $9::bool[], $10::bigint[], $11::text[], $12::bigint[], $13::bigint[]) \
+              AS u(m, e, r, b, c, k, h, y, p, w, t, da, df), \
+              LATERAL (SELECT coalesce(to_timestamp(da / 1000.0), now() + df * interval '1 millisecond') AS d) AS due",
     )
     .bind::<Array<Text>, _>(ids)
     .bind::<Array<Text>, _>(exchanges)
@@ -58,9 +70,35 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     .bind::<Array<Bool>, _>(replies)
     .bind::<Array<Nullable<BigInt>>, _>(windows)
     .bind::<Array<Nullable<Text>>, _>(message_types)
+    .bind::<Array<Nullable<BigInt>>, _>(due_at)
+    .bind::<Array<Nullable<BigInt>>, _>(due_after)
     .execute(conn)
     .await
     .map(drop)
+}
+
+/// `at` in milliseconds since the Unix epoch (before it: negative), within what
+/// PostgreSQL's timestamps hold.
+fn epoch_millis(at: std::time::SystemTime) -> i64 {
+    let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX).min(MAX_EPOCH_MILLIS);
+    match at.duration_since(std::time::UNIX_EPOCH) {
+        Ok(after) => millis(after),
+        Err(before) => -millis(before.duration()),
+    }
+}
+
+/// Year 10,000 in ms since the epoch: later times are bound as it.
+const MAX_EPOCH_MILLIS: i64 = 253_402_300_800_000;
+
+/// Deletes the outbox rows of `message_id` not yet published: whether there were
+/// any. A row the relay is publishing right now is locked: this waits for its pass,
+/// and finds it gone (published).
+pub(crate) async fn cancel_outbox(conn: &mut AsyncPgConnection, message_id: &str) -> QueryResult<bool> {
+    diesel::sql_query("DELETE FROM idemq_outbox WHERE message_id = $1")
+        .bind::<Text, _>(message_id)
+        .execute(conn)
+        .await
+        .map(|deleted| deleted > 0)
 }
 
 /// The longest window a duration is bound as (100 years, in ms): what PostgreSQL's
@@ -163,10 +201,25 @@ pub(crate) async fn postpone_outbox(
     .map(drop)
 }
 
-/// Rows waiting in the outbox (due or not).
+/// Rows due in the outbox, waiting for the relay (a scheduled message not yet due
+/// is no backlog).
 pub(crate) async fn outbox_backlog(conn: &mut AsyncPgConnection) -> QueryResult<i64> {
-    idemq_outbox::table.count().get_result(conn).await
+    #[derive(diesel::QueryableByName)]
+    struct Due {
+        #[diesel(sql_type = BigInt)]
+        rows: i64,
+    }
+    let due: Due = diesel::sql_query(format!("SELECT count(*) AS rows FROM idemq_outbox WHERE {DUE}"))
+        .get_result(conn)
+        .await?;
+    Ok(due.rows)
 }
+
+/// When a row was due: its due time if scheduled, else when it was written.
+const DUE_FROM: &str = "coalesce(due_at, created_at)";
+
+/// A row is due (backlog, not a scheduled message still waiting).
+const DUE: &str = "coalesce(due_at, created_at) <= now()";
 
 /// Rows waiting in the outbox and the oldest one's age in whole seconds (0 when
 /// there is none): the relay's lag, for `/readyz` and the metrics.
@@ -179,10 +232,11 @@ pub(crate) async fn outbox_lag(conn: &mut AsyncPgConnection) -> QueryResult<(i64
         #[diesel(sql_type = diesel::sql_types::BigInt)]
         oldest: i64,
     }
-    let lag: Lag = diesel::sql_query(
+    let lag: Lag = diesel::sql_query(format!(
         "SELECT count(*) AS rows, \
-         COALESCE(floor(EXTRACT(EPOCH FROM now() - min(created_at))), 0)::int8 AS oldest FROM idemq_outbox",
-    )
+             COALESCE(floor(EXTRACT(EPOCH FROM now() - min({DUE_FROM}))), 0)::int8 AS oldest \
+             FROM idemq_outbox WHERE {DUE}"
+    ))
     .get_result(conn)
     .await?;
     Ok((lag.rows, lag.oldest))

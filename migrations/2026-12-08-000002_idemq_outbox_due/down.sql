@@ -1,0 +1,1 @@
+ALTER TABLE idemq_outbox DROP COLUMN due_at;
