@@ -19,7 +19,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Channel, Confirmation, Connection};
 
 use super::cleanup::{Leftovers, RunningRuntime};
-use super::message::{IntoTestMessage, PublishedRow, Reply, TestMessage, PUBLISHED};
+use super::message::{IntoTestMessage, PublishedRow, Reply, TestMessage, PUBLISHED, SCHEDULED};
 use super::settle::{Expect, HandlerWire, Settlements, Waiting};
 use crate::fault::{FaultContext, FaultHook, FaultHookExt, FaultPoint};
 use idemq_core::__private::sibling::BuilderPlan as _;
@@ -438,14 +438,48 @@ impl TestKit {
     /// What the handlers published so far (events and replies), oldest first: the
     /// rows of the outbox, which the kit's runtime does not relay (it runs with
     /// `.relay(false)`), so every message a committed transaction published is there
-    /// — and nothing a rolled-back one did.
+    /// — and nothing a rolled-back one did. A scheduled message is here once it is
+    /// due: until then it is in [`TestKit::scheduled`].
     ///
     /// # Panics
     /// If the test database cannot be read.
     pub async fn published(&self) -> Vec<Outgoing> {
+        self.outbox(PUBLISHED).await
+    }
+
+    /// The scheduled messages (`Context::schedule`) not yet due, soonest first; a
+    /// cancelled one (`outbox::cancel`) is gone.
+    ///
+    /// # Panics
+    /// If the test database cannot be read.
+    pub async fn scheduled(&self) -> Vec<Outgoing> {
+        self.outbox(SCHEDULED).await
+    }
+
+    /// Moves time forward `by` for the scheduled messages, without waiting: each one
+    /// not yet due comes `by` sooner, and those it makes due are in
+    /// [`TestKit::published`] — a 15-minute timeout is tested in milliseconds.
+    ///
+    /// # Panics
+    /// If the test database cannot be written.
+    pub async fn advance(&self, by: std::time::Duration) {
+        let mut conn = self.connect().await;
+        let millis = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        diesel::sql_query(
+            "UPDATE idemq_outbox SET due_at = due_at - $1 * interval '1 millisecond', \
+                    available_at = available_at - $1 * interval '1 millisecond' \
+              WHERE due_at > now()",
+        )
+        .bind::<diesel::sql_types::BigInt, _>(millis)
+        .execute(&mut conn)
+        .await
+        .expect("move the scheduled messages' due times");
+    }
+
+    async fn outbox(&self, query: &str) -> Vec<Outgoing> {
         let mut conn = self.connect().await;
         let rows: Vec<PublishedRow> =
-            diesel::sql_query(PUBLISHED).load(&mut conn).await.expect("read the test database's outbox");
+            diesel::sql_query(query).load(&mut conn).await.expect("read the test database's outbox");
         rows.into_iter().map(Outgoing::from).collect()
     }
 

@@ -353,10 +353,17 @@ pub(super) struct PublishedRow {
     mandatory: bool,
 }
 
-/// The columns of [`PublishedRow`], oldest row first.
+/// The columns of [`PublishedRow`] of the messages due (on the kit's clock: see
+/// `TestKit::advance`), oldest row first.
 pub(super) const PUBLISHED: &str =
     "SELECT message_id, exchange, routing_key, body, content_type, correlation_id, \
-     headers, message_type, mandatory FROM idemq_outbox ORDER BY id";
+     headers, message_type, mandatory FROM idemq_outbox \
+     WHERE coalesce(due_at, created_at) <= now() ORDER BY coalesce(due_at, created_at), id";
+
+/// The same of the scheduled messages not yet due, soonest first.
+pub(super) const SCHEDULED: &str =
+    "SELECT message_id, exchange, routing_key, body, content_type, correlation_id, \
+     headers, message_type, mandatory FROM idemq_outbox WHERE due_at > now() ORDER BY due_at, id";
 
 impl From<PublishedRow> for Outgoing {
     fn from(row: PublishedRow) -> Self {

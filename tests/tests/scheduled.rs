@@ -165,3 +165,35 @@ async fn a_timeout_scheduled_by_a_handler_fires_once_after_a_restart_and_a_dupli
     shutdown.cancel();
     relay.await.expect("relay task").expect("relay run");
 }
+
+/// The test kit drives a handler's 15-minute timeout forward without waiting: not
+/// due, it is scheduled, not published; 14 minutes on, still not; one more, it is.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_test_kit_moves_a_timeout_forward_without_waiting() {
+    let kit = idemq::testing::TestKit::builder()
+        .handler(reserve_for_a_quarter_hour)
+        .start()
+        .await
+        .expect("PostgreSQL and RabbitMQ are up");
+    assert_eq!(kit.deliver(&payment(4300)).await, idemq::Outcome::Applied);
+    assert!(kit.published().await.is_empty(), "the timeout is not due");
+    assert_eq!(kit.scheduled().await.len(), 1);
+    kit.advance(Duration::from_secs(14 * 60)).await;
+    assert!(kit.published().await.is_empty(), "a minute early");
+    kit.advance(Duration::from_secs(60)).await;
+    let fired = kit.published().await;
+    assert_eq!(fired.len(), 1, "due now");
+    assert_eq!(fired[0].routing_key(), "payment-timeouts");
+    assert!(kit.scheduled().await.is_empty());
+}
+
+/// [`reserve`], with the quarter hour a payment reservation waits for its capture.
+#[idempotent_handler(key = "payment_id", name = "reserve_for_a_quarter_hour")]
+async fn reserve_for_a_quarter_hour(
+    _conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+    ctx: &mut Context,
+) -> Result<(), HandlerError> {
+    ctx.schedule(&PaymentTimedOut { payment_id: msg.payment_id }, Duration::from_secs(15 * 60))?;
+    Ok(())
+}

@@ -216,6 +216,7 @@ pub(crate) async fn outbox_backlog(conn: &mut AsyncPgConnection) -> QueryResult<
 }
 
 /// When a row was due: its due time if scheduled, else when it was written.
+#[cfg(feature = "metrics")]
 const DUE_FROM: &str = "coalesce(due_at, created_at)";
 
 /// A row is due (backlog, not a scheduled message still waiting).
