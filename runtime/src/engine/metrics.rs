@@ -605,15 +605,14 @@ fn listen(
                         let _ = request.respond(busy.with_status_code(503));
                         continue;
                     }
-                    let (pages, done) = (Arc::clone(pages), Arc::clone(&answering));
+                    // Counted out when the page's thread ends, a panic included (or
+                    // at once, if no thread could be started).
+                    let (pages, done) = (Arc::clone(pages), Answering(Arc::clone(&answering)));
                     // A thread per page: reading the broker must not hold up a scrape.
-                    let spawned = std::thread::Builder::new().name("idemq-page".into()).spawn(move || {
+                    let _ = std::thread::Builder::new().name("idemq-page".into()).spawn(move || {
+                        let _done = done;
                         answer_page(request, &pages);
-                        done.fetch_sub(1, Ordering::SeqCst);
                     });
-                    if spawned.is_err() {
-                        answering.fetch_sub(1, Ordering::SeqCst);
-                    }
                     continue;
                 }
                 let (status, body) = match (request.url(), &metrics) {
@@ -656,6 +655,15 @@ fn listen(
             source,
         })?;
     Ok(serving)
+}
+
+/// One page being answered: counted out of `MAX_AT_ONCE` when dropped.
+struct Answering(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Whether `url` is one of the mounted pages' ([`PREFIX`] or under it).
