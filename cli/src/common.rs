@@ -17,6 +17,19 @@ pub(crate) async fn connect_db(url: &str) -> Result<AsyncPgConnection, Error> {
     idemq_core::connect::database(url).await
 }
 
+/// A connection to the database at `url` whose statements are cut after `limit`
+/// (a count over a huge table must not hold a page or `status`); or why there is none.
+pub(crate) async fn connect_db_limited(
+    url: &str,
+    limit: std::time::Duration,
+) -> Result<AsyncPgConnection, String> {
+    let mut conn = connect_db(url).await.map_err(|err| err.report())?;
+    idemq_core::__private::sibling::db::limit_statements(&mut conn, limit)
+        .await
+        .map_err(|err| format!("cannot set a statement_timeout: {err}"))?;
+    Ok(conn)
+}
+
 /// A connection to the first broker address of the list that answers.
 pub(crate) async fn connect_broker(urls: &str) -> Result<Connection, Error> {
     idemq_core::connect::broker(urls, "cli").await

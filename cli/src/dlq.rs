@@ -62,15 +62,7 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
             None => "the code declares and consumes no queue".into(),
         });
     }
-    // Each dead-letter queue once, with the queues that dead-letter into it: two
-    // queues may share one, and each letter goes back to its own.
-    let mut dlqs: Vec<(String, Vec<String>)> = Vec::new();
-    for (queue, dlq) in &consumed {
-        match dlqs.iter_mut().find(|(name, _)| name == dlq) {
-            Some((_, owners)) => owners.push(queue.clone()),
-            None => dlqs.push((dlq.clone(), vec![queue.clone()])),
-        }
-    }
+    let mut dlqs = dead_letter_queues(&consumed);
     dlqs.retain(|(dlq, _)| queues.iter().any(|(_, wanted)| wanted == dlq));
     let connection = connect_broker(builder.configured_amqp_url()).await?;
     let filter = Filter::of(sub, only.cloned());
@@ -127,6 +119,20 @@ pub(crate) async fn run(builder: &RuntimeBuilder, matches: &ArgMatches) -> CliRe
         say!(out, "no dead letters{}", if filter.is_empty() { "" } else { " match" });
     }
     Ok(())
+}
+
+/// Each dead-letter queue once, with the queues that dead-letter into it (from each
+/// consumed queue and its DLQ): two queues may share one, and each letter goes back
+/// to its own.
+pub(crate) fn dead_letter_queues(consumed: &[(String, String)]) -> Vec<(String, Vec<String>)> {
+    let mut dlqs: Vec<(String, Vec<String>)> = Vec::new();
+    for (queue, dlq) in consumed {
+        match dlqs.iter_mut().find(|(name, _)| name == dlq) {
+            Some((_, owners)) => owners.push(queue.clone()),
+            None => dlqs.push((dlq.clone(), vec![queue.clone()])),
+        }
+    }
+    dlqs
 }
 
 /// How `replay` and `purge` act.

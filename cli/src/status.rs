@@ -19,7 +19,9 @@ use std::time::Duration;
 use diesel_async::AsyncPgConnection;
 use lapin::Connection;
 
-use crate::common::{connect_broker, connect_db, exchange_exists, passive_queue, say, CliResult, Out};
+use crate::common::{
+    connect_broker, connect_db_limited, exchange_exists, passive_queue, say, CliResult, Out,
+};
 use crate::declare::name_width;
 use idemq_core::__private::sibling::db;
 use idemq_core::__private::sibling::human;
@@ -614,14 +616,7 @@ struct Db(Figure<AsyncPgConnection>);
 
 impl Db {
     async fn connect(url: &str) -> Self {
-        let conn = match connect_db(url).await {
-            Ok(mut conn) => match db::limit_statements(&mut conn, COUNT_TIMEOUT).await {
-                Ok(()) => Ok(conn),
-                Err(err) => Err(format!("cannot set a statement_timeout: {err}")),
-            },
-            Err(err) => Err(err.report()),
-        };
-        Db(conn)
+        Db(connect_db_limited(url, COUNT_TIMEOUT).await)
     }
 
     fn conn(&mut self) -> Figure<&mut AsyncPgConnection> {

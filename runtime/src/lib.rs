@@ -170,6 +170,8 @@ pub mod __private {
 
         /// idemq's statements the CLI's `status` and `migrations` run.
         pub mod db {
+            #[cfg(feature = "metrics")]
+            pub use crate::store::db::outbox_lag;
             pub use crate::store::db::{
                 applied_migrations, count_members, count_rows, limit_statements, lock_holder, owner_lock,
                 share_group, stored_offsets, LockHolder, StoredOffset, NO_OFFSET,

@@ -8,7 +8,7 @@ use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use idemq_core::__private::sibling::db;
 
-use crate::common::connect_db;
+use crate::common::connect_db_limited;
 
 /// A figure: a value, or why it could not be read.
 pub(super) type Figure<T> = Result<T, String>;
@@ -82,14 +82,8 @@ pub(super) async fn database(url: &str) -> Database {
                     extract(epoch FROM now() - min({column}))::bigint AS age FROM {table}"
         )
     };
-    // A scheduled message counts from when it is due (see the migration adding due_at).
-    let outbox = read::<CountAge>(
-        &mut conn,
-        "SELECT count(*) AS count, \
-                extract(epoch FROM now() - min(coalesce(due_at, created_at)))::bigint AS age \
-           FROM idemq_outbox WHERE coalesce(due_at, created_at) <= now()",
-    )
-    .await;
+    // What `/readyz` and the metrics say of it: from when each row was due.
+    let outbox = db::outbox_lag(&mut conn).await.map_err(|err| err.to_string());
     let scheduled = read::<CountAge>(
         &mut conn,
         "SELECT count(*) AS count, extract(epoch FROM min(due_at) - now())::bigint AS age \
@@ -114,7 +108,7 @@ pub(super) async fn database(url: &str) -> Database {
     .await
     .map_err(|err| err.to_string());
     Database {
-        outbox: outbox.map(|row| (row.count, row.age)),
+        outbox: outbox.map(|(rows, oldest)| (rows, (rows > 0).then_some(oldest))),
         scheduled: scheduled.map(|row| (row.count, row.age)),
         outbox_failing: failing.map(|row| (row.count, row.last_error)),
         dedup: dedup.map(|row| (row.count, row.age)),
@@ -124,9 +118,7 @@ pub(super) async fn database(url: &str) -> Database {
 }
 
 async fn connect(url: &str) -> Figure<AsyncPgConnection> {
-    let mut conn = connect_db(url).await.map_err(|err| err.report())?;
-    db::limit_statements(&mut conn, STATEMENT_TIMEOUT).await.map_err(|err| err.to_string())?;
-    Ok(conn)
+    connect_db_limited(url, STATEMENT_TIMEOUT).await
 }
 
 async fn read<T: QueryableByName<diesel::pg::Pg> + Send + 'static>(

@@ -52,22 +52,10 @@ impl Group {
 /// A DLQ that could not be read, and why.
 pub(super) type Unread = (String, String);
 
-/// Each DLQ's (queue, the queues dead-lettering into it).
-fn dlqs(inventory: &Inventory) -> Vec<(String, Vec<String>)> {
-    let mut dlqs: Vec<(String, Vec<String>)> = Vec::new();
-    for (queue, dlq) in &inventory.consumed {
-        match dlqs.iter_mut().find(|(name, _)| name == dlq) {
-            Some((_, owners)) => owners.push(queue.clone()),
-            None => dlqs.push((dlq.clone(), vec![queue.clone()])),
-        }
-    }
-    dlqs
-}
-
 /// Every DLQ's letters, grouped; and the DLQs that could not be read.
 pub(super) async fn groups(inventory: &Inventory) -> Result<(Vec<Group>, Vec<Unread>), String> {
     let connection = connect_broker(&inventory.amqp_url).await.map_err(|err| err.report())?;
-    let dlqs = dlqs(inventory);
+    let dlqs = dlq::dead_letter_queues(&inventory.consumed);
     let taken = futures_util::future::join_all(
         dlqs.iter().map(|(dlq, owners)| Browse::take(&connection, dlq, owners)),
     )
@@ -179,7 +167,7 @@ pub(super) async fn act(
     act: &Act,
     dry_run: bool,
 ) -> Result<Vec<String>, String> {
-    let owners = dlqs(inventory)
+    let owners = dlq::dead_letter_queues(&inventory.consumed)
         .into_iter()
         .find(|(dlq, _)| *dlq == target.dlq)
         .map(|(_, owners)| owners)

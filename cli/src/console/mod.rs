@@ -242,8 +242,10 @@ impl Mounted {
         match (method.as_str(), path.as_str()) {
             ("GET", "" | "/handlers") => {
                 let waiting = self.live.readiness().and_then(|(why, _)| why);
-                let mut response = html(200, view::handlers(&page, &self.handlers(), waiting.as_deref()));
-                if self.live.metrics_text().is_some() {
+                let text = self.live.metrics_text();
+                let rows = self.handlers(text.as_deref());
+                let mut response = html(200, view::handlers(&page, &rows, waiting.as_deref()));
+                if text.is_some() {
                     response.headers.push(("Refresh".into(), "10".into()));
                 }
                 response
@@ -294,9 +296,10 @@ impl Mounted {
         }
     }
 
-    /// Each handler's settings and, in a running service, its figures.
-    fn handlers(&self) -> Vec<view::HandlerRow> {
-        let figures = self.live.metrics_text().map(|text| self.samples.figures(&text));
+    /// Each handler's settings and, in a running service (its metrics `text`), its
+    /// figures.
+    fn handlers(&self, text: Option<&str>) -> Vec<view::HandlerRow> {
+        let figures = text.map(|text| self.samples.figures(text));
         self.inventory
             .handlers
             .iter()

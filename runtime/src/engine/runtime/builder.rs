@@ -568,8 +568,6 @@ impl RuntimeBuilder {
     /// Each consumer's settings in words (the console's handlers page): handler,
     /// queue, and how it runs (batch, lane, concurrency, rate limit, kill switch).
     pub(crate) fn handler_settings(&self) -> Vec<(String, String, Vec<String>)> {
-        let last =
-            |list: &[(String, u32)], name: &str| list.iter().rev().find(|(n, _)| n == name).map(|(_, v)| *v);
         self.consumers
             .iter()
             .map(|registration| {
@@ -584,23 +582,12 @@ impl RuntimeBuilder {
                 if let Some(lane) = handler.lane_path() {
                     words.push(format!("lane by {lane}"));
                 }
-                let concurrency = self
-                    .handler_concurrency
-                    .iter()
-                    .rev()
-                    .find(|(n, _)| n == name)
-                    .map_or(self.concurrency, |(_, n)| *n);
-                words.push(format!("concurrency {concurrency}"));
-                if let Some(rate) = last(&self.rate_limits, name) {
+                words.push(format!("concurrency {}", self.concurrency_of(name)));
+                if let Some(rate) = self.rate_limit_of(name) {
                     words.push(format!("rate limit {rate}/s"));
                 }
-                let switch = self
-                    .handler_kill_switches
-                    .iter()
-                    .rev()
-                    .find(|(n, _)| n == name)
-                    .map_or(self.kill_switch.as_ref(), |(_, switch)| switch.as_ref());
-                words.push(match switch {
+                // The switch the runtime runs: none on a queue several handlers share.
+                words.push(match self.kill_switch_of(name, &registration.queue) {
                     Some(switch) => format!("kill switch {switch}"),
                     None => "no kill switch".to_owned(),
                 });

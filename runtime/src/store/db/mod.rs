@@ -45,8 +45,9 @@ pub(crate) use dedup::{
 pub use housekeeping::{applied_migrations, count_rows, limit_statements};
 pub(crate) use housekeeping::{delete_older, try_gc_lock};
 pub(crate) use marks::{clear_starts, copy_recorded, mark_start, record_copy};
+// Also the console's (`__private::sibling::db`).
 #[cfg(feature = "metrics")]
-pub(crate) use outbox::outbox_lag;
+pub use outbox::outbox_lag;
 pub(crate) use outbox::{
     cancel_outbox, claim_outbox, delete_outbox, insert_outbox, notify_relays, outbox_backlog,
     postpone_outbox, OutboxRow, CHANNEL,

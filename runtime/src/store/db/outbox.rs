@@ -225,7 +225,7 @@ const DUE: &str = "coalesce(due_at, created_at) <= now()";
 /// Rows waiting in the outbox and the oldest one's age in whole seconds (0 when
 /// there is none): the relay's lag, for `/readyz` and the metrics.
 #[cfg(feature = "metrics")]
-pub(crate) async fn outbox_lag(conn: &mut AsyncPgConnection) -> QueryResult<(i64, i64)> {
+pub async fn outbox_lag(conn: &mut AsyncPgConnection) -> QueryResult<(i64, i64)> {
     #[derive(diesel::QueryableByName)]
     struct Lag {
         #[diesel(sql_type = diesel::sql_types::BigInt)]
