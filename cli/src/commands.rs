@@ -72,11 +72,12 @@ pub(super) async fn gc(
         println!("another sweep is running (it holds idemq::store::GC_LOCK); deleted so far:");
     }
     println!(
-        "deleted {} dedup rows, {} copy records, {} start marks older than {}",
+        "deleted {} dedup rows, {} copy records, {} start marks older than {}, and {} finished sagas past their keep_finished",
         sweep.dedup_rows,
         sweep.copy_records,
         sweep.start_marks,
-        human(keep)
+        human(keep),
+        sweep.finished_sagas
     );
     Ok(())
 }

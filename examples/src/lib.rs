@@ -16,6 +16,7 @@ use idemq::{idempotent_handler, Batch, Context, Exchange, HandlerError, Message,
 use serde::{Deserialize, Serialize};
 
 pub mod demo;
+pub mod orders;
 
 /// The queue the demo consumes.
 pub const QUEUE: &str = "payments";

@@ -72,6 +72,17 @@ pub(crate) struct Options {
     pub(crate) dedup: bool,
     /// `idempotency_key_lifetime = "24h"`, in milliseconds.
     pub(crate) idempotency_key_lifetime: Option<u64>,
+    /// `saga(start)`, `saga(missing = "...", finished = "...")`.
+    pub(crate) saga: Option<SagaOptions>,
+}
+
+/// A saga step's policies: what it does for a saga that does not exist, or has
+/// finished (the `idemq::saga::IfMissing` and `IfFinished` variants' names).
+pub(crate) struct SagaOptions {
+    /// The option's name, to point at when the fn takes no saga.
+    pub(crate) span: Span,
+    pub(crate) missing: Option<&'static str>,
+    pub(crate) finished: Option<&'static str>,
 }
 
 /// A dotted field path into the message, e.g. `order.id`.
@@ -125,10 +136,11 @@ const OPTIONS: &str = "`key = \"field.path\"` (or a template `\"{a}:{b.c}\"`, `\
                        `\"@header:name\"`, `\"@hash\"`), `key_fn = path::to::fn`, `name = \"handler_name\"`, \
                        `lane = \"field.path\"`, `queue = \"queue\"`, `retry(delays = [\"1s\", \"30s\"])` or \
                        `retry(none)`, `on_conflict = \"ignore\"`, `batch = N`, `dedup = false` and \
-                       `idempotency_key_lifetime = \"24h\"`";
+                       `idempotency_key_lifetime = \"24h\"`; a saga's step also `saga(start)` or \
+                       `saga(missing = \"retry\", finished = \"ignore\")`";
 
 /// Every option's name, for typo hints.
-const NAMES: [&str; 10] = [
+const NAMES: [&str; 11] = [
     "key",
     "key_fn",
     "name",
@@ -139,6 +151,7 @@ const NAMES: [&str; 10] = [
     "batch",
     "dedup",
     "idempotency_key_lifetime",
+    "saga",
 ];
 
 /// The largest `batch = N` (the runtime's own limit).
@@ -178,6 +191,7 @@ impl Options {
         let (retry, on_conflict, batch, dedup) =
             (take("retry"), take("on_conflict"), take("batch"), take("dedup"));
         let key_lifetime = take("idempotency_key_lifetime");
+        let saga = take("saga").and_then(|option| errors.take(parse_saga(option)));
 
         let key = key.and_then(|option| errors.take(string(option)));
         let name = name.and_then(|option| errors.take(string(option)));
@@ -288,8 +302,72 @@ impl Options {
             batch,
             dedup,
             idempotency_key_lifetime,
+            saga,
         })
     }
+}
+
+/// `saga(start)`, `saga(missing = "ignore", finished = "dead_letter")`.
+fn parse_saga(option: RawOption) -> syn::Result<SagaOptions> {
+    let span = option.name.span();
+    let RawValue::List(tokens) = option.value else {
+        return Err(syn::Error::new(
+            span,
+            "write `saga(start)` or `saga(missing = \"retry\" | \"dead_letter\" | \"ignore\", finished = \"ignore\" | \"dead_letter\")`",
+        ));
+    };
+    let mut saga = SagaOptions { span, missing: None, finished: None };
+    let parser = syn::meta::parser(|meta| {
+        if meta.path.is_ident("start") {
+            if saga.missing.is_some() {
+                return Err(meta.error("`start` is `missing = \"start\"`: give one of them"));
+            }
+            saga.missing = Some("Start");
+        } else if meta.path.is_ident("missing") {
+            let lit: LitStr = meta.value()?.parse()?;
+            if saga.missing.is_some() {
+                return Err(meta.error("`start` is `missing = \"start\"`: give one of them"));
+            }
+            saga.missing = Some(match lit.value().as_str() {
+                "start" => "Start",
+                "retry" => "Retry",
+                "dead_letter" => "DeadLetter",
+                "ignore" => "Ignore",
+                other => {
+                    return Err(syn::Error::new(
+                        lit.span(),
+                        format!(
+                            "`missing` is what a message for a saga that does not exist does: \"retry\" (the \
+                             default: retried, then dead-lettered), \"dead_letter\", \"ignore\" or \"start\", \
+                             not \"{other}\""
+                        ),
+                    ))
+                }
+            });
+        } else if meta.path.is_ident("finished") {
+            let lit: LitStr = meta.value()?.parse()?;
+            saga.finished = Some(match lit.value().as_str() {
+                "ignore" => "Ignore",
+                "dead_letter" => "DeadLetter",
+                other => {
+                    return Err(syn::Error::new(
+                        lit.span(),
+                        format!(
+                            "`finished` is what a message for a finished saga does: \"ignore\" (the default) \
+                             or \"dead_letter\", not \"{other}\""
+                        ),
+                    ))
+                }
+            });
+        } else {
+            return Err(
+                meta.error("a saga step's options are `start`, `missing = \"...\"` and `finished = \"...\"`")
+            );
+        }
+        Ok(())
+    });
+    parser.parse2(tokens)?;
+    Ok(saga)
 }
 
 /// A string option's literal; `key = order.id` → suggest `key = "order.id"`.
@@ -365,8 +443,8 @@ fn parse_retry(option: RawOption) -> syn::Result<Vec<u64>> {
     Ok(delays)
 }
 
-/// `250ms`, `5s`, `2m`, `1h` in milliseconds (at least 1).
-fn parse_duration(text: &str) -> Option<u64> {
+/// `250ms`, `5s`, `2m`, `1h`, `7d` in milliseconds (at least 1).
+pub(crate) fn parse_duration(text: &str) -> Option<u64> {
     let digits = text.trim().bytes().take_while(u8::is_ascii_digit).count();
     let (number, unit) = text.trim().split_at(digits);
     let number: u64 = number.parse().ok()?;
@@ -375,6 +453,7 @@ fn parse_duration(text: &str) -> Option<u64> {
         "s" => 1_000,
         "m" => 60_000,
         "h" => 3_600_000,
+        "d" => 86_400_000,
         _ => return None,
     };
     number.checked_mul(factor).filter(|ms| *ms > 0)
@@ -382,7 +461,7 @@ fn parse_duration(text: &str) -> Option<u64> {
 
 impl KeySpec {
     /// `@…` forms, a template with `{…}`, or a field path.
-    fn parse(lit: LitStr) -> syn::Result<Self> {
+    pub(crate) fn parse(lit: LitStr) -> syn::Result<Self> {
         let value = lit.value();
         if value.contains(['{', '}']) {
             let parts = parse_template(&lit, &value)?;

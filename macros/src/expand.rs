@@ -36,6 +36,15 @@ pub(crate) fn idempotent_handler(attr: TokenStream, item: TokenStream) -> TokenS
     let handler = HandlerFn::validate(item.clone());
     let mut errors = Errors::default();
     let (options, handler) = (errors.take(options), errors.take(handler));
+    if let (Some(options), Some(handler)) = (&options, &handler) {
+        if let (Some(saga), None) = (&options.saga, &handler.saga_ty) {
+            errors.push(syn::Error::new(
+                saga.span,
+                "`saga(..)` is for a saga's step: take the saga as an argument, \
+                 `saga: &mut idemq::saga::Saga<YourState>`",
+            ));
+        }
+    }
     match (errors.finish(|| ()), options, handler) {
         (Ok(()), Some(options), Some(handler)) => expand(&options, &handler),
         (Err(err), _, _) => fallback(&item, &err),
@@ -61,6 +70,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         output,
         error_ty,
         ok_ty,
+        saga_ty,
     } = handler;
     let ItemFn { attrs, vis, sig, block } = item;
     let ident = &sig.ident;
@@ -104,6 +114,24 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
         }
     });
+    // A saga's step: the saga's correlation key, read as the saga says for this
+    // message type (an error on the message type if the saga does not take it).
+    let saga_key = saga_ty.as_ref().map(|state_ty| {
+        let takes = quote_spanned! {message_ty.span()=> <#state_ty as ::idemq::saga::Takes<#message_ty>> };
+        quote! {
+            fn saga_key(
+                &self,
+                __idemq_message: &<Self as ::idemq::Handler>::Message,
+                __idemq_metadata: &::idemq::Metadata<'_>,
+            ) -> ::core::option::Option<::core::result::Result<::idemq::Key, ::idemq::key::KeyError>> {
+                ::core::option::Option::Some(#takes::correlate(__idemq_message, __idemq_metadata))
+            }
+
+            fn saga_key_path(&self) -> ::core::option::Option<&'static str> {
+                ::core::option::Option::Some(#takes::KEY_PATH)
+            }
+        }
+    });
     let settings = settings(options);
     let reply = reply_type(ok_ty.as_ref(), batch_ty.is_some());
     // The checks only the compiler can make go through local traits whose
@@ -118,13 +146,17 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         }
     });
     // The arguments in the fn's own order.
-    let call_args = roles.iter().map(|role| match role {
-        Role::Connection => quote! { __idemq_conn },
-        Role::Message if *message_by_ref => quote! { &__idemq_message },
-        Role::Message => quote! { __idemq_message },
-        Role::Context => quote! { __idemq_ctx },
-        Role::Batch => quote! { __idemq_batch },
-    });
+    let call_args = roles
+        .iter()
+        .map(|role| match role {
+            Role::Connection => quote! { __idemq_conn },
+            Role::Message if *message_by_ref => quote! { &__idemq_message },
+            Role::Message => quote! { __idemq_message },
+            Role::Context => quote! { __idemq_ctx },
+            Role::Batch => quote! { __idemq_batch },
+            Role::Saga => quote! { &mut __idemq_saga },
+        })
+        .collect::<Vec<_>>();
     let unused_ctx = ctx_ty.is_none().then(|| quote! { let _ = __idemq_ctx; });
     // Naming the return type underlines all of it; `impl Trait` (legal in an async
     // fn's return type) cannot be named in an expression, so it is inferred instead.
@@ -153,8 +185,61 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             })
         }
     };
-    let handle = match batch_ty {
-        None => {
+    let handle = match (batch_ty, saga_ty) {
+        // A saga's step: the saga is locked and read before the fn, written after it
+        // returned `Ok`, on the same connection (see `idemq::saga`).
+        (None, Some(state_ty)) => {
+            let policy = options.saga.as_ref();
+            let missing = Ident::new(policy.and_then(|p| p.missing).unwrap_or("Retry"), Span::call_site());
+            let finished = Ident::new(policy.and_then(|p| p.finished).unwrap_or("Ignore"), Span::call_site());
+            let start = if missing == "Start" {
+                quote_spanned! {state_ty.span()=>
+                    ::core::option::Option::Some(::idemq::__private::__idemq_saga_start::<#state_ty>)
+                }
+            } else {
+                quote! { ::core::option::Option::None }
+            };
+            let ctx_expr = ctx_ty.as_ref().map(|ctx_ty| {
+                quote_spanned! {ctx_ty.span()=>
+                    let __idemq_ctx = <#ctx_ty as ::idemq::__private::__IdemqContext<'_>>::__idemq_context(&mut *__idemq_ctx);
+                }
+            });
+            quote_spanned! {ident.span()=>
+                fn handle<'__idemq_a>(
+                    &'__idemq_a self,
+                    __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+                    __idemq_ctx: &'__idemq_a mut ::idemq::Context,
+                    __idemq_message: <Self as ::idemq::Handler>::Message,
+                ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
+                    ::std::boxed::Box::pin(async move {
+                        let ::core::option::Option::Some(mut __idemq_saga) = ::idemq::saga::__begin::<#state_ty>(
+                            &mut *__idemq_conn,
+                            &*__idemq_ctx,
+                            ::idemq::saga::IfMissing::#missing,
+                            ::idemq::saga::IfFinished::#finished,
+                            #start,
+                        )
+                        .await?
+                        else {
+                            return ::core::result::Result::Ok(::idemq::HandlerOutput::none());
+                        };
+                        let result = {
+                            let __idemq_conn = #conn_expr;
+                            #ctx_expr
+                            #ident::call(#(#call_args),*).await
+                        };
+                        match #result_expr {
+                            ::core::result::Result::Ok(value) => {
+                                ::idemq::saga::__end(&mut *__idemq_conn, &mut *__idemq_ctx, __idemq_saga).await?;
+                                #output_expr
+                            }
+                            ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
+                        }
+                    })
+                }
+            }
+        }
+        (None, None) => {
             let boxed = call_and_convert(&output_expr);
             quote! {
                 fn handle<'__idemq_a>(
@@ -172,7 +257,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
         }
         // A batch handler: `handle_batch` calls the fn; `handle` (one message, for
         // callers of the trait) is a batch of one.
-        Some(batch_ty) => {
+        (Some(batch_ty), _) => {
             let batch_expr = quote_spanned! {batch_ty.span()=>
                 <#batch_ty as ::idemq::__private::__IdemqBatch<'_, <Self as ::idemq::Handler>::Message>>::__idemq_batch(__idemq_batch)
             };
@@ -263,6 +348,8 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
 
             #lane
+
+            #saga_key
 
             #settings
 
@@ -364,12 +451,12 @@ fn settings(options: &Options) -> TokenStream {
 }
 
 /// The message, as key expressions name it (bound with mixed-site hygiene).
-const MESSAGE: &str = "__idemq_keyed";
+pub(crate) const MESSAGE: &str = "__idemq_keyed";
 
 /// The expression making the key (in `Handler::key`, where `__idemq_message` and
 /// `__idemq_metadata` are in scope). Spanned on the key literal: a wrong field
 /// underlines the `key` string, a key of an unusable type says so there.
-fn key_expr(spec: &KeySpec) -> TokenStream {
+pub(crate) fn key_expr(spec: &KeySpec) -> TokenStream {
     match spec {
         KeySpec::Single { lit, source } => source_expr(lit, source),
         KeySpec::Template { lit, parts } => {

@@ -17,6 +17,8 @@ pub(crate) enum Role {
     Context,
     /// `&mut idemq::Batch<M>`: the new messages of a transaction, together.
     Batch,
+    /// `&mut idemq::saga::Saga<S>`: the saga the handler is a step of.
+    Saga,
 }
 
 /// A handler fn that has the right shape.
@@ -43,6 +45,8 @@ pub(crate) struct HandlerFn {
     /// The `R` of a written-out `Result<R, E>`, to underline a batch handler's
     /// result errors on it.
     pub(crate) ok_ty: Option<Type>,
+    /// The saga's state type `S` of a `saga: &mut Saga<S>` argument.
+    pub(crate) saga_ty: Option<Type>,
 }
 
 impl HandlerFn {
@@ -78,10 +82,40 @@ impl HandlerFn {
                 FnArg::Typed(pat) => typed.push(pat),
             }
         }
+        // A saga step: `saga: &mut Saga<S>` anywhere after the connection; the rest
+        // is read as without it.
+        let mut saga = None;
+        if let Some(at) = typed.iter().position(|arg| saga_state(&arg.ty).is_some()) {
+            let arg = typed.remove(at);
+            match saga_state(&arg.ty) {
+                Some(Ok(state)) if at > 0 => saga = Some((at, state)),
+                Some(Ok(_)) => errors.push(syn::Error::new_spanned(
+                    &arg.ty,
+                    "the saga comes after the connection: \
+                     `(conn: &mut AsyncPgConnection, msg: YourMessage, saga: &mut Saga<YourState>)`",
+                )),
+                Some(Err(problem)) => errors.push(syn::Error::new_spanned(&arg.ty, problem)),
+                None => unreachable!("found above"),
+            }
+            if let Some(second) = typed.iter().find(|arg| saga_state(&arg.ty).is_some()) {
+                errors.push(syn::Error::new_spanned(
+                    &second.ty,
+                    "a handler is a step of one saga: take one `&mut Saga<..>` (a message that \
+                     moves two sagas is taken by a step of each)",
+                ));
+            }
+        }
         // A batch handler: `(conn, batch: &mut Batch<M>)`, and no context (each
         // message of the batch has its own).
         let batch_at = typed.iter().position(|arg| batch_message(&arg.ty).is_some());
         if let Some(at) = batch_at {
+            if saga.is_some() {
+                errors.push(syn::Error::new_spanned(
+                    &typed[at].ty,
+                    "a saga's step takes one message (`msg: YourMessage`), not a batch: each \
+                     message locks and moves its saga on its own",
+                ));
+            }
             let arg = typed[at];
             let message = match batch_message(&arg.ty) {
                 Some(Ok(message)) => Some((message, false)),
@@ -126,6 +160,7 @@ impl HandlerFn {
                 item,
                 (conn_ty, message, None, vec![Role::Connection, Role::Batch]),
                 batch_ty,
+                None,
             );
         }
         // After the connection, the argument of type `&mut Context` (or `&Context`)
@@ -162,7 +197,14 @@ impl HandlerFn {
                 (None, None, None, Vec::new())
             }
         };
-        finish(errors, item, parts, None)
+        let (conn_ty, message, ctx_ty, mut roles) = parts;
+        let saga_ty = saga.map(|(at, state)| {
+            if !roles.is_empty() {
+                roles.insert(at.min(roles.len()), Role::Saga);
+            }
+            state
+        });
+        finish(errors, item, (conn_ty, message, ctx_ty, roles), None, saga_ty)
     }
 }
 
@@ -171,7 +213,13 @@ impl HandlerFn {
 type Parts = (Option<Type>, Option<(Type, bool)>, Option<Type>, Vec<Role>);
 
 /// The return type checked, and every error collected, into the handler fn.
-fn finish(mut errors: Errors, item: ItemFn, parts: Parts, batch_ty: Option<Type>) -> syn::Result<HandlerFn> {
+fn finish(
+    mut errors: Errors,
+    item: ItemFn,
+    parts: Parts,
+    batch_ty: Option<Type>,
+    saga_ty: Option<Type>,
+) -> syn::Result<HandlerFn> {
     let sig = &item.sig;
     let (conn_ty, message, ctx_ty, roles) = parts;
     let output = match &sig.output {
@@ -201,6 +249,7 @@ fn finish(mut errors: Errors, item: ItemFn, parts: Parts, batch_ty: Option<Type>
                 output,
                 error_ty,
                 ok_ty,
+                saga_ty,
             })
         }
         _ => unreachable!("every missing part records an error"),
@@ -233,6 +282,35 @@ fn batch_message(ty: &Type) -> Option<Result<Type, &'static str>> {
                                publishes through each message's context in it")),
         // `&Batch` of a message type of the user's own named `Batch`.
         (false, _) => None,
+    }
+}
+
+/// `S` of `&mut Saga<S>` (any path ending in `Saga` with one type argument; the
+/// compiler then checks it is idemq's), or what is wrong with a `Saga` argument:
+/// `None` for any other type.
+fn saga_state(ty: &Type) -> Option<Result<Type, &'static str>> {
+    let (mutable, elem) = match peel(ty) {
+        Type::Reference(reference) => (reference.mutability.is_some(), peel(&reference.elem)),
+        ty => (false, ty),
+    };
+    let Type::Path(path) = elem else { return None };
+    let last = path.path.segments.last().filter(|last| path.qself.is_none() && last.ident == "Saga")?;
+    let mut types = match &last.arguments {
+        PathArguments::AngleBracketed(args) => args
+            .args
+            .iter()
+            .filter_map(|arg| match arg {
+                GenericArgument::Type(ty) => Some(ty.clone()),
+                _ => None,
+            })
+            .collect::<Vec<_>>(),
+        _ => return None,
+    };
+    match (mutable, types.len()) {
+        (true, 1) => types.pop().map(Ok),
+        (false, 1) => Some(Err("take the saga as `saga: &mut Saga<YourState>`: the step changes its \
+                               state, which is written back with the step's transaction")),
+        _ => None,
     }
 }
 

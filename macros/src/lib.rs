@@ -1,5 +1,5 @@
-//! Procedural macros for [idemq](https://docs.rs/idemq): `#[idempotent_handler]` and
-//! `#[derive(Message)]`. Use them through the `idemq` crate, which re-exports them;
+//! Procedural macros for [idemq](https://docs.rs/idemq): `#[idempotent_handler]`,
+//! `#[derive(Message)]` and `#[derive(Saga)]`. Use them through the `idemq` crate, which re-exports them;
 //! this crate is an implementation detail.
 //!
 //! The pipeline is parse → model → validate → expand: `attr` (the options, key
@@ -25,6 +25,7 @@ mod errors;
 mod expand;
 mod handler;
 mod message;
+mod saga;
 #[cfg(test)]
 mod snapshots;
 
@@ -44,4 +45,11 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn idempotent_handler(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent_handler(attr.into(), item.into()).into()
+}
+
+/// Declares a saga's state: its name, the message types it takes and how each
+/// names the saga (its correlation key). See `idemq::saga`.
+#[proc_macro_derive(Saga, attributes(saga))]
+pub fn derive_saga(input: TokenStream) -> TokenStream {
+    saga::derive(input.into()).into()
 }

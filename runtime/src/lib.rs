@@ -63,6 +63,7 @@ mod engine;
 mod error;
 mod handler;
 pub mod outbox;
+pub mod saga;
 pub mod store;
 mod tls;
 
@@ -173,8 +174,9 @@ pub mod __private {
             #[cfg(feature = "metrics")]
             pub use crate::store::db::outbox_lag;
             pub use crate::store::db::{
-                applied_migrations, count_members, count_rows, limit_statements, lock_holder, owner_lock,
-                share_group, stored_offsets, LockHolder, StoredOffset, NO_OFFSET,
+                applied_migrations, count_members, count_rows, count_sagas, limit_statements, lock_holder,
+                owner_lock, share_group, show_saga, stored_offsets, LockHolder, SagaCount, SagaShown,
+                StoredOffset, NO_OFFSET,
             };
 
             /// The replication state in words (the console): what the server is,
@@ -449,6 +451,26 @@ pub mod __private {
 
     /// A batch handler's `handle` (a batch of one).
     pub use crate::handler::batch::as_batch_of_one as __idemq_batch_of_one;
+
+    #[diagnostic::on_unimplemented(
+        message = "a saga started by a message begins from its state's default, but `{Self}` has none",
+        label = "`saga(start)` needs `Default` on this state",
+        note = "derive it (`#[derive(Default, ..)]`) or implement it: a new saga's state is `Default::default()`"
+    )]
+    pub trait __IdemqSagaStart: Sized {
+        fn __idemq_new() -> Self;
+    }
+    #[diagnostic::do_not_recommend]
+    impl<S: Default> __IdemqSagaStart for S {
+        fn __idemq_new() -> Self {
+            S::default()
+        }
+    }
+
+    /// A starting step's new state.
+    pub fn __idemq_saga_start<S: __IdemqSagaStart>() -> S {
+        S::__idemq_new()
+    }
 
     #[diagnostic::on_unimplemented(
         message = "a batch handler's message argument is `&mut idemq::Batch<M>`, not `{Self}`",

@@ -19,7 +19,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Channel, Confirmation, Connection};
 
 use super::cleanup::{Leftovers, RunningRuntime};
-use super::message::{IntoTestMessage, PublishedRow, Reply, TestMessage, PUBLISHED, SCHEDULED};
+use super::message::{IntoTestMessage, PublishedRow, Reply, TestMessage, PUBLISHED, SCHEDULED, TAKE_DUE};
 use super::settle::{Expect, HandlerWire, Settlements, Waiting};
 use crate::fault::{FaultContext, FaultHook, FaultHookExt, FaultPoint};
 use idemq_core::__private::sibling::BuilderPlan as _;
@@ -474,6 +474,27 @@ impl TestKit {
         .execute(&mut conn)
         .await
         .expect("move the scheduled messages' due times");
+    }
+
+    /// Delivers the scheduled messages that are due — after [`TestKit::advance`] —
+    /// as the relay would publish them (each once, with its message id, its outbox
+    /// row removed), to the kit's queue, and waits until they are settled: their
+    /// outcomes, in the order they settled. A saga's timeout is tested this way,
+    /// without waiting for it: `kit.advance(PAYMENT_WINDOW).await;
+    /// kit.deliver_due().await`. Their exchange and routing key are not used: the
+    /// kit publishes to its own queue.
+    ///
+    /// # Panics
+    /// If the test database cannot be written; as [`TestKit::deliver`].
+    pub async fn deliver_due(&self) -> Vec<Outcome> {
+        let mut conn = self.connect().await;
+        let rows: Vec<PublishedRow> =
+            diesel::sql_query(TAKE_DUE).load(&mut conn).await.expect("take the due scheduled messages");
+        if rows.is_empty() {
+            return Vec::new();
+        }
+        let messages = rows.into_iter().map(|row| TestMessage::relayed(&Outgoing::from(row))).collect();
+        self.deliver_as("deliver_due", messages).await
     }
 
     async fn outbox(&self, query: &str) -> Vec<Outgoing> {

@@ -111,6 +111,13 @@ impl TestMessage {
         Self { body: outgoing.body().to_vec(), properties }
     }
 
+    /// An outbox row as the relay publishes it: its body, and its properties with
+    /// its message id.
+    pub(super) fn relayed(outgoing: &Outgoing) -> Self {
+        let id = outgoing.id().unwrap_or_default();
+        Self { body: outgoing.body().to_vec(), properties: sibling::properties(outgoing, id) }
+    }
+
     /// A body as it is, persistent, with no content type (e.g. to test what is not
     /// JSON, or a publisher that sets none).
     pub fn bytes(body: impl Into<Vec<u8>>) -> Self {
@@ -359,6 +366,15 @@ pub(super) const PUBLISHED: &str =
     "SELECT message_id, exchange, routing_key, body, content_type, correlation_id, \
      headers, message_type, mandatory FROM idemq_outbox \
      WHERE coalesce(due_at, created_at) <= now() ORDER BY coalesce(due_at, created_at), id";
+
+/// Takes the scheduled messages that are due out of the outbox (the relay's part,
+/// for [`TestKit::deliver_due`](super::TestKit::deliver_due)), soonest first.
+pub(super) const TAKE_DUE: &str =
+    "WITH taken AS (DELETE FROM idemq_outbox WHERE due_at IS NOT NULL AND due_at <= now() \
+     RETURNING id, due_at, message_id, exchange, routing_key, body, content_type, correlation_id, \
+     headers, message_type, mandatory) \
+     SELECT message_id, exchange, routing_key, body, content_type, correlation_id, headers, message_type, \
+     mandatory FROM taken ORDER BY due_at, id";
 
 /// The same of the scheduled messages not yet due, soonest first.
 pub(super) const SCHEDULED: &str =

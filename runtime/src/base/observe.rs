@@ -262,6 +262,8 @@ pub struct Sweep {
     pub copy_records: u64,
     /// Start marks older than the retention (messages that never came back).
     pub start_marks: u64,
+    /// Finished sagas past the retention they were kept for (`keep_finished`).
+    pub finished_sagas: u64,
     /// Another sweeper held the lock: this one stopped.
     pub yielded: bool,
 }

@@ -38,6 +38,8 @@ pub struct Context {
     random_ids: bool,
     /// The delivery's W3C trace (`traceparent`), passed on to what it publishes.
     trace: Option<Trace>,
+    /// The correlation key of the saga the handler is a transition of.
+    saga_key: Option<String>,
 }
 
 impl Context {
@@ -57,6 +59,7 @@ impl Context {
             published: Vec::new(),
             random_ids: false,
             trace: Trace::of(properties),
+            saga_key: None,
         }
     }
 
@@ -253,6 +256,23 @@ impl Context {
     }
 
     /// The messages published so far, taken by the runtime after the handler ran.
+    /// Sets the correlation key of the saga the handler is a transition of (read
+    /// from the message while it was prepared).
+    pub(crate) fn set_saga_key(&mut self, key: String) {
+        self.saga_key = Some(key);
+    }
+
+    /// The correlation key of the saga the handler is a transition of, if any.
+    pub(crate) fn saga_key(&self) -> Option<&str> {
+        self.saga_key.as_deref()
+    }
+
+    /// Drops the buffered messages with these ids (a completing saga's timeouts
+    /// scheduled by the same step).
+    pub(crate) fn unpublish(&mut self, ids: &[String]) {
+        self.published.retain(|outgoing| outgoing.message_id.as_ref().is_none_or(|id| !ids.contains(id)));
+    }
+
     pub(crate) fn take_published(&mut self) -> Vec<Outgoing> {
         std::mem::take(&mut self.published)
     }

@@ -108,6 +108,26 @@ pub trait Handler: Send + Sync + 'static {
         None
     }
 
+    /// The correlation key of the saga the handler is a transition of (`saga:
+    /// &mut idemq::saga::Saga<S>` among its arguments): read from the message as the
+    /// saga's `#[saga(key = ..)]` (or its `takes(M(key = ..))`) says, beside the dedup
+    /// key. `None` for a handler of no saga. A missing or unusable one dead-letters
+    /// the message (kind `key`), as a missing dedup key does.
+    ///
+    /// # Errors
+    /// As [`Handler::key`].
+    #[doc(hidden)]
+    fn saga_key(&self, message: &Self::Message, metadata: &Metadata<'_>) -> Option<Result<Key, KeyError>> {
+        let _ = (message, metadata);
+        None
+    }
+
+    /// The saga's key path, as written (`"order_id"`), for error messages.
+    #[doc(hidden)]
+    fn saga_key_path(&self) -> Option<&'static str> {
+        None
+    }
+
     /// The Rust type of the handler's result — what a request is answered with —
     /// for the AsyncAPI document; `None` for `()` (the attribute writes it).
     fn reply_type(&self) -> Option<&'static str> {

@@ -272,12 +272,27 @@ impl<H: Handler> ErasedHandler for Arc<H> {
                 return Err(Rejection { kind: FailureKind::Key, message: format!("lane `{path}`: {err}") });
             }
         };
+        let saga_key = match self.saga_key(&message, &metadata) {
+            None => None,
+            Some(Ok(saga_key)) => Some(saga_key.as_str().to_owned()),
+            Some(Err(err)) => {
+                let path = H::saga_key_path(self).unwrap_or("?");
+                return Err(Rejection {
+                    kind: FailureKind::Key,
+                    message: format!("saga key `{path}`: {err}"),
+                });
+            }
+        };
         let payload = if H::batched(self) {
             Payload::Message(Box::new(message))
         } else {
             let handler = Arc::clone(self);
-            let effect: Effect =
-                Box::new(move |conn, ctx| Box::pin(async move { handler.handle(conn, ctx, message).await }));
+            let effect: Effect = Box::new(move |conn, ctx| {
+                if let Some(saga_key) = saga_key {
+                    ctx.set_saga_key(saga_key);
+                }
+                Box::pin(async move { handler.handle(conn, ctx, message).await })
+            });
             Payload::Effect(effect)
         };
         Ok(Prepared { key, fingerprint, lane, payload })

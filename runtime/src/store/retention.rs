@@ -206,6 +206,26 @@ async fn sweep_now(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -
             }
         }
     }
+    // Finished sagas: each row carries its own expiry (the saga's `keep_finished`).
+    loop {
+        let batch = retention.batch;
+        let deleted = conn
+            .transaction::<Option<u64>, diesel::result::Error, _>(async |conn| {
+                if !crate::store::db::try_gc_lock(conn, GC_LOCK).await? {
+                    return Ok(None);
+                }
+                crate::store::db::delete_expired_sagas(conn, batch).await.map(Some)
+            })
+            .await?;
+        let Some(deleted) = deleted else {
+            total.yielded = true;
+            return Ok(total);
+        };
+        total.finished_sagas += deleted;
+        if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
+            break;
+        }
+    }
     Ok(total)
 }
 

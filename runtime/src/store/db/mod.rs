@@ -13,6 +13,7 @@
 //! - `marks`: start marks and copy records;
 //! - `streams`: stream offsets, the stream owner's advisory lock and the members
 //!   sharing partitioned streams (and, for `status`, who holds a lock);
+//! - `sagas`: a saga's lock and transition, and what `status` and `saga show` read;
 //! - `housekeeping`: retention deletes and their lock, applied migrations, row counts;
 //! - `pool`: the pool and each connection's session settings;
 //! - `conn`: the pool's connection, [`Conn`]: diesel-async's, with the SQLSTATEs its
@@ -28,6 +29,7 @@ mod housekeeping;
 mod marks;
 mod outbox;
 mod pool;
+mod sagas;
 mod sqlstate;
 mod streams;
 
@@ -53,6 +55,9 @@ pub(crate) use outbox::{
     postpone_outbox, OutboxRow, CHANNEL,
 };
 pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, SessionLimits};
+pub(crate) use sagas::{delete_expired_sagas, lock_saga, write_saga, SagaRow, SagaWrite};
+// The CLI's `status` and `saga show` (`__private::sibling::db`).
+pub use sagas::{count_sagas, show_saga, SagaCount, SagaShown};
 pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};
 pub(crate) use streams::{advance_offset, read_offset, try_lock, try_lock_member};
 pub use streams::{
