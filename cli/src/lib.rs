@@ -14,12 +14,14 @@
 //! <app> status   [--nonzero]                                          a line per queue: ready, consumers, dead letters, retries; streams' ends and lags
 //! <app> gc       [--keep 30d] [--replay-window 7d]                    delete dedup rows past the retention, once
 //! <app> dlq      list | show N | replay | purge  [--queue Q]          inspect and replay dead letters
+//! <app> saga     show NAME KEY                                        one saga: running or finished, its times, timeouts and state
 //! <app> console  [--addr 127.0.0.1:9465] [--console-actions]         the operations console alone ([`Console`])
 //! <app> --version                                                     the name and version (see [`Cli::version`]), exit 0
 //! ```
 //!
 //! Every subcommand but `run` works without consumers (`dlq` is described in its
-//! module, `dlq.rs`: browsing returns what it does not act on). Settings come from flags, then
+//! module, `dlq.rs`: browsing returns what it does not act on; `saga` in
+//! `saga.rs`). Settings come from flags, then
 //! the environment (`AMQP_URL`, `DATABASE_URL`, `IDEMQ_CONCURRENCY`,
 //! `IDEMQ_BATCH_SIZE`, `IDEMQ_PREFETCH`, `IDEMQ_HTTP_ADDR`, `IDEMQ_RETENTION`,
 //! `IDEMQ_REPLAY_WINDOW`, `IDEMQ_STARTUP_TIMEOUT`, `IDEMQ_RELEASE_STREAMS_AFTER`, `IDEMQ_CONSUMER_TIMEOUT`,
@@ -52,8 +54,10 @@
 //! queue holding retries, what is missing (with the command that declares it), what
 //! could not be read. `status --nonzero` keeps only the queues with something to look
 //! at (messages ready, dead letters, retries waiting, a stream behind, anything
-//! missing or unreadable); the dedup rows and the outbox backlog always print. A
-//! missing exchange is named: publishing to it fails.
+//! missing or unreadable); the dedup rows, the outbox backlog and the sagas always
+//! print. A missing exchange is named: publishing to it fails. The sagas get a line
+//! per name — how many run, the oldest's age, how many finished are kept — or
+//! `sagas: none`; `saga show NAME KEY` prints one.
 //!
 //! ```text
 //! queue                       ready   consumers   dead letters   retrying
@@ -67,6 +71,8 @@
 //! dead letters: `payments dlq list` shows them, `payments dlq replay` sends them back
 //! dedup rows: 60
 //! outbox backlog:        0
+//! saga order: 2 running, the oldest for 1h 5m; 1 finished (kept)
+//! sagas: `payments saga show NAME KEY` shows one
 //! ```
 //!
 //! A **stream** keeps what is read, so the broker's count of its messages says
@@ -120,6 +126,7 @@ mod console;
 mod declare;
 mod dlq;
 mod logging;
+mod saga;
 mod status;
 
 use idemq_core::__private::sibling;
@@ -240,6 +247,7 @@ impl Cli {
         .subcommand(declare_command())
         .subcommand(status_command())
         .subcommand(dlq_command())
+        .subcommand(saga_command())
         .subcommand(console_command())
         .subcommand(gc_command())
         .subcommand(
@@ -359,6 +367,7 @@ impl Cli {
                 Ok(())
             }
             "dlq" => dlq::run(&builder, sub).await,
+            "saga" => saga::run(&builder, sub).await,
             "gc" => {
                 let keep = setting::<Duration>(sub, "keep")
                     .or(file.retention)
@@ -716,13 +725,14 @@ fn status_command() -> Command {
         .about(
             "one line per queue: ready messages, consumers, dead letters, retries waiting; each stream's end \
              and each handler's offset, lag and owner; dedup rows and the outbox backlog, counted exactly; \
-             what cannot be read is `unknown (why)` and exits 1",
+             sagas running and finished by name; what cannot be read is `unknown (why)` and exits 1",
         )
         .long_about(
             "One line per consumed or declared queue: its ready messages and consumers, the dead letters in its \
              dead-letter queue and the retries waiting in its wait queues (each wait queue holding some gets a \
              line below). Missing queues and exchanges are named, with the fix. Then the dedup rows and the \
-             outbox backlog, counted exactly.\n\n\
+             outbox backlog, counted exactly, and for each saga name how many run (and how long the oldest \
+             has), and how many finished are kept.\n\n\
              A stream keeps what is read, so it has no \"ready\" count: its line shows where it ends (its last \
              offset, read from the broker), and below it each handler consuming it: the offset it applied up \
              to, its lag (the messages after that offset), and the process owning it now — the PostgreSQL \
@@ -733,7 +743,8 @@ fn status_command() -> Command {
         )
         .arg(Arg::new("nonzero").long("nonzero").action(ArgAction::SetTrue).help(
             "print only the queues with something to look at: messages ready, dead letters, retries waiting, a \
-             stream behind, or anything missing or unreadable (the dedup rows and outbox backlog always print)",
+             stream behind, or anything missing or unreadable (the dedup rows, outbox backlog and sagas always \
+             print)",
         ))
 }
 
@@ -747,6 +758,25 @@ fn gc_command() -> Command {
             "IDEMQ_REPLAY_WINDOW",
             "how long a dead letter may still be replayed (default 7d)",
         ))
+}
+
+/// `saga show NAME KEY`.
+fn saga_command() -> Command {
+    Command::new("saga").about("inspect sagas (`idemq_saga`)").subcommand_required(true).subcommand(
+        Command::new("show")
+            .about(
+                "one saga: running or finished, its version (steps taken), when it started, was updated, \
+                 finished and will be deleted, the timeouts it waits for, and its state as JSON; exits 1 \
+                 if there is none",
+            )
+            .arg(
+                Arg::new("name")
+                    .required(true)
+                    .value_name("NAME")
+                    .help("the saga's name (#[saga(name = \"...\")])"),
+            )
+            .arg(Arg::new("key").required(true).value_name("KEY").help("its correlation key")),
+    )
 }
 
 /// `--dry-run` of `dlq replay` and `dlq purge`.

@@ -1,9 +1,11 @@
 //! `status [--nonzero]`: one line per queue — its ready messages and consumers, its
 //! dead letters, the retries waiting in its wait queues — and below it a line for
 //! what needs one: a wait queue holding retries, something missing or unreadable, a
-//! stream's end and each of its handlers. Then the exchanges, the dedup rows and the
-//! outbox backlog. What cannot be read is `unknown (why)`, never a number, and makes
-//! the command exit 1 after printing the rest.
+//! stream's end and each of its handlers. Then the exchanges, the dedup rows, the
+//! outbox backlog and the sagas: a line per saga name (how many run and the oldest's
+//! age, how many finished are kept), or `sagas: none`. What cannot be read is
+//! `unknown (why)`, never a number, and makes the command exit 1 after printing the
+//! rest.
 //!
 //! A stream keeps what its consumers read, so its count of messages says nothing of
 //! them (a stream read to its end still holds all of it). A stream's line shows
@@ -188,6 +190,16 @@ pub(crate) async fn status_to(
     let outbox = db.count("idemq_outbox").await;
     say!(out, "dedup rows: {}", report.show(dedup));
     say!(out, "outbox backlog:        {}", report.show(outbox));
+    match db.sagas().await {
+        Ok(sagas) if sagas.is_empty() => say!(out, "sagas: none"),
+        Ok(sagas) => {
+            for saga in &sagas {
+                say!(out, "{}", saga_line(saga));
+            }
+            say!(out, "sagas: `{app} saga show NAME KEY` shows one");
+        }
+        Err(why) => say!(out, "sagas: {}", report.unknown(why)),
+    }
     match report.unknown {
         0 => Ok(()),
         n => Err(format!("{n} of the figures above could not be read (unknown)").into()),
@@ -443,6 +455,22 @@ impl Report<'_> {
     }
 }
 
+/// A saga name's line: how many run and for how long the oldest has, how many
+/// finished are kept.
+fn saga_line(saga: &db::SagaCount) -> String {
+    let running = match (saga.running, saga.oldest_seconds) {
+        (0, _) => "none running".to_owned(),
+        (n, Some(seconds)) => {
+            format!(
+                "{n} running, the oldest for {}",
+                human(Duration::from_secs(u64::try_from(seconds).unwrap_or(0)))
+            )
+        }
+        (n, None) => format!("{n} running"),
+    };
+    format!("saga {}: {running}; {} finished (kept)", saga.saga, saga.finished)
+}
+
 /// A held lock's session in words.
 fn session(holder: &db::LockHolder) -> String {
     let mut words = format!("the PostgreSQL session of pid {}", holder.pid);
@@ -630,6 +658,19 @@ impl Db {
             Ok(None) => Err(format!("{table} is not there: run `migrate`")),
             Err(err) => Err(format!(
                 "counting {table} failed within a {} statement_timeout: {err}",
+                human(COUNT_TIMEOUT)
+            )),
+        }
+    }
+
+    /// The sagas by name (`idemq_saga`, counted whole like the tables above).
+    async fn sagas(&mut self) -> Figure<Vec<db::SagaCount>> {
+        let conn = self.conn()?;
+        match db::count_sagas(conn).await {
+            Ok(sagas) => Ok(sagas),
+            Err(_) if crate::saga::table_missing(conn).await => Err(crate::saga::NOT_MIGRATED.to_owned()),
+            Err(err) => Err(format!(
+                "counting idemq_saga failed within a {} statement_timeout: {err}",
                 human(COUNT_TIMEOUT)
             )),
         }

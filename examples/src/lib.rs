@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod demo;
 pub mod orders;
+pub mod orders_run;
 
 /// The queue the demo consumes.
 pub const QUEUE: &str = "payments";

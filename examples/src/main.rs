@@ -13,6 +13,10 @@
 //! payments demo      migrate, publish a burst with duplicates and bad messages (and
 //!                    payments to the stream), consume it, print a summary and check
 //!                    the ledger and the events
+//! payments orders    run the order saga over a burst of orders (--orders, --window
+//!                    in seconds): shipped ones captured, the rest released by their
+//!                    timeout; check each ended one way
+//! payments saga show NAME KEY   print one saga's state
 //! ```
 //! `payments --help` and `payments <command> --help` say more; `payments --version`
 //! prints the version. Environment: `AMQP_URL`
@@ -50,12 +54,20 @@ async fn main() -> ExitCode {
         .about("exactly-once payments from RabbitMQ into PostgreSQL, with idemq")
         .setup(|url| async move { create_database(&url).await.map_err(Into::into) })
         .migrations(&MIGRATIONS);
-    let command = cli.command().subcommand(
-        Command::new("demo")
-            .about("publish a burst with duplicates and bad messages, consume it, check the ledger and the events")
-            .arg(number("payments", "distinct payments to publish (default 2000)"))
-            .arg(number("concurrency", "transactions at once (default 16)")),
-    );
+    let command = cli
+        .command()
+        .subcommand(
+            Command::new("demo")
+                .about("publish a burst with duplicates and bad messages, consume it, check the ledger and the events")
+                .arg(number("payments", "distinct payments to publish (default 2000)"))
+                .arg(number("concurrency", "transactions at once (default 16)")),
+        )
+        .subcommand(
+            Command::new("orders")
+                .about("run the order saga over a burst of orders: shipped ones captured, the rest released by their timeout")
+                .arg(number("orders", "orders to place (default 200)"))
+                .arg(number("window", "seconds an order waits to ship before its payment is released (default 5)")),
+        );
     let matches = match command.try_get_matches() {
         Ok(matches) => matches,
         Err(err) => {
@@ -63,6 +75,10 @@ async fn main() -> ExitCode {
             return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2));
         }
     };
+    if let Some(orders) = matches.subcommand_matches("orders") {
+        idemq::cli::init_tracing(&matches, "error");
+        return run_orders(&matches, orders).await;
+    }
     match matches.subcommand_matches("demo") {
         Some(demo) => {
             // The demo reports its dead letters in its summary: errors only. The CLI's
@@ -79,17 +95,50 @@ fn number(name: &'static str, help: &'static str) -> Arg {
     Arg::new(name).long(name).value_parser(RangedU64ValueParser::<usize>::new().range(1..)).help(help)
 }
 
-async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
+/// The broker's and the database's URLs: the CLI's settings, else the demo's defaults.
+fn urls(matches: &ArgMatches) -> Result<(String, String), ExitCode> {
     let urls = idemq::cli::amqp_url(matches).and_then(|amqp| Ok((amqp, idemq::cli::database_url(matches)?)));
-    let (amqp_url, database_url) = match urls {
-        Ok((amqp_url, database_url)) => (
+    match urls {
+        Ok((amqp_url, database_url)) => Ok((
             amqp_url.unwrap_or_else(|| idemq::connect::DEFAULT_AMQP_URL.to_owned()),
             database_url.unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned()),
-        ),
+        )),
         Err(err) => {
             eprintln!("payments: {}", err.report());
-            return ExitCode::FAILURE;
+            Err(ExitCode::FAILURE)
         }
+    }
+}
+
+async fn run_orders(matches: &ArgMatches, orders: &ArgMatches) -> ExitCode {
+    let (amqp_url, database_url) = match urls(matches) {
+        Ok(urls) => urls,
+        Err(code) => return code,
+    };
+    let count = orders.get_one::<usize>("orders").copied().unwrap_or(200);
+    let window =
+        std::time::Duration::from_secs(orders.get_one::<usize>("window").copied().unwrap_or(5) as u64);
+    match idemq_example_payments::orders_run::run(&amqp_url, &database_url, count, window).await {
+        Ok(report) => {
+            println!("{report}");
+            if report.ok {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("payments: an order saga did not end one way (see above)");
+                ExitCode::FAILURE
+            }
+        }
+        Err(err) => {
+            eprintln!("payments: {}", idemq::connect::report(&*err));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_demo(matches: &ArgMatches, demo: &ArgMatches) -> ExitCode {
+    let (amqp_url, database_url) = match urls(matches) {
+        Ok(urls) => urls,
+        Err(code) => return code,
     };
     let defaults = DemoConfig::default();
     let config = DemoConfig {

@@ -14,9 +14,10 @@
 //! `type`); every step is an `#[idempotent_handler]` taking the saga: a duplicate or
 //! a redelivery runs no step twice, two steps of one order never run at once (the
 //! saga's row is locked), and what a step sends and schedules commits with its state.
-//! `payments orders` runs it over a burst of orders (see `main.rs`); its tests are in
-//! `examples/tests/orders.rs`.
+//! `payments orders` runs it over a burst of orders (`orders_run.rs`); its tests are
+//! in `examples/tests/orders.rs`.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
@@ -29,6 +30,24 @@ pub const ORDERS: &str = "orders";
 
 /// How long a placed order waits to ship before its payment is released.
 pub const PAYMENT_WINDOW: Duration = Duration::from_secs(15 * 60);
+
+/// The window in force, in ms (0: [`PAYMENT_WINDOW`]); `payments orders --window`
+/// shortens it so its timeouts fire while you watch.
+static WINDOW_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the payment window of the orders placed from now on (a demo's: a shop has
+/// one window, [`PAYMENT_WINDOW`]).
+pub fn set_payment_window(window: Duration) {
+    WINDOW_MS.store(u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1), Ordering::Relaxed);
+}
+
+/// The payment window in force.
+pub fn payment_window() -> Duration {
+    match WINDOW_MS.load(Ordering::Relaxed) {
+        0 => PAYMENT_WINDOW,
+        ms => Duration::from_millis(ms),
+    }
+}
 
 /// An order was placed: starts its saga.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Message)]
@@ -110,6 +129,7 @@ pub enum Status {
     name = "order",
     key = "order_id",
     takes(OrderPlaced, PaymentReserved, OrderShipped, PaymentExpired),
+    sends(CapturePayment, ReleasePayment, PaymentExpired),
     keep_finished = "7d"
 )]
 pub struct Order {
@@ -121,7 +141,7 @@ pub struct Order {
     pub payment_id: Option<String>,
 }
 
-/// Starts the saga and schedules its timeout.
+/// Starts the saga and schedules its timeout, [`payment_window`] ahead.
 #[idempotent_handler(key = "order_id", saga(start))]
 pub async fn order_placed(
     _conn: &mut AsyncPgConnection,
@@ -130,7 +150,7 @@ pub async fn order_placed(
     ctx: &mut Context,
 ) -> Result<(), HandlerError> {
     saga.amount_cents = msg.amount_cents;
-    saga.schedule(ctx, &PaymentExpired { order_id: msg.order_id }, PAYMENT_WINDOW)?;
+    saga.schedule(ctx, &PaymentExpired { order_id: msg.order_id }, payment_window())?;
     Ok(())
 }
 

@@ -344,6 +344,7 @@ macro_rules! guide_links {
         [publishing.md]: crate::guide::publishing\n\
         [rabbitmq-versions.md]: crate::guide::rabbitmq_versions\n\
         [rabbitmq-versions.md#delivery-counting-on-rabbitmq-43-and-later]: crate::guide::rabbitmq_versions#delivery-counting-on-rabbitmq-43-and-later\n\
+        [sagas.md]: crate::guide::sagas\n\
         [security.md]: crate::guide::security\n\
         [security.md#least-privilege]: crate::guide::security#least-privilege\n\
         [security.md#secrets]: crate::guide::security#secrets\n\
@@ -386,6 +387,10 @@ pub mod guide {
         #![doc = guide_links!()]
         #![doc = include_str!("../../docs/contracts.md")]
     }
+    pub mod sagas {
+        #![doc = guide_links!()]
+        #![doc = include_str!("../../docs/sagas.md")]
+    }
     pub mod testing {
         #![doc = guide_links!()]
         #![doc = include_str!("../../docs/testing.md")]
@@ -426,6 +431,7 @@ pub mod guide {
             ("publishing.md", include_str!("../../docs/publishing.md")),
             ("streams.md", include_str!("../../docs/streams.md")),
             ("contracts.md", include_str!("../../docs/contracts.md")),
+            ("sagas.md", include_str!("../../docs/sagas.md")),
             ("testing.md", include_str!("../../docs/testing.md")),
             ("guarantees.md", include_str!("../../docs/guarantees.md")),
             ("operating.md", include_str!("../../docs/operating.md")),

@@ -130,6 +130,14 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             fn saga_key_path(&self) -> ::core::option::Option<&'static str> {
                 ::core::option::Option::Some(#takes::KEY_PATH)
             }
+
+            fn saga(&self) -> ::core::option::Option<::idemq::__private::SagaShape> {
+                ::core::option::Option::Some(::idemq::__private::SagaShape {
+                    name: <#state_ty as ::idemq::saga::SagaState>::NAME,
+                    takes: <#state_ty as ::idemq::saga::SagaState>::TAKES,
+                    sends: <#state_ty as ::idemq::saga::SagaState>::SENDS,
+                })
+            }
         }
     });
     let settings = settings(options);
@@ -214,7 +222,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
                     ::std::boxed::Box::pin(async move {
                         let ::core::option::Option::Some(mut __idemq_saga) = ::idemq::saga::__begin::<#state_ty>(
                             &mut *__idemq_conn,
-                            &*__idemq_ctx,
+                            &mut *__idemq_ctx,
                             ::idemq::saga::IfMissing::#missing,
                             ::idemq::saga::IfFinished::#finished,
                             #start,

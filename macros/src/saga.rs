@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! #[derive(Default, Serialize, Deserialize, Saga)]
-//! #[saga(name = "order", key = "order_id", takes(OrderPlaced, PaymentReserved, PaymentExpired(key = "order.id")))]
+//! #[saga(name = "order", key = "order_id", takes(OrderPlaced, PaymentReserved, PaymentExpired(key = "order.id")),
+//!        sends(CapturePayment))]
 //! struct Order { .. }
 //! ```
 //!
@@ -41,6 +42,8 @@ struct Model {
     name: String,
     key: Option<KeySpec>,
     takes: Vec<Taken>,
+    /// `sends(A, B)`: what its steps send, for the AsyncAPI document.
+    sends: Vec<syn::Type>,
     keep_finished_ms: Option<u64>,
 }
 
@@ -57,6 +60,7 @@ impl Model {
         }
         let (mut name, mut key, mut keep) = (None::<LitStr>, None::<KeySpec>, None);
         let mut takes = Vec::new();
+        let mut sends = Vec::new();
         let mut takes_given = false;
         let attrs: Vec<_> = input.attrs.iter().filter(|attr| attr.path().is_ident("saga")).collect();
         for attr in &attrs {
@@ -98,7 +102,8 @@ impl Model {
                                     own_key = Some(KeySpec::parse(lit)?);
                                     Ok(())
                                 } else {
-                                    Err(inner.error("a message the saga takes has one option: `key = \"...\"`"))
+                                    Err(inner
+                                        .error("a message the saga takes has one option: `key = \"...\"`"))
                                 }
                             })?;
                         }
@@ -106,9 +111,15 @@ impl Model {
                         takes.push(Taken { ty, key: own_key });
                         Ok(())
                     })?;
+                } else if meta.path.is_ident("sends") {
+                    meta.parse_nested_meta(|sent| {
+                        sends.push(syn::Type::Path(syn::TypePath { qself: None, path: sent.path.clone() }));
+                        Ok(())
+                    })?;
                 } else {
                     return Err(meta.error(format!(
-                        "unknown saga option; the options are `name`, `key`, `takes(...)` and `keep_finished`: {FORM}"
+                        "unknown saga option; the options are `name`, `key`, `takes(...)`, `sends(...)` and \
+                         `keep_finished`: {FORM}"
                     )));
                 }
                 Ok(())
@@ -140,13 +151,16 @@ impl Model {
             }
         }
         let name = name.map_or_else(|| snake_case(&input.ident.to_string()), |lit| lit.value());
-        errors.finish(|| Self { name, key, takes, keep_finished_ms: keep })
+        errors.finish(|| Self { name, key, takes, sends, keep_finished_ms: keep })
     }
 
     fn expand(&self, input: &DeriveInput) -> TokenStream {
         let ident = &input.ident;
         let name = &self.name;
         let names: Vec<String> = self.takes.iter().map(|taken| type_name(&taken.ty)).collect();
+        let sent: Vec<String> = self.sends.iter().map(type_name).collect();
+        // Each sent type named in code, so a misspelt one is an error on it.
+        let sent_types = self.sends.iter().map(|ty| quote_spanned! {ty.span()=> let _: ::core::option::Option<#ty> = ::core::option::Option::None; });
         let keep = self.keep_finished_ms.map(|ms| {
             quote! { const KEEP_FINISHED: ::core::time::Duration = ::core::time::Duration::from_millis(#ms); }
         });
@@ -177,7 +191,15 @@ impl Model {
                 const NAME: &'static str = #name;
                 #keep
                 const TAKES: &'static [&'static str] = &[#(#names),*];
+                const SENDS: &'static [&'static str] = &[#(#sent),*];
             }
+
+            const _: () = {
+                #[allow(dead_code)]
+                fn __idemq_sends() {
+                    #(#sent_types)*
+                }
+            };
 
             #(#takes)*
         }

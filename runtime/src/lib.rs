@@ -110,7 +110,7 @@ pub mod observe {
     pub use crate::base::observe::Sweep;
     pub use crate::base::observe::{
         on_connection, on_settled, Commit, ConnectionEvent, DecidedBatch, InfrastructureRetry,
-        KillSwitchEvent, Observe, RelayPass, StreamEvent, StreamLag, StreamState,
+        KillSwitchEvent, Observe, RelayPass, SagaStep, SagaStepKind, StreamEvent, StreamLag, StreamState,
     };
     pub use crate::base::outcome::{Settled, Stats, StatsSnapshot};
 }
@@ -466,6 +466,8 @@ pub mod __private {
             S::default()
         }
     }
+
+    pub use crate::base::SagaShape;
 
     /// A starting step's new state.
     pub fn __idemq_saga_start<S: __IdemqSagaStart>() -> S {

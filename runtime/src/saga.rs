@@ -36,8 +36,9 @@ use diesel_async::AsyncPgConnection;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::base::observe::SagaStepKind;
 use crate::base::outgoing::{Message, PublishError, When};
-use crate::handler::context::Context;
+use crate::handler::context::{Context, SagaRecord};
 use crate::handler::key::{Key, KeyError, Metadata};
 use crate::handler::HandlerError;
 use crate::store::db::{SagaRow, SagaWrite};
@@ -62,6 +63,10 @@ pub trait SagaState: Serialize + DeserializeOwned + Send + Sync + 'static {
 
     /// The names of the message types it takes, for the AsyncAPI document.
     const TAKES: &'static [&'static str] = &[];
+
+    /// The names of the message types its steps send (`sends(..)`), for the
+    /// AsyncAPI document.
+    const SENDS: &'static [&'static str] = &[];
 }
 
 /// A message type `M` the saga takes, and how its correlation key is read from it
@@ -124,6 +129,8 @@ pub struct Saga<S> {
     /// Timeouts scheduled by this step (still in the context's buffer).
     scheduled_now: Vec<String>,
     completed: bool,
+    /// This step's message is one of the saga's timeouts.
+    fired: bool,
 }
 
 impl<S: SagaState> Saga<S> {
@@ -138,6 +145,7 @@ impl<S: SagaState> Saga<S> {
             timeouts: Vec::new(),
             scheduled_now: Vec::new(),
             completed: false,
+            fired: false,
         }
     }
 
@@ -173,7 +181,8 @@ impl<S: SagaState> Saga<S> {
         self.completed
     }
 
-    /// The message ids of the timeouts it scheduled and has not cancelled.
+    /// The message ids of the timeouts it scheduled that have not come yet (the
+    /// message of this step removed, if it is one of them).
     pub fn timeouts(&self) -> &[String] {
         &self.timeouts
     }
@@ -278,7 +287,7 @@ pub enum SagaError {
 #[doc(hidden)]
 pub async fn __begin<S: SagaState>(
     conn: &mut AsyncPgConnection,
-    ctx: &Context,
+    ctx: &mut Context,
     if_missing: IfMissing,
     if_finished: IfFinished,
     start: Option<fn() -> S>,
@@ -287,10 +296,11 @@ pub async fn __begin<S: SagaState>(
     let key = ctx.saga_key().ok_or(HandlerError::permanent(SagaError::NoKey { saga }))?.to_owned();
     let start = if if_missing == IfMissing::Start { start } else { None };
     let row = crate::store::db::lock_saga(conn, saga, &key, start.is_some()).await?;
-    let Some(SagaRow { state, version, timeouts, finished }) = row else {
+    let Some(SagaRow { state, version, mut timeouts, finished }) = row else {
         return match if_missing {
             IfMissing::Ignore | IfMissing::Start => {
                 crate::base::log::info!(saga, %key, handler = ctx.handler(), "no such saga: the message is acked without the step (saga(missing = \"ignore\"))");
+                ctx.record_saga_step(ignored(saga));
                 Ok(None)
             }
             IfMissing::Retry => Err(HandlerError::transient(SagaError::Missing { saga, key, retried: true })),
@@ -303,11 +313,18 @@ pub async fn __begin<S: SagaState>(
         return match if_finished {
             IfFinished::Ignore => {
                 crate::base::log::info!(saga, %key, handler = ctx.handler(), "the saga has finished: the message is acked without the step (saga(finished = \"ignore\"))");
+                ctx.record_saga_step(ignored(saga));
                 Ok(None)
             }
             IfFinished::DeadLetter => Err(HandlerError::permanent(SagaError::Finished { saga, key })),
         };
     }
+    // A timeout that came is no longer waited for.
+    let waiting = timeouts.len();
+    if let Some(delivered) = ctx.message_id() {
+        timeouts.retain(|id| id != delivered);
+    }
+    let fired = timeouts.len() < waiting;
     let state = match (version, start) {
         (0, Some(new)) => new(),
         _ => serde_json::from_str(&state).map_err(|source| {
@@ -319,7 +336,12 @@ pub async fn __begin<S: SagaState>(
             })
         })?,
     };
-    Ok(Some(Saga { key, state, version, timeouts, scheduled_now: Vec::new(), completed: false }))
+    Ok(Some(Saga { key, state, version, timeouts, scheduled_now: Vec::new(), completed: false, fired }))
+}
+
+/// The record of a message acked without its step.
+fn ignored(saga: &'static str) -> SagaRecord {
+    SagaRecord { saga, kind: SagaStepKind::Ignored, scheduled: 0, cancelled: 0, fired: false }
 }
 
 /// Writes the step's saga back, for the generated handler, once its fn returned `Ok`.
@@ -330,13 +352,28 @@ pub async fn __end<S: SagaState>(
     saga: Saga<S>,
 ) -> Result<(), HandlerError> {
     let state = serde_json::to_string(&saga.state).map_err(HandlerError::permanent)?;
-    let write = if saga.completed {
+    let scheduled = u32::try_from(saga.scheduled_now.len()).unwrap_or(u32::MAX);
+    let (write, kind) = if saga.completed {
         // Timeouts scheduled by this very step are still in the context's buffer.
         ctx.unpublish(&saga.scheduled_now);
-        SagaWrite::Finished { state: &state, keep: S::KEEP_FINISHED, timeouts: &saga.timeouts }
+        let earlier: Vec<String> =
+            saga.timeouts.iter().filter(|id| !saga.scheduled_now.contains(id)).cloned().collect();
+        (
+            SagaWrite::Finished { state: &state, keep: S::KEEP_FINISHED, timeouts: earlier },
+            SagaStepKind::Completed,
+        )
     } else {
-        SagaWrite::Running { state: &state, timeouts: &saga.timeouts }
+        let kind = if saga.version == 0 { SagaStepKind::Started } else { SagaStepKind::Advanced };
+        (SagaWrite::Running { state: &state, timeouts: &saga.timeouts }, kind)
     };
-    crate::store::db::write_saga(conn, S::NAME, &saga.key, write).await?;
+    let cancelled = crate::store::db::write_saga(conn, S::NAME, &saga.key, write).await?;
+    let cancelled = u32::try_from(cancelled).unwrap_or(u32::MAX) + if saga.completed { scheduled } else { 0 };
+    ctx.record_saga_step(SagaRecord {
+        saga: S::NAME,
+        kind,
+        scheduled: if saga.completed { 0 } else { scheduled },
+        cancelled,
+        fired: saga.fired,
+    });
     Ok(())
 }

@@ -198,3 +198,34 @@ fn message_types_and_versions_are_in_the_document() {
     let queue = &document["channels"]["queue.orders"]["messages"];
     assert!(queue.get("OrderPlaced").is_some() && queue.get("OrderCancelled").is_some(), "{queue:#}");
 }
+
+/// A saga's steps: each receive operation names its saga (`x-idemq-saga`), and the
+/// document lists each saga with the messages it takes and sends and its steps
+/// (`x-idemq-sagas`); still valid AsyncAPI 3.
+#[test]
+fn a_sagas_steps_and_the_messages_it_takes_and_sends_are_in_the_document() {
+    use idemq_example_payments::{orders, orders_run};
+    let document =
+        orders::consume(Runtime::builder().topology(orders_run::topology())).asyncapi("orders", "0.1.0");
+    assert_eq!(errors(&document), Vec::<String>::new(), "{document:#}");
+    let step = &document["operations"]["order_placed.orders"];
+    assert_eq!(step["x-idemq-saga"], "order", "{document:#}");
+    let saga = &document["x-idemq-sagas"]["order"];
+    assert_eq!(
+        saga["takes"],
+        serde_json::json!(["OrderPlaced", "PaymentReserved", "OrderShipped", "PaymentExpired"])
+    );
+    assert_eq!(saga["sends"], serde_json::json!(["CapturePayment", "ReleasePayment", "PaymentExpired"]));
+    let steps: Vec<&str> =
+        saga["steps"].as_array().expect("steps").iter().filter_map(|s| s["$ref"].as_str()).collect();
+    assert_eq!(
+        steps,
+        [
+            "#/operations/order_placed.orders",
+            "#/operations/payment_reserved.orders",
+            "#/operations/order_shipped.orders",
+            "#/operations/payment_expired.orders"
+        ]
+    );
+    assert!(document["operations"]["send.CapturePayment"].is_object(), "what it sends is in the topology");
+}

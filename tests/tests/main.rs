@@ -44,6 +44,8 @@ mod pipeline;
 mod privileges;
 mod publisher;
 mod rabbitmq4;
+mod saga_cli;
+mod sagas;
 mod scheduled;
 mod secrets;
 mod signals;

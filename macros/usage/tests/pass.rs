@@ -67,6 +67,9 @@ mod pub_in_module;
 #[path = "ui/pass/returns_a_result.rs"]
 mod returns_a_result;
 
+#[path = "ui/pass/saga.rs"]
+mod saga;
+
 #[path = "ui/pass/string_key.rs"]
 mod string_key;
 
@@ -161,6 +164,11 @@ fn pub_in_module_is_accepted() {
 #[test]
 fn returns_a_result_is_accepted() {
     returns_a_result::main();
+}
+
+#[test]
+fn a_saga_and_its_steps_are_accepted() {
+    saga::main();
 }
 
 #[test]

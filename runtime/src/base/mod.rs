@@ -51,3 +51,15 @@ pub fn random_id() -> String {
     getrandom::fill(&mut bytes).expect("the operating system's random number generator");
     hex(&bytes)
 }
+
+/// A saga as the AsyncAPI document shows it (see `idemq::saga`).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SagaShape {
+    /// Its name.
+    pub name: &'static str,
+    /// The message types it takes, as its `#[saga(takes(..))]` names them.
+    pub takes: &'static [&'static str],
+    /// The message types it sends, as its `#[saga(sends(..))]` names them.
+    pub sends: &'static [&'static str],
+}

@@ -192,6 +192,57 @@ pub trait Observe: Send + Sync + 'static {
     fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
         let _ = event;
     }
+
+    /// A saga's step committed (see [`idemq::saga`](crate::saga)): reported after the
+    /// COMMIT that holds it, once per step.
+    fn saga_step(&self, step: &SagaStep<'_>) {
+        let _ = step;
+    }
+}
+
+/// What a committed step did to its saga.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SagaStep<'a> {
+    /// The saga's name.
+    pub saga: &'a str,
+    /// The step's handler.
+    pub handler: &'static str,
+    /// What the step was.
+    pub kind: SagaStepKind,
+    /// Timeouts it scheduled.
+    pub timeouts_scheduled: u32,
+    /// Timeouts its completion cancelled (still waiting in the outbox).
+    pub timeouts_cancelled: u32,
+    /// Whether the message was one of the saga's own timeouts.
+    pub timeout_fired: bool,
+}
+
+/// What a saga step was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SagaStepKind {
+    /// It started the saga (and did not complete it).
+    Started,
+    /// It moved a running saga on.
+    Advanced,
+    /// It completed the saga (started by it, or not).
+    Completed,
+    /// The saga did not exist or had finished, and the step's policy acked the
+    /// message without running it.
+    Ignored,
+}
+
+impl SagaStepKind {
+    /// `started`, `advanced`, `completed` or `ignored` (the `step` label of the metrics).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Advanced => "advanced",
+            Self::Completed => "completed",
+            Self::Ignored => "ignored",
+        }
+    }
 }
 
 /// A handler's kill switch opened or closed.
@@ -341,6 +392,10 @@ impl Observers {
     pub(crate) fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
         self.0.iter().for_each(|o| o.kill_switch(event));
     }
+
+    pub(crate) fn saga_step(&self, step: &SagaStep<'_>) {
+        self.0.iter().for_each(|o| o.saga_step(step));
+    }
 }
 
 /// A shared subscriber (keep a clone to read what it gathered).
@@ -387,6 +442,10 @@ impl<T: Observe> Observe for Arc<T> {
 
     fn kill_switch(&self, event: &KillSwitchEvent<'_>) {
         (**self).kill_switch(event);
+    }
+
+    fn saga_step(&self, step: &SagaStep<'_>) {
+        (**self).saga_step(step);
     }
 }
 

@@ -3,7 +3,9 @@
 //! a `receive` operation per handler and a `send` operation per message type named
 //! with [`Topology::message`](crate::Topology::message), the messages in
 //! `components`. What idemq adds is in `x-idemq-*` extensions: a handler's key and
-//! dedup, a queue's type and dead-letter queue, a queue's bindings.
+//! dedup, a queue's type and dead-letter queue, a queue's bindings, a saga step's
+//! saga (`x-idemq-saga`), and each saga with the messages it takes and sends and its
+//! steps (`x-idemq-sagas` at the top).
 //!
 //! Payloads are described by their Rust type (`x-idemq-rust-type`) and by their JSON
 //! Schema (draft 7, inlined) where the type derives `schemars::JsonSchema` and the
@@ -11,6 +13,8 @@
 //! wire is its AMQP message binding's `messageType`; its version, `x-idemq-version`.
 
 use serde_json::{json, Map, Value};
+
+use crate::base::SagaShape;
 
 use super::topology::{Queue, QueueType, Topology};
 
@@ -33,6 +37,8 @@ pub(crate) struct Receiver<'a> {
     pub(crate) message: Shown,
     /// The Rust type of its result, the reply to a request (`None`: `()`).
     pub(crate) reply: Option<&'static str>,
+    /// The saga it is a step of.
+    pub(crate) saga: Option<SagaShape>,
 }
 
 /// A message type as the document shows it.
@@ -78,6 +84,10 @@ pub(crate) fn document(topology: &Topology, receivers: &[Receiver<'_>], title: &
         if let Some(reply) = receiver.reply {
             operation["reply"] = doc.reply(&id, reply);
         }
+        if let Some(saga) = receiver.saga {
+            operation["x-idemq-saga"] = json!(saga.name);
+            doc.saga(saga, &id);
+        }
         doc.operations.insert(id, operation);
     }
     for kind in topology.message_types() {
@@ -104,7 +114,7 @@ pub(crate) fn document(topology: &Topology, receivers: &[Receiver<'_>], title: &
             }),
         );
     }
-    json!({
+    let mut document = json!({
         "asyncapi": "3.0.0",
         "info": {
             "title": title,
@@ -115,7 +125,11 @@ pub(crate) fn document(topology: &Topology, receivers: &[Receiver<'_>], title: &
         "channels": doc.channels,
         "operations": doc.operations,
         "components": { "messages": doc.messages },
-    })
+    });
+    if !doc.sagas.is_empty() {
+        document["x-idemq-sagas"] = Value::Object(doc.sagas);
+    }
+    document
 }
 
 #[derive(Default)]
@@ -123,9 +137,22 @@ struct Document {
     channels: Map<String, Value>,
     operations: Map<String, Value>,
     messages: Map<String, Value>,
+    /// Each saga: the messages it takes and sends, and its steps' operations.
+    sagas: Map<String, Value>,
 }
 
 impl Document {
+    /// Adds `operation` to the steps of `saga`, the saga if new.
+    fn saga(&mut self, saga: SagaShape, operation: &str) {
+        let entry = self
+            .sagas
+            .entry(saga.name)
+            .or_insert_with(|| json!({ "takes": saga.takes, "sends": saga.sends, "steps": [] }));
+        if let Some(steps) = entry["steps"].as_array_mut() {
+            steps.push(json!({ "$ref": format!("#/operations/{operation}") }));
+        }
+    }
+
     /// The channel of `queue`, added if new; its id.
     fn queue(&mut self, queue: &Queue) -> String {
         let channel = id(&format!("queue.{}", queue.name()));

@@ -44,6 +44,8 @@
 //! | `idemq_stream_lag_seconds{stream, handler}` | how long ago a read of the stream's end first saw an offset still not applied: at least this far behind in time (0 once caught up) |
 //! | `idemq_kill_switch_open{queue, handler}` | 1 while the handler's kill switch holds its queue paused (`RuntimeBuilder::kill_switch`) |
 //! | `idemq_kill_switch_trips_total{queue, handler}` | times it opened, a failed try after a pause included |
+//! | `idemq_saga_steps_total{saga, handler, step}` | committed saga steps: `started`, `advanced`, `completed`, or `ignored` (no saga, or finished, and the step's policy acked it) |
+//! | `idemq_saga_timeouts_total{saga, event}` | saga timeouts `scheduled`, `fired` (taken by a step) and `cancelled` (by the saga's completion, before they were due) |
 //! | `idemq_dedup_rows_deleted_total` | rows the retention sweep deleted |
 //!
 //! `handler` is the name of the handler consuming the queue (as in the
@@ -117,6 +119,8 @@ pub(crate) struct Metrics {
     stream_lag_seconds: Family<Labels, Gauge>,
     kill_switch_open: Family<Labels, Gauge>,
     kill_switch_trips: Family<Labels, Counter>,
+    saga_steps: Family<Labels, Counter>,
+    saga_timeouts: Family<Labels, Counter>,
     dedup_deleted: Counter,
     database_ok: AtomicBool,
     /// Each stream consumer's state and since when: (stream, handler) → …
@@ -163,6 +167,8 @@ impl Metrics {
             stream_lag_seconds: Family::default(),
             kill_switch_open: Family::default(),
             kill_switch_trips: Family::default(),
+            saga_steps: Family::default(),
+            saga_timeouts: Family::default(),
             dedup_deleted: Counter::default(),
             database_ok: AtomicBool::new(false),
             streams: std::sync::Mutex::default(),
@@ -277,6 +283,16 @@ impl Metrics {
             "idemq_kill_switch_trips",
             "Times the handler's kill switch opened (a failed try after a pause included)",
             self.kill_switch_trips.clone(),
+        );
+        registry.register(
+            "idemq_saga_steps",
+            "Committed saga steps: started, advanced, completed, or ignored by the step's policy",
+            self.saga_steps.clone(),
+        );
+        registry.register(
+            "idemq_saga_timeouts",
+            "Saga timeouts scheduled, fired (taken by a step) and cancelled by the saga's completion",
+            self.saga_timeouts.clone(),
         );
         registry.register(
             "idemq_dedup_rows_deleted",
@@ -507,6 +523,24 @@ impl Observe for Metrics {
 
     fn swept(&self, sweep: &crate::base::observe::Sweep) {
         self.dedup_deleted.inc_by(sweep.dedup_rows);
+    }
+
+    fn saga_step(&self, step: &crate::base::observe::SagaStep<'_>) {
+        let labels = vec![
+            ("saga", step.saga.to_owned()),
+            ("handler", step.handler.to_owned()),
+            ("step", step.kind.name().to_owned()),
+        ];
+        self.saga_steps.get_or_create(&labels).inc();
+        let fired = u32::from(step.timeout_fired);
+        for (event, n) in
+            [("scheduled", step.timeouts_scheduled), ("fired", fired), ("cancelled", step.timeouts_cancelled)]
+        {
+            if n > 0 {
+                let labels = vec![("saga", step.saga.to_owned()), ("event", event.to_owned())];
+                self.saga_timeouts.get_or_create(&labels).inc_by(u64::from(n));
+            }
+        }
     }
 
     fn kill_switch(&self, event: &crate::base::observe::KillSwitchEvent<'_>) {

@@ -4,6 +4,7 @@
 use lapin::BasicProperties;
 use serde::Serialize;
 
+use crate::base::observe::SagaStepKind;
 use crate::base::outgoing::{message_id, Message, Outgoing, PublishError};
 use crate::base::trace::{Trace, TRACEPARENT};
 use crate::handler::HandlerError;
@@ -40,6 +41,19 @@ pub struct Context {
     trace: Option<Trace>,
     /// The correlation key of the saga the handler is a transition of.
     saga_key: Option<String>,
+    /// What the step did to its saga, reported once its transaction commits.
+    saga_step: Option<SagaRecord>,
+}
+
+/// What a saga step did, as the context carries it to the COMMIT (the engine adds
+/// the handler's name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SagaRecord {
+    pub(crate) saga: &'static str,
+    pub(crate) kind: SagaStepKind,
+    pub(crate) scheduled: u32,
+    pub(crate) cancelled: u32,
+    pub(crate) fired: bool,
 }
 
 impl Context {
@@ -60,6 +74,7 @@ impl Context {
             random_ids: false,
             trace: Trace::of(properties),
             saga_key: None,
+            saga_step: None,
         }
     }
 
@@ -271,6 +286,16 @@ impl Context {
     /// scheduled by the same step).
     pub(crate) fn unpublish(&mut self, ids: &[String]) {
         self.published.retain(|outgoing| outgoing.message_id.as_ref().is_none_or(|id| !ids.contains(id)));
+    }
+
+    /// Records what the step did to its saga (the last record wins).
+    pub(crate) fn record_saga_step(&mut self, record: SagaRecord) {
+        self.saga_step = Some(record);
+    }
+
+    /// What the step did to its saga, taken for the COMMIT's report.
+    pub(crate) fn take_saga_step(&mut self) -> Option<SagaRecord> {
+        self.saga_step.take()
     }
 
     pub(crate) fn take_published(&mut self) -> Vec<Outgoing> {

@@ -128,6 +128,13 @@ pub trait Handler: Send + Sync + 'static {
         None
     }
 
+    /// The saga the handler is a step of: its name and the messages it takes and
+    /// sends, for the AsyncAPI document (the attribute writes it).
+    #[doc(hidden)]
+    fn saga(&self) -> Option<SagaShape> {
+        None
+    }
+
     /// The Rust type of the handler's result — what a request is answered with —
     /// for the AsyncAPI document; `None` for `()` (the attribute writes it).
     fn reply_type(&self) -> Option<&'static str> {
@@ -181,6 +188,8 @@ pub trait Handler: Send + Sync + 'static {
         batch::one_by_one(self, conn, batch)
     }
 }
+
+use crate::base::SagaShape;
 
 pub use crate::base::verdict::ErrorClass;
 

@@ -95,6 +95,8 @@ pub(crate) trait ErasedHandler: Send + Sync + 'static {
     fn payload_schema(&self) -> Option<serde_json::Value>;
     /// Its result's Rust type (the reply to a request), if not `()`.
     fn reply_type(&self) -> Option<&'static str>;
+    /// The saga it is a step of, for the AsyncAPI document.
+    fn saga(&self) -> Option<crate::base::SagaShape>;
     /// Whether its messages run together, as a [`Batch`] ([`Payload::Message`]).
     fn batched(&self) -> bool;
     /// Runs the batch handler on `messages` (each a [`Payload::Message`] this handler
@@ -181,6 +183,10 @@ impl<H: Handler> ErasedHandler for Arc<H> {
 
     fn reply_type(&self) -> Option<&'static str> {
         H::reply_type(self)
+    }
+
+    fn saga(&self) -> Option<crate::base::SagaShape> {
+        H::saga(self)
     }
 
     fn batched(&self) -> bool {

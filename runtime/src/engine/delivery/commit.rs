@@ -11,7 +11,7 @@ use super::contention::Collision;
 use super::faults::{no_answer, rollback, Fault, InfraFault};
 use super::tx::{infra, rerun_repeats, split, Done, Tx};
 use super::Consumer;
-use crate::base::observe::Commit;
+use crate::base::observe::{Commit, SagaStep};
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{Outgoing, Request};
 use crate::base::verdict;
@@ -100,7 +100,17 @@ impl Consumer {
     /// Committed: every handler that ran is applied, and the repeats of their keys
     /// follow.
     fn applied(&self, tx: &mut Tx<'_>, done: Vec<Done>) {
-        for Done { index, key, fingerprint, output, took, .. } in done {
+        for Done { index, key, fingerprint, output, took, saga, .. } in done {
+            if let Some(saga) = saga {
+                self.shared.observers.saga_step(&SagaStep {
+                    saga: saga.saga,
+                    handler: self.handler.name(),
+                    kind: saga.kind,
+                    timeouts_scheduled: saga.scheduled,
+                    timeouts_cancelled: saga.cancelled,
+                    timeout_fired: saga.fired,
+                });
+            }
             let stored = Stored { fingerprint: Some(fingerprint.to_vec()), result: output.0, failed: false };
             tx.payloads.insert(key.as_str().to_owned(), stored);
             let mut decision = self.decision(Outcome::Applied, key.as_str(), Some(tx.began_at), tx.batch);

@@ -125,7 +125,8 @@ impl Consumer {
         let unfinished = match ran {
             Ok(output) => {
                 let published = ctx.take_published();
-                return Ok(Handled::Done(Done { index, key, fingerprint, output, published, took }));
+                let saga = ctx.take_saga_step();
+                return Ok(Handled::Done(Done { index, key, fingerprint, output, published, took, saga }));
             }
             Err(unfinished) => unfinished,
         };
@@ -169,7 +170,8 @@ impl Consumer {
                     .zip(contexts)
                     .map(|(((index, key, fingerprint), output), mut ctx)| {
                         let published = ctx.take_published();
-                        Done { index, key, fingerprint, output, published, took }
+                        let saga = ctx.take_saga_step();
+                        Done { index, key, fingerprint, output, published, took, saga }
                     })
                     .collect();
                 return Ok(Step::Next(done));

@@ -13,7 +13,7 @@ use super::{Consumer, Decision, Delivered};
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::{self, Outgoing, Request};
 use crate::base::verdict;
-use crate::handler::context::HandlerOutput;
+use crate::handler::context::{HandlerOutput, SagaRecord};
 use crate::handler::key::Key;
 use crate::handler::prepare::{Fingerprint, Prepared};
 use crate::handler::HandlerError;
@@ -96,6 +96,8 @@ pub(super) struct Done {
     pub(super) published: Vec<Outgoing>,
     /// How long it ran (a batch handler: the whole call, for each message).
     pub(super) took: Duration,
+    /// What it did to its saga, if it is a saga's step.
+    pub(super) saga: Option<SagaRecord>,
 }
 
 /// A delivery whose key an earlier one of its batch holds: decided by that one's fate.

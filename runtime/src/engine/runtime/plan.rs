@@ -125,6 +125,7 @@ impl RuntimeBuilder {
                 key: registration.handler.key_path(),
                 dedup: registration.handler.dedup(),
                 reply: registration.handler.reply_type(),
+                saga: registration.handler.saga(),
                 message: crate::broker::asyncapi::Shown {
                     schema: registration.handler.payload_schema(),
                     rust_type: registration.handler.message_type(),

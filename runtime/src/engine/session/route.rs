@@ -83,6 +83,10 @@ impl ErasedHandler for Unroutable {
         None
     }
 
+    fn saga(&self) -> Option<crate::base::SagaShape> {
+        None
+    }
+
     fn batched(&self) -> bool {
         false
     }

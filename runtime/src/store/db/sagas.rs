@@ -57,18 +57,19 @@ pub(crate) enum SagaWrite<'a> {
     /// Still running: the new state and the timeouts it waits for.
     Running { state: &'a str, timeouts: &'a [String] },
     /// Finished, kept `keep` with its last state; its timeouts cancelled.
-    Finished { state: &'a str, keep: Duration, timeouts: &'a [String] },
+    Finished { state: &'a str, keep: Duration, timeouts: Vec<String> },
 }
 
 /// Writes a transition of the locked row, in the caller's transaction. A finished
 /// saga kept for no time is deleted; its scheduled timeouts still waiting in the
-/// outbox are deleted with it (never published).
+/// outbox are deleted with it (never published): how many were, returned.
 pub(crate) async fn write_saga(
     conn: &mut AsyncPgConnection,
     name: &str,
     key: &str,
     write: SagaWrite<'_>,
-) -> QueryResult<()> {
+) -> QueryResult<usize> {
+    let mut cancelled = 0;
     match write {
         SagaWrite::Running { state, timeouts } => {
             diesel::sql_query(
@@ -84,8 +85,8 @@ pub(crate) async fn write_saga(
         }
         SagaWrite::Finished { state, keep, timeouts } => {
             if !timeouts.is_empty() {
-                diesel::sql_query("DELETE FROM idemq_outbox WHERE message_id = ANY($1)")
-                    .bind::<Array<Text>, _>(timeouts)
+                cancelled = diesel::sql_query("DELETE FROM idemq_outbox WHERE message_id = ANY($1)")
+                    .bind::<Array<Text>, _>(&timeouts)
                     .execute(conn)
                     .await?;
             }
@@ -111,7 +112,7 @@ pub(crate) async fn write_saga(
             }
         }
     }
-    Ok(())
+    Ok(cancelled)
 }
 
 /// The longest a finished saga is kept (100 years, in ms): what a timestamp can
