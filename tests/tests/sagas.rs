@@ -174,6 +174,24 @@ async fn route_to_bed(bed: &Bed) {
         .expect("bind the queue");
 }
 
+/// The saga steps observers were told of: handler, step, timeouts scheduled and
+/// cancelled, whether a timeout fired.
+#[derive(Default)]
+struct Steps(std::sync::Mutex<Vec<(&'static str, &'static str, u32, u32, bool)>>);
+
+impl idemq::observe::Observe for Steps {
+    fn saga_step(&self, step: &idemq::observe::SagaStep<'_>) {
+        let told = (
+            step.handler,
+            step.kind.name(),
+            step.timeouts_scheduled,
+            step.timeouts_cancelled,
+            step.timeout_fired,
+        );
+        self.0.lock().expect("steps").push(told);
+    }
+}
+
 /// Publishes `message` to the bed's queue as `Publisher::send` would (its type set).
 async fn send<M: Message>(broker: &Broker, queue: &str, message: &M) {
     let message = TestMessage::of(message);
@@ -317,8 +335,15 @@ async fn a_timeout_fires_once_and_one_cancelled_by_completion_never_fires() {
     let cancelled = Tick { tally: "cancelled".into(), n: 0, of: 2, timeout_ms: 3_000 };
     send(&bed.broker, &bed.queue, &fires).await;
     send(&bed.broker, &bed.queue, &cancelled).await;
+    let steps = Arc::new(Steps::default());
+    let addr = idemq_tests::free_addr();
     let running = Running::start(
-        bed.runtime().consume(&bed.queue, tick).consume(&bed.queue, close).consume(&bed.queue, timed_out),
+        bed.runtime()
+            .http_addr(addr)
+            .observe(Arc::clone(&steps))
+            .consume(&bed.queue, tick)
+            .consume(&bed.queue, close)
+            .consume(&bed.queue, timed_out),
     );
     let mut conn = bed.db.connect().await;
     // Closed once it exists (`close` dead-letters a message for a tally not started).
@@ -347,6 +372,31 @@ async fn a_timeout_fires_once_and_one_cancelled_by_completion_never_fires() {
     assert_eq!(outbox, 0, "the cancelled timeout is gone, not waiting");
     let timeouts_run = running.events().iter().filter(|s| s.handler == "timed_out").count();
     assert_eq!(timeouts_run, 1, "one timeout delivered: {:?}", running.events());
+    // What the observers and the metrics were told, after each step's COMMIT: each
+    // tally started (scheduling its timeout); one completed by its fired timeout, the
+    // other by its close, which cancelled its timeout.
+    let mut told = steps.0.lock().expect("steps").clone();
+    told.sort();
+    assert_eq!(
+        told,
+        vec![
+            ("close", "completed", 0, 1, false),
+            ("tick", "started", 1, 0, false),
+            ("tick", "started", 1, 0, false),
+            ("timed_out", "completed", 0, 0, true),
+        ]
+    );
+    let metrics =
+        tokio::task::spawn_blocking(move || idemq_tests::http_get(addr, "/metrics")).await.expect("GET");
+    for line in [
+        r#"idemq_saga_steps_total{saga="tally",handler="tick",step="started"} 2"#,
+        r#"idemq_saga_steps_total{saga="tally",handler="timed_out",step="completed"} 1"#,
+        r#"idemq_saga_timeouts_total{saga="tally",event="scheduled"} 2"#,
+        r#"idemq_saga_timeouts_total{saga="tally",event="fired"} 1"#,
+        r#"idemq_saga_timeouts_total{saga="tally",event="cancelled"} 1"#,
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
     running.stop().await.expect("clean shutdown");
 }
 
