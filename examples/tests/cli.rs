@@ -91,6 +91,34 @@ fn demo_applies_each_payment_once_and_can_run_again() {
     }
 }
 
+/// `payments orders` runs the order saga end to end — duplicates, reservations that
+/// overtake their order, timeouts through the relay — and every saga ends one way,
+/// each command sent once; `status` counts them, finished and kept.
+#[test]
+fn orders_runs_the_order_saga_and_every_saga_ends_one_way() {
+    let env = Isolated::new();
+    let output = run_ok(&mut env.payments(&["orders", "--orders", "40", "--window", "2"]));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("orders:     40 placed"), "{stdout}");
+    assert!(stdout.contains("check:      OK"), "{stdout}");
+    let shipped: usize = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("shipped:")?.split_whitespace().next()?.parse().ok())
+        .expect("a shipped line");
+    let released: usize = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("released:")?.split_whitespace().next()?.parse().ok())
+        .expect("a released line");
+    assert_eq!(shipped + released, 40, "{stdout}");
+    assert!(released >= 10, "the orders never reserved are released by their timeout: {stdout}");
+    let status = stdout_of(&run_ok(&mut env.payments(&["status"])));
+    assert!(status.contains("saga order: none running; 40 finished (kept)"), "{status}");
+}
+
+fn stdout_of(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
 /// `payments migrate` applies the migrations and exits 0; `payments run` consumes
 /// until SIGTERM and then exits 0.
 #[test]
@@ -167,7 +195,7 @@ fn run_fails(command: &mut Command) -> String {
 fn help_lists_every_subcommand_and_exits_zero() {
     let env = Isolated::new();
     let help = stdout(&run_ok(&mut env.payments(&["--help"])));
-    for subcommand in ["run", "migrate", "declare", "status", "gc", "demo"] {
+    for subcommand in ["run", "migrate", "declare", "status", "gc", "demo", "orders", "saga"] {
         assert!(help.lines().any(|l| l.trim_start().starts_with(subcommand)), "{subcommand} missing: {help}");
     }
     let run = stdout(&run_ok(&mut env.payments(&["run", "--help"])));

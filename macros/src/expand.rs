@@ -16,7 +16,7 @@ use quote::{quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
 use syn::ItemFn;
 
-use crate::attr::{KeySpec, Options, Part, Source};
+use crate::attr::{KeySpec, Options, Part, SagaOptions, Source};
 use crate::errors::Errors;
 use crate::handler::{HandlerFn, Role};
 
@@ -196,57 +196,19 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     let handle = match (batch_ty, saga_ty) {
         // A saga's step: the saga is locked and read before the fn, written after it
         // returned `Ok`, on the same connection (see `idemq::saga`).
-        (None, Some(state_ty)) => {
-            let policy = options.saga.as_ref();
-            let missing = Ident::new(policy.and_then(|p| p.missing).unwrap_or("Retry"), Span::call_site());
-            let finished = Ident::new(policy.and_then(|p| p.finished).unwrap_or("Ignore"), Span::call_site());
-            let start = if missing == "Start" {
-                quote_spanned! {state_ty.span()=>
-                    ::core::option::Option::Some(::idemq::__private::__idemq_saga_start::<#state_ty>)
-                }
-            } else {
-                quote! { ::core::option::Option::None }
-            };
-            let ctx_expr = ctx_ty.as_ref().map(|ctx_ty| {
-                quote_spanned! {ctx_ty.span()=>
-                    let __idemq_ctx = <#ctx_ty as ::idemq::__private::__IdemqContext<'_>>::__idemq_context(&mut *__idemq_ctx);
-                }
-            });
-            quote_spanned! {ident.span()=>
-                fn handle<'__idemq_a>(
-                    &'__idemq_a self,
-                    __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
-                    __idemq_ctx: &'__idemq_a mut ::idemq::Context,
-                    __idemq_message: <Self as ::idemq::Handler>::Message,
-                ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
-                    ::std::boxed::Box::pin(async move {
-                        let ::core::option::Option::Some(mut __idemq_saga) = ::idemq::saga::__begin::<#state_ty>(
-                            &mut *__idemq_conn,
-                            &mut *__idemq_ctx,
-                            ::idemq::saga::IfMissing::#missing,
-                            ::idemq::saga::IfFinished::#finished,
-                            #start,
-                        )
-                        .await?
-                        else {
-                            return ::core::result::Result::Ok(::idemq::HandlerOutput::none());
-                        };
-                        let result = {
-                            let __idemq_conn = #conn_expr;
-                            #ctx_expr
-                            #ident::call(#(#call_args),*).await
-                        };
-                        match #result_expr {
-                            ::core::result::Result::Ok(value) => {
-                                ::idemq::saga::__end(&mut *__idemq_conn, &mut *__idemq_ctx, __idemq_saga).await?;
-                                #output_expr
-                            }
-                            ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
-                        }
-                    })
-                }
-            }
-        }
+        (None, Some(state_ty)) => saga_handle(
+            state_ty,
+            options.saga.as_ref(),
+            &StepCall {
+                ident,
+                conn_expr: &conn_expr,
+                ctx_ty: ctx_ty.as_ref(),
+                call_args: &call_args,
+                result_expr: &result_expr,
+                output_expr: &output_expr,
+                error_expr: &error_expr,
+            },
+        ),
         (None, None) => {
             let boxed = call_and_convert(&output_expr);
             quote! {
@@ -381,6 +343,74 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             }
 
             #handle
+        }
+    }
+}
+
+/// What a saga step's `handle` calls, as `expand` made it for the fn.
+struct StepCall<'a> {
+    ident: &'a Ident,
+    conn_expr: &'a TokenStream,
+    ctx_ty: Option<&'a syn::Type>,
+    call_args: &'a [TokenStream],
+    result_expr: &'a TokenStream,
+    output_expr: &'a TokenStream,
+    error_expr: &'a TokenStream,
+}
+
+/// A saga step's `handle`: the saga locked and read (`__begin`, or the message acked
+/// without the step as its policy says), the fn called with it, the saga written back
+/// (`__end`) once the fn returned `Ok` — on the handler's connection, in its
+/// transaction.
+fn saga_handle(state_ty: &syn::Type, policy: Option<&SagaOptions>, call: &StepCall<'_>) -> TokenStream {
+    let StepCall { ident, conn_expr, ctx_ty, call_args, result_expr, output_expr, error_expr } = *call;
+
+    let missing = Ident::new(policy.and_then(|p| p.missing).unwrap_or("Retry"), Span::call_site());
+    let finished = Ident::new(policy.and_then(|p| p.finished).unwrap_or("Ignore"), Span::call_site());
+    let start = if missing == "Start" {
+        quote_spanned! {state_ty.span()=>
+            ::core::option::Option::Some(::idemq::__private::__idemq_saga_start::<#state_ty>)
+        }
+    } else {
+        quote! { ::core::option::Option::None }
+    };
+    let ctx_expr = ctx_ty.as_ref().map(|ctx_ty| {
+        quote_spanned! {ctx_ty.span()=>
+            let __idemq_ctx = <#ctx_ty as ::idemq::__private::__IdemqContext<'_>>::__idemq_context(&mut *__idemq_ctx);
+        }
+    });
+    quote_spanned! {ident.span()=>
+        fn handle<'__idemq_a>(
+            &'__idemq_a self,
+            __idemq_conn: &'__idemq_a mut ::idemq::__private::AsyncPgConnection,
+            __idemq_ctx: &'__idemq_a mut ::idemq::Context,
+            __idemq_message: <Self as ::idemq::Handler>::Message,
+        ) -> ::idemq::BoxFuture<'__idemq_a, ::core::result::Result<::idemq::HandlerOutput, ::idemq::HandlerError>> {
+            ::std::boxed::Box::pin(async move {
+                let ::core::option::Option::Some(mut __idemq_saga) = ::idemq::saga::__begin::<#state_ty>(
+                    &mut *__idemq_conn,
+                    &mut *__idemq_ctx,
+                    ::idemq::saga::IfMissing::#missing,
+                    ::idemq::saga::IfFinished::#finished,
+                    #start,
+                )
+                .await?
+                else {
+                    return ::core::result::Result::Ok(::idemq::HandlerOutput::none());
+                };
+                let result = {
+                    let __idemq_conn = #conn_expr;
+                    #ctx_expr
+                    #ident::call(#(#call_args),*).await
+                };
+                match #result_expr {
+                    ::core::result::Result::Ok(value) => {
+                        ::idemq::saga::__end(&mut *__idemq_conn, &mut *__idemq_ctx, __idemq_saga).await?;
+                        #output_expr
+                    }
+                    ::core::result::Result::Err(error) => ::core::result::Result::Err(#error_expr),
+                }
+            })
         }
     }
 }
