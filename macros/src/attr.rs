@@ -70,6 +70,8 @@ pub(crate) struct Options {
     pub(crate) batch: Option<usize>,
     /// `dedup = false`.
     pub(crate) dedup: bool,
+    /// Where `dedup = false` was written, to refuse it on a saga's step.
+    pub(crate) no_dedup: Option<Span>,
     /// `idempotency_key_lifetime = "24h"`, in milliseconds.
     pub(crate) idempotency_key_lifetime: Option<u64>,
     /// `saga(start)`, `saga(missing = "...", finished = "...")`.
@@ -257,12 +259,14 @@ impl Options {
             }
             ms
         });
+        let dedup_span = dedup.as_ref().map(|option| option.name.span());
         let dedup = match dedup {
             Some(option) => {
                 errors.take(literal::<syn::LitBool>(option, "dedup", "dedup = false")).is_none_or(|b| b.value)
             }
             None => true,
         };
+        let no_dedup = if dedup { None } else { dedup_span };
         let key = match (key, key_fn) {
             (Some(lit), Some(function)) => {
                 errors.push(syn::Error::new(
@@ -301,6 +305,7 @@ impl Options {
             on_conflict_ignore,
             batch,
             dedup,
+            no_dedup,
             idempotency_key_lifetime,
             saga,
         })

@@ -44,6 +44,13 @@ pub(crate) fn idempotent_handler(attr: TokenStream, item: TokenStream) -> TokenS
                  `saga: &mut idemq::saga::Saga<YourState>`",
             ));
         }
+        if let (Some(span), Some(_)) = (options.no_dedup, &handler.saga_ty) {
+            errors.push(syn::Error::new(
+                span,
+                "a saga's step needs its dedup rows: without them a duplicate or a redelivery would \
+                 run the step again and move the saga twice; remove `dedup = false`",
+            ));
+        }
     }
     match (errors.finish(|| ()), options, handler) {
         (Ok(()), Some(options), Some(handler)) => expand(&options, &handler),

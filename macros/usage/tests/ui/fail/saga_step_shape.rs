@@ -48,4 +48,11 @@ async fn starts(conn: &mut AsyncPgConnection, msg: Placed, saga: &mut Saga<Order
     Ok(())
 }
 
+// A step without dedup rows would move the saga again for a duplicate.
+#[idempotent_handler(key = "order_id", dedup = false)]
+async fn undeduplicated(conn: &mut AsyncPgConnection, msg: Placed, saga: &mut Saga<Order>) -> Result<(), HandlerError> {
+    let _ = (conn, msg.order_id, saga.steps);
+    Ok(())
+}
+
 fn main() {}
