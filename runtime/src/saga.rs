@@ -134,9 +134,9 @@ pub struct Saga<S> {
 }
 
 impl<S: SagaState> Saga<S> {
-    /// A saga of no table, for unit tests of a step's logic (call the fn as
-    /// `step::call(..)` with it): `version` 0 and new if `state` is
-    /// `S::default()`-like, as far as the step can tell from [`Saga::is_new`].
+    /// A saga of no table, for unit tests of a step's logic (call the step's fn as
+    /// `step::call(..)` with it and a [`Context::standalone`]): `new` as if this step
+    /// started it ([`Saga::is_new`]), else as one that took a step before.
     pub fn standalone(key: impl Into<String>, state: S, new: bool) -> Self {
         Self {
             key: key.into(),
