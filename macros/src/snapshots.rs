@@ -115,3 +115,21 @@ fn a_batch_handler() {
         },
     );
 }
+
+#[test]
+fn a_saga_step_that_starts_its_saga() {
+    check(
+        "saga_step",
+        quote!(key = "order_id", saga(start)),
+        quote! {
+            async fn order_placed(
+                conn: &mut AsyncPgConnection,
+                msg: OrderPlaced,
+                saga: &mut Saga<Order>,
+                ctx: &mut Context,
+            ) -> Result<(), HandlerError> {
+                Ok(())
+            }
+        },
+    );
+}
