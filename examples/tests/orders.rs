@@ -57,8 +57,9 @@ fn reserved(order_id: &str) -> PaymentReserved {
 async fn an_order_that_ships_captures_its_payment_once_and_its_timeout_never_fires() {
     let kit = kit().await;
     let order = "o-ship";
-    assert_eq!(kit.send(&placed(order)).await, Outcome::Applied);
-    assert_eq!(kit.scheduled().await.len(), 1, "the timeout waits");
+    let twice = kit.deliver_twice(TestMessage::of(&placed(order))).await;
+    assert_eq!(twice, [Outcome::Applied, Outcome::Duplicate]);
+    assert_eq!(kit.scheduled().await.len(), 1, "one timeout waits");
     let twice = kit.deliver_twice(TestMessage::of(&reserved(order))).await;
     assert_eq!(twice, [Outcome::Applied, Outcome::Duplicate]);
     let twice = kit.deliver_twice(TestMessage::of(&OrderShipped { order_id: order.into() })).await;
@@ -166,4 +167,23 @@ async fn a_step_is_tested_alone_with_a_standalone_saga() {
         .expect("scheduled");
     assert_eq!(saga.timeouts().len(), 1);
     assert_eq!(ctx.published()[0].due(), Some(idemq::outbox::When::After(PAYMENT_WINDOW)));
+}
+
+/// What a real publisher may send: a reservation whose order id is empty is
+/// dead-lettered as a key error naming the saga's key, and starts or changes no saga.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_without_a_usable_saga_key_is_dead_lettered_as_a_key_error() {
+    let kit = kit().await;
+    let blank = TestMessage::json(&serde_json::json!({ "order_id": "", "payment_id": "pay-x" }))
+        .message_type("payment.reserved");
+    let outcome = kit.deliver_message(blank).await;
+    assert!(
+        matches!(&outcome, Outcome::DeadLettered { kind: FailureKind::Key, error } if error.contains("saga key `order_id`")),
+        "{outcome:?}"
+    );
+    let mut conn = kit.connect().await;
+    use diesel_async::RunQueryDsl;
+    let sagas = diesel::sql_query("SELECT 1 AS one FROM idemq_saga").execute(&mut conn).await.expect("count");
+    assert_eq!(sagas, 0);
+    kit.finish().await;
 }

@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use diesel::sql_types::{BigInt, Text};
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 use idemq::observe::{Observe, RelayPass, Settled};
 use idemq::outbox::{Outbox, Outgoing, Relay};
@@ -102,6 +102,7 @@ async fn saga_tick(
 /// (b) The same count, written by hand in the handler's transaction.
 #[idempotent_handler(key = "{tally}:{n}", name = "bench_plain_tick")]
 async fn plain_tick(conn: &mut AsyncPgConnection, msg: Tick) -> Result<(), diesel::result::Error> {
+    use diesel_async::RunQueryDsl;
     diesel::sql_query(
         "INSERT INTO bench_counters (key, n) VALUES ($1, 1) \
          ON CONFLICT (key) DO UPDATE SET n = bench_counters.n + 1",
@@ -498,11 +499,10 @@ impl Bench {
             if analyze {
                 self.db.batch_execute("ANALYZE idemq_outbox").await?;
             }
-            let plan: Vec<String> = diesel::dsl::sql::<Text>(&format!(
+            let explain = diesel::dsl::sql::<Text>(&format!(
                 "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF, SUMMARY ON) {claim}"
-            ))
-            .load(&mut self.db)
-            .await?;
+            ));
+            let plan: Vec<String> = diesel_async::RunQueryDsl::load(explain, &mut self.db).await?;
             println!("  the relay's claim with {n} pending, {when}:");
             for line in plan {
                 println!("    {line}");
@@ -622,6 +622,8 @@ async fn ready(channel: &lapin::Channel, queue: &str) -> Result<u32, BenchError>
 }
 
 async fn count(db: &mut AsyncPgConnection, sql: &str) -> Result<i64, BenchError> {
+    // Here, not at the top: in scope, its blanket `load` shadows `AtomicU64::load`.
+    use diesel_async::RunQueryDsl;
     Ok(diesel::dsl::sql::<BigInt>(sql).get_result(db).await?)
 }
 
