@@ -22,34 +22,27 @@ pub(crate) struct SagaRow {
     pub(crate) finished: bool,
 }
 
-/// Locks the row of saga `name` with `key` (`SELECT … FOR UPDATE`), waiting for a
-/// transaction that holds it; with `start`, inserts an empty one first if there is
-/// none (`ON CONFLICT DO NOTHING`: two starting messages racing are settled by the
-/// primary key — the second waits for the first's COMMIT and then locks its row).
+/// Locks the row of saga `name` with `key` and reads it, waiting for a transaction
+/// that holds it: `SELECT … FOR UPDATE`; with `start`, one round trip that inserts an
+/// empty row if there is none or else locks the one there (`INSERT … ON CONFLICT DO
+/// UPDATE`, a no-op update that takes the row lock): two starting messages racing are
+/// settled by the primary key — the second waits for the first's COMMIT and then
+/// locks its row.
 pub(crate) async fn lock_saga(
     conn: &mut AsyncPgConnection,
     name: &str,
     key: &str,
     start: bool,
 ) -> QueryResult<Option<SagaRow>> {
-    if start {
-        diesel::sql_query(
-            "INSERT INTO idemq_saga (saga, key, state, version) VALUES ($1, $2, 'null', 0) ON CONFLICT DO NOTHING",
-        )
-        .bind::<Text, _>(name)
-        .bind::<Text, _>(key)
-        .execute(conn)
-        .await?;
-    }
-    diesel::sql_query(
+    let sql = if start {
+        "INSERT INTO idemq_saga AS s (saga, key, state, version) VALUES ($1, $2, 'null', 0) \
+         ON CONFLICT (saga, key) DO UPDATE SET version = s.version \
+         RETURNING state::text AS state, version, timeouts, finished_at IS NOT NULL AS finished"
+    } else {
         "SELECT state::text AS state, version, timeouts, finished_at IS NOT NULL AS finished \
-         FROM idemq_saga WHERE saga = $1 AND key = $2 FOR UPDATE",
-    )
-    .bind::<Text, _>(name)
-    .bind::<Text, _>(key)
-    .get_result(conn)
-    .await
-    .optional()
+         FROM idemq_saga WHERE saga = $1 AND key = $2 FOR UPDATE"
+    };
+    diesel::sql_query(sql).bind::<Text, _>(name).bind::<Text, _>(key).get_result(conn).await.optional()
 }
 
 /// What a transition leaves of a saga.
