@@ -177,7 +177,10 @@ async fn route_to_bed(bed: &Bed) {
 /// The saga steps observers were told of: handler, step, timeouts scheduled and
 /// cancelled, whether a timeout fired.
 #[derive(Default)]
-struct Steps(std::sync::Mutex<Vec<(&'static str, &'static str, u32, u32, bool)>>);
+struct Steps(std::sync::Mutex<Vec<Told>>);
+
+/// One step as [`Steps`] keeps it.
+type Told = (&'static str, &'static str, u32, u32, bool);
 
 impl idemq::observe::Observe for Steps {
     fn saga_step(&self, step: &idemq::observe::SagaStep<'_>) {
