@@ -49,6 +49,12 @@ pub(crate) struct ChildReport {
     pub(crate) process_cpu_s: Option<f64>,
     /// The whole machine's busy CPU time over the measured time (all cores).
     pub(crate) machine_cpu_s: Option<f64>,
+    /// The broker's CPU time over the measured time (`beam.smp`).
+    #[serde(default)]
+    pub(crate) broker_cpu_s: Option<f64>,
+    /// PostgreSQL's CPU time over the measured time (every `postgres` process).
+    #[serde(default)]
+    pub(crate) postgres_cpu_s: Option<f64>,
     /// In-process latency: delivery received → settled.
     pub(crate) latency: Percentiles,
     /// Light load only: publish → settled.
@@ -100,11 +106,18 @@ struct Clock {
     started: Instant,
     process: Option<Duration>,
     machine: Option<Duration>,
+    /// The broker's and PostgreSQL's.
+    services: (Option<Duration>, Option<Duration>),
 }
 
 impl Clock {
     fn start() -> Self {
-        Self { started: Instant::now(), process: metrics::process_cpu(), machine: metrics::machine_cpu() }
+        Self {
+            started: Instant::now(),
+            process: metrics::process_cpu(),
+            machine: metrics::machine_cpu(),
+            services: metrics::services_cpu(),
+        }
     }
 }
 
@@ -113,14 +126,19 @@ struct Window {
     elapsed: Duration,
     process: Option<Duration>,
     machine: Option<Duration>,
+    broker: Option<Duration>,
+    postgres: Option<Duration>,
 }
 
 impl Clock {
     fn stop(&self) -> Window {
+        let (broker, postgres) = metrics::services_cpu();
         Window {
             elapsed: self.started.elapsed(),
             process: metrics::since(metrics::process_cpu(), self.process),
             machine: metrics::since(metrics::machine_cpu(), self.machine),
+            broker: metrics::since(broker, self.services.0),
+            postgres: metrics::since(postgres, self.services.1),
         }
     }
 }
@@ -241,6 +259,8 @@ async fn finish(
         elapsed_s: window.elapsed.as_secs_f64(),
         process_cpu_s: window.process.map(|d| d.as_secs_f64()),
         machine_cpu_s: window.machine.map(|d| d.as_secs_f64()),
+        broker_cpu_s: window.broker.map(|d| d.as_secs_f64()),
+        postgres_cpu_s: window.postgres.map(|d| d.as_secs_f64()),
         latency: recorder.latency(),
         end_to_end,
         peak_rss_kib: metrics::peak_rss_kib(),

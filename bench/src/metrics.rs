@@ -222,6 +222,34 @@ pub(crate) fn machine_cpu() -> Option<Duration> {
     Some(ticks(busy))
 }
 
+/// CPU time used so far by the broker (`beam.smp`) and by PostgreSQL (every
+/// `postgres` process: the server's and each connection's backend), summed over
+/// their processes from `/proc/<pid>/stat`. A process that exits inside a window
+/// takes its time with it: the measured window ends before the consumer's
+/// connections close, so its own backends are counted.
+pub(crate) fn services_cpu() -> (Option<Duration>, Option<Duration>) {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return (None, None) };
+    let (mut broker, mut postgres) = (None::<u64>, None::<u64>);
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
+        let comm = head.split_once('(').map_or("", |(_, comm)| comm);
+        let slot = match comm {
+            "beam.smp" => &mut broker,
+            "postgres" => &mut postgres,
+            _ => continue,
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let used = fields.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
+            + fields.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+        *slot = Some(slot.unwrap_or(0) + used);
+    }
+    (broker.map(ticks), postgres.map(ticks))
+}
+
 /// CPU time used since `start` (taken by [`process_cpu`] or [`machine_cpu`]).
 pub(crate) fn since(now: Option<Duration>, start: Option<Duration>) -> Option<Duration> {
     Some(now?.saturating_sub(start?))

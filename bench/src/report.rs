@@ -15,7 +15,7 @@ pub(crate) const IDLE_SAMPLE: std::time::Duration = std::time::Duration::from_se
 const QUIET_BELOW: f64 = 0.10;
 
 const COLUMNS: &str = "contender                 conc   deliv    secs  1st ms    msg/s   p50 ms   p99 ms  \
-                       rss MiB  cpu us  all us  applied   dups  check";
+                       rss MiB  cpu us  all us   mq us   pg us  applied   dups  check";
 
 pub(crate) fn header(config: &Config, postgres_version: &str, busy_before: Option<f64>) {
     let shape = config.shape;
@@ -59,7 +59,11 @@ pub(crate) fn header(config: &Config, postgres_version: &str, busy_before: Optio
     );
     println!(
         "  rss = the child's peak RSS (VmHWM); cpu us = the child's own CPU (user + sys) per delivery; all us = \
-         the whole machine's busy CPU per delivery (broker, PostgreSQL and all)"
+         the whole machine's busy CPU per delivery (broker, PostgreSQL and all);"
+    );
+    println!(
+        "  mq us = the broker's CPU (beam.smp) per delivery; pg us = PostgreSQL's (every postgres process) per \
+         delivery"
     );
 }
 
@@ -123,8 +127,8 @@ pub(crate) fn row(result: &RunResult) {
     };
     let cells = match &result.report {
         None => format!(
-            "{:>7} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>6}",
-            "-", "", "", "", "", "", "", "", "", "", ""
+            "{:>7} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7} {:>8} {:>6}",
+            "-", "", "", "", "", "", "", "", "", "", "", "", ""
         ),
         Some(report) => {
             let latency = shown_latency(result, report);
@@ -140,7 +144,7 @@ pub(crate) fn row(result: &RunResult) {
                 ("-".to_owned(), "-".to_owned())
             };
             format!(
-                "{:>7} {:>7.2} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>8} {:>6}",
+                "{:>7} {:>7.2} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7} {:>8} {:>6}",
                 report.counts.settled(),
                 report.elapsed_s,
                 num(report.first_s.map(|s| s * 1000.0), 0),
@@ -150,6 +154,8 @@ pub(crate) fn row(result: &RunResult) {
                 num(rss, 1),
                 num(cpu(report.process_cpu_s), 0),
                 num(cpu(report.machine_cpu_s), 0),
+                num(cpu(report.broker_cpu_s), 0),
+                num(cpu(report.postgres_cpu_s), 0),
                 applied,
                 dups,
             )
@@ -235,6 +241,10 @@ pub(crate) struct Medians {
     pub(crate) cpu_us: Option<f64>,
     /// The whole machine's busy CPU per delivery.
     pub(crate) all_us: Option<f64>,
+    /// The broker's CPU per delivery.
+    pub(crate) mq_us: Option<f64>,
+    /// PostgreSQL's CPU per delivery.
+    pub(crate) pg_us: Option<f64>,
 }
 
 /// The backlog rows of the summary, in its order.
@@ -253,6 +263,8 @@ pub(crate) fn medians(results: &[RunResult]) -> Vec<Medians> {
                 rss_mib: median_of(&reports, mib),
                 cpu_us: median_of(&reports, |r| per_delivery_us(r, r.process_cpu_s)),
                 all_us: median_of(&reports, |r| per_delivery_us(r, r.machine_cpu_s)),
+                mq_us: median_of(&reports, |r| per_delivery_us(r, r.broker_cpu_s)),
+                pg_us: median_of(&reports, |r| per_delivery_us(r, r.postgres_cpu_s)),
             }
         })
         .collect()
@@ -303,14 +315,14 @@ pub(crate) fn light_medians(results: &[RunResult]) -> Vec<LightMedians> {
 pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]) -> bool {
     println!("\n== medians over {} rounds (runs whose checks failed are left out) ==", config.rounds);
     println!(
-        "  # contender                    msg/s   p50 ms   p99 ms  rss MiB  cpu us  all us  runs (msg/s)\
+        "  # contender                    msg/s   p50 ms   p99 ms  rss MiB  cpu us  all us   mq us   pg us  runs (msg/s)\
          \n    (p50/p99: in-process, received → settled; baseline and per-message at concurrency {concurrency})"
     );
     let medians = medians(results);
     for row in &medians {
         let runs: Vec<String> = row.rounds_msg_per_s.iter().map(|rate| format!("{rate:.0}")).collect();
         println!(
-            "{:>3} {:<24} {:>9} {:>8} {:>8} {:>8} {:>7} {:>7}  [{}]",
+            "{:>3} {:<24} {:>9} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7}  [{}]",
             row.number,
             row.label,
             num(row.msg_per_s, 0),
@@ -319,6 +331,8 @@ pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]
             num(row.rss_mib, 1),
             num(row.cpu_us, 0),
             num(row.all_us, 0),
+            num(row.mq_us, 0),
+            num(row.pg_us, 0),
             runs.join(", "),
         );
     }

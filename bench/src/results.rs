@@ -284,6 +284,8 @@ mod tests {
             rss_mib: None,
             cpu_us: None,
             all_us: None,
+            mq_us: None,
+            pg_us: None,
         }
     }
 
