@@ -9,6 +9,7 @@ use idemq::Handler;
 use idemq_example_payments::{accounts, apply_payment};
 
 use crate::child::ChildReport;
+use crate::contenders::Events;
 use crate::plan::Run;
 use crate::workload::{Leftovers, Workload};
 use crate::BenchError;
@@ -106,13 +107,20 @@ pub(crate) fn counts(run: &Run, workload: &Workload, report: &ChildReport) -> Ve
     issues
 }
 
-/// An outbox run: one event per distinct payment in the events queue (a relay
-/// re-send would add copies; none is expected in a clean run).
-pub(crate) fn events(left: &Leftovers, workload: &Workload) -> Vec<String> {
+/// A run with an events queue: one event per distinct payment (the outbox
+/// contenders; a relay re-send would add copies, none is expected in a clean run), or
+/// one per delivery (the broker's ceiling, which has no dedup).
+pub(crate) fn events(left: &Leftovers, workload: &Workload, expected: Option<Events>) -> Vec<String> {
+    let (want, per) = match expected {
+        Some(Events::PerPayment) => (workload.distinct(), "payments"),
+        Some(Events::PerDelivery) => (workload.deliveries(), "deliveries"),
+        None => return Vec::new(),
+    };
     match left.events {
-        Some(events) if u64::from(events) != workload.distinct() => {
-            vec![format!("{events} events published for {} payments", workload.distinct())]
+        Some(events) if u64::from(events) != want => {
+            vec![format!("{events} events published for {want} {per}")]
         }
+        None => vec!["the events queue was not counted".to_owned()],
         _ => Vec::new(),
     }
 }

@@ -17,6 +17,14 @@
 //! 5. *idemq-lanes*: the same with the demo's lane, the account.
 //! 6. *dups-only*: idemq-lanes (and the baseline) on the same backlog with every
 //!    payment already applied before the run.
+//! 7. and 8. *idemq-outbox*, *idemq-batch*: an event per payment through the outbox;
+//!    the second with the demo's batch handler as it is.
+//! 9. *broker-events*: the broker's ceiling for the demo's messaging, no database:
+//!    consume, publish an event per delivery with pipelined confirms, ack once its
+//!    events are confirmed (issue 39).
+//!
+//! Each run also says where the machine's CPU went per delivery: the consumer's own,
+//! the broker's (`beam.smp`) and PostgreSQL's (every `postgres` process).
 //!
 //! plus a *light load* (one message at a time, end-to-end latency) for the baseline
 //! and idemq per-message, group commit and lanes, and `--rss-check N` (peak RSS at a

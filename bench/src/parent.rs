@@ -28,6 +28,7 @@ fn round_runs(concurrency: usize, shape: Shape) -> Vec<Run> {
         run(Contender::IdemqLanes, Load::Backlog),
         run(Contender::IdemqOutbox, Load::Backlog),
         run(Contender::IdemqBatch, Load::Backlog),
+        run(Contender::BrokerEvents, Load::Backlog),
         run(Contender::IdemqLanes, Load::DuplicatesOnly),
         run(Contender::Baseline, Load::DuplicatesOnly),
     ]
@@ -175,14 +176,14 @@ impl Bench<'_> {
         }
         if result.ok() {
             let mut queues = RunQueues::new(format!("idemq-bench-{run_id}"), run.contender.is_idemq());
-            if run.contender.publishes_events() {
+            if run.contender.events().is_some() {
                 queues = queues.with_events();
             }
             queues.declare(&self.admin).await?;
             let report = self.consume(&run, &run_id, &workload, &queues).await;
             let left = self.delete(&queues).await?;
             result.issues.extend(check::leftovers(&left));
-            result.issues.extend(check::events(&left, &workload));
+            result.issues.extend(check::events(&left, &workload, run.contender.events()));
             match report {
                 Ok(report) => {
                     result.issues.extend(check::counts(&run, &workload, &report));

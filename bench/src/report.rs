@@ -192,8 +192,9 @@ fn times(ratio: Option<f64>) -> String {
 }
 
 /// The backlog contenders of the summary: number (as in BENCHMARKS.md), label.
-const BACKLOG: [(&str, &str); 9] = [
+const BACKLOG: [(&str, &str); 10] = [
     ("1", "raw"),
+    ("9", "broker-events"),
     ("2", "baseline"),
     ("3", "idemq-per-message"),
     ("4", "idemq-group"),
@@ -205,7 +206,7 @@ const BACKLOG: [(&str, &str); 9] = [
 ];
 
 /// The ratios of the summary: numbers, what, the two labels divided.
-const RATIOS: [(&str, &str, &str, &str); 11] = [
+const RATIOS: [(&str, &str, &str, &str); 12] = [
     ("3/2", "idemq per-message / baseline", "idemq-per-message", "baseline"),
     ("4/2", "idemq group commit / baseline", "idemq-group", "baseline"),
     ("5/2", "idemq group commit + lanes / baseline", "idemq-lanes", "baseline"),
@@ -216,6 +217,7 @@ const RATIOS: [(&str, &str, &str, &str); 11] = [
     ("7/2", "idemq-lanes + outbox / baseline (no event)", "idemq-outbox", "baseline"),
     ("8/7", "batch handler / per-message (lanes, events)", "idemq-batch", "idemq-outbox"),
     ("8/2", "demo's apply_payment / baseline (no event)", "idemq-batch", "baseline"),
+    ("8/9", "demo's apply_payment / the broker's ceiling", "idemq-batch", "broker-events"),
     ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
 ];
 

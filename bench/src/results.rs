@@ -123,7 +123,7 @@ impl Results {
         const BASELINE: usize = 1;
         const IDEMQ: usize = 2;
         let series = vec![
-            Series { name: "no database (the broker's ceiling)".into(), colour: "#8c959f" },
+            Series { name: "no database (the broker's ceilings)".into(), colour: "#8c959f" },
             Series { name: "hand-written loop, ack after COMMIT".into(), colour: "#bf8700" },
             Series { name: "idemq".into(), colour: "#0969da" },
         ];
@@ -132,7 +132,7 @@ impl Results {
             .iter()
             .filter_map(|row| {
                 let series = match row.label {
-                    "raw" => REFERENCE,
+                    "raw" | "broker-events" => REFERENCE,
                     label if label.starts_with("baseline") => BASELINE,
                     _ => IDEMQ,
                 };

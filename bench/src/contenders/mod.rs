@@ -2,6 +2,7 @@
 //! to the same [`Recorder`].
 
 mod baseline;
+mod broker;
 mod raw;
 mod runtime;
 
@@ -42,11 +43,15 @@ pub(crate) enum Contender {
     /// idemq-lanes with the payment effect as a batch handler (the demo's
     /// `record_payments`: one multi-row ledger insert and one upsert per transaction).
     IdemqBatch,
+    /// lapin, no database: consume, publish an event per delivery with confirms, ack
+    /// — the broker's ceiling for the demo's messaging.
+    BrokerEvents,
 }
 
 impl Contender {
-    pub(crate) const ALL: [Self; 7] = [
+    pub(crate) const ALL: [Self; 8] = [
         Self::Raw,
+        Self::BrokerEvents,
         Self::Baseline,
         Self::IdemqPerMessage,
         Self::IdemqGroup,
@@ -65,6 +70,7 @@ impl Contender {
             Self::IdemqLanes => "idemq-lanes",
             Self::IdemqOutbox => "idemq-outbox",
             Self::IdemqBatch => "idemq-batch",
+            Self::BrokerEvents => "broker-events",
         }
     }
 
@@ -98,12 +104,19 @@ impl Contender {
                                  transaction, one multi-row ledger insert and one upsert of per-account totals \
                                  (record_payments), an event per payment through the outbox"
                 .to_owned(),
+            Self::BrokerEvents => format!(
+                "lapin, no database: an event per delivery to the run's events queue (persistent, mandatory, \
+                 confirms pipelined), one `multiple` ack per {} deliveries (and when idle) once their events \
+                 are confirmed; prefetch {}",
+                raw::ACK_EVERY,
+                raw::PREFETCH
+            ),
         }
     }
 
-    /// Whether it writes the ledger (everything but the raw consumer).
+    /// Whether it writes the ledger (everything but the broker-only consumers).
     pub(crate) fn uses_database(self) -> bool {
-        self != Self::Raw
+        !matches!(self, Self::Raw | Self::BrokerEvents)
     }
 
     /// Whether it is an idemq runtime, which declares the retry policy's wait queues.
@@ -124,6 +137,17 @@ impl Contender {
         matches!(self, Self::IdemqOutbox | Self::IdemqBatch)
     }
 
+    /// Whether its run has an events queue, and how many events it must hold: one per
+    /// payment (the outbox contenders, whose duplicates publish nothing), or one per
+    /// delivery (the broker's ceiling, which has no dedup).
+    pub(crate) fn events(self) -> Option<Events> {
+        match self {
+            Self::IdemqOutbox | Self::IdemqBatch => Some(Events::PerPayment),
+            Self::BrokerEvents => Some(Events::PerDelivery),
+            _ => None,
+        }
+    }
+
     /// Whether it takes a concurrency (the others run with their defaults).
     pub(crate) fn takes_concurrency(self) -> bool {
         matches!(self, Self::Baseline | Self::IdemqPerMessage)
@@ -140,6 +164,7 @@ impl Contender {
         let concurrency = concurrency.unwrap_or(idemq::RuntimeBuilder::DEFAULT_CONCURRENCY);
         match self {
             Self::Raw => raw::start(urls, queue, recorder).await,
+            Self::BrokerEvents => broker::start(urls, queue, recorder).await,
             Self::Baseline => baseline::start(urls, queue, concurrency, recorder).await,
             Self::IdemqPerMessage => {
                 runtime::start(runtime::Flavor::PerMessage(concurrency), urls, queue, recorder)
@@ -150,6 +175,15 @@ impl Contender {
             Self::IdemqBatch => runtime::start(runtime::Flavor::Batch, urls, queue, recorder),
         }
     }
+}
+
+/// How many events a run's events queue must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Events {
+    /// One per distinct payment.
+    PerPayment,
+    /// One per delivery.
+    PerDelivery,
 }
 
 /// A running consumer.

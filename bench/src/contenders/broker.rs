@@ -1,0 +1,107 @@
+//! Contender 9, the broker's ceiling for the demo's messaging (issue 39): no database;
+//! for each delivery an event published to the run's events queue (persistent,
+//! mandatory, publisher confirms, pipelined), and one `multiple` ack per
+//! [`raw::ACK_EVERY`](super::raw::ACK_EVERY) deliveries — and whenever none is
+//! waiting — once every event of those deliveries is confirmed: what idemq's handler
+//! plus relay do on the broker, written as fast as lapin allows.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::{
+    BasicProperties, Channel, Connection, ConnectionProperties, Consumer as Deliveries, PublisherConfirm,
+};
+use tokio_util::sync::CancellationToken;
+
+use super::raw::{ACK_EVERY, PREFETCH};
+use super::Consumer;
+use crate::metrics::{Recorder, Settle};
+use crate::urls::Urls;
+use crate::BenchError;
+
+pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> Result<Consumer, BenchError> {
+    let connection = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel.basic_qos(PREFETCH, BasicQosOptions { global: false }).await?;
+    let publisher = connection.create_channel().await?;
+    publisher.confirm_select(ConfirmSelectOptions::default()).await?;
+    let deliveries = super::subscribe(&channel, queue, "idemq-bench-broker").await?;
+    let events = super::events_queue(queue);
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let consumed = consume(deliveries, &publisher, &events, &recorder, &stop).await;
+            let _ = connection.close(200, "done".into()).await;
+            consumed
+        }
+    });
+    Ok(Consumer { stop, task, infrastructure_retries: Box::new(|| 0) })
+}
+
+/// Deliveries whose events are published and not yet confirmed, not yet acked.
+#[derive(Default)]
+struct Pending {
+    last: Option<Delivery>,
+    received: Vec<Instant>,
+    confirms: Vec<PublisherConfirm>,
+}
+
+impl Pending {
+    /// Waits for every event's confirm, then acks the deliveries (`multiple`).
+    async fn settle(&mut self, recorder: &Recorder) -> Result<(), BenchError> {
+        let Some(last) = self.last.take() else { return Ok(()) };
+        for confirm in self.confirms.drain(..) {
+            crate::workload::confirmed(confirm.await?)?;
+        }
+        if !last.ack(BasicAckOptions { multiple: true }).await? {
+            return Err("broker: the ack was not sent (channel gone)".into());
+        }
+        let settled = Instant::now();
+        for received in self.received.drain(..) {
+            recorder.settle(Settle::Acked, received, settled);
+        }
+        Ok(())
+    }
+}
+
+async fn consume(
+    mut deliveries: Deliveries,
+    publisher: &Channel,
+    events: &str,
+    recorder: &Recorder,
+    stop: &CancellationToken,
+) -> Result<(), BenchError> {
+    let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+    let properties =
+        BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
+    let mut pending = Pending::default();
+    loop {
+        let next = match deliveries.next().now_or_never() {
+            Some(next) => next,
+            None => {
+                // Idle: nothing is waiting, so settle what there is before waiting.
+                pending.settle(recorder).await?;
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    next = deliveries.next() => next,
+                }
+            }
+        };
+        let Some(delivery) = next else { break };
+        let delivery = delivery?;
+        pending.received.push(Instant::now());
+        let confirm = publisher
+            .basic_publish("".into(), events.into(), options, &delivery.data, properties.clone())
+            .await?;
+        pending.confirms.push(confirm);
+        pending.last = Some(delivery);
+        if pending.received.len() >= ACK_EVERY {
+            pending.settle(recorder).await?;
+        }
+    }
+    pending.settle(recorder).await
+}
