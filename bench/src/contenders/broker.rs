@@ -1,9 +1,11 @@
 //! Contender 9, the broker's ceiling for the demo's messaging (issue 39): no database;
 //! for each delivery an event published to the run's events queue (persistent,
-//! mandatory, publisher confirms, pipelined), and one `multiple` ack per
-//! [`raw::ACK_EVERY`](super::raw::ACK_EVERY) deliveries — and whenever none is
-//! waiting — once every event of those deliveries is confirmed: what idemq's handler
-//! plus relay do on the broker, written as fast as lapin allows.
+//! mandatory, publisher confirms, pipelined) from a connection of its own, and one
+//! `multiple` ack per [`raw::ACK_EVERY`](super::raw::ACK_EVERY) deliveries — and
+//! whenever none is waiting — once every event of those deliveries is confirmed. The
+//! confirms of a batch are awaited by a task of their own while the next batch is
+//! consumed and published: what idemq's handler plus relay do on the broker, written
+//! as fast as lapin allows.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,7 +28,8 @@ pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> 
     let connection = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
     channel.basic_qos(PREFETCH, BasicQosOptions { global: false }).await?;
-    let publisher = connection.create_channel().await?;
+    let publishing = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
+    let publisher = publishing.create_channel().await?;
     publisher.confirm_select(ConfirmSelectOptions::default()).await?;
     let deliveries = super::subscribe(&channel, queue, "idemq-bench-broker").await?;
     let events = super::events_queue(queue);
@@ -34,7 +37,8 @@ pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> 
     let task = tokio::spawn({
         let stop = stop.clone();
         async move {
-            let consumed = consume(deliveries, &publisher, &events, &recorder, &stop).await;
+            let consumed = consume(deliveries, &publisher, &events, recorder, &stop).await;
+            let _ = publishing.close(200, "done".into()).await;
             let _ = connection.close(200, "done".into()).await;
             consumed
         }
@@ -72,36 +76,61 @@ async fn consume(
     mut deliveries: Deliveries,
     publisher: &Channel,
     events: &str,
-    recorder: &Recorder,
+    recorder: Arc<Recorder>,
     stop: &CancellationToken,
 ) -> Result<(), BenchError> {
+    // The acker: each batch's confirms awaited, then its `multiple` ack, in order,
+    // while the consumer goes on.
+    let (batches, mut to_ack) = tokio::sync::mpsc::channel::<Pending>(8);
+    let acker = tokio::spawn(async move {
+        while let Some(mut batch) = to_ack.recv().await {
+            batch.settle(&recorder).await?;
+        }
+        Ok::<(), BenchError>(())
+    });
+    let hand_over = |pending: &mut Pending| {
+        let batch = std::mem::take(pending);
+        let batches = batches.clone();
+        async move {
+            if batch.last.is_some() && batches.send(batch).await.is_err() {
+                return Err::<(), BenchError>("broker: the acker stopped".into());
+            }
+            Ok(())
+        }
+    };
     let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
     let properties =
         BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
     let mut pending = Pending::default();
-    loop {
-        let next = match deliveries.next().now_or_never() {
-            Some(next) => next,
-            None => {
-                // Idle: nothing is waiting, so settle what there is before waiting.
-                pending.settle(recorder).await?;
-                tokio::select! {
-                    () = stop.cancelled() => break,
-                    next = deliveries.next() => next,
+    let consumed = async {
+        loop {
+            let next = match deliveries.next().now_or_never() {
+                Some(next) => next,
+                None => {
+                    // Idle: nothing is waiting, so hand over what there is before waiting.
+                    hand_over(&mut pending).await?;
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        next = deliveries.next() => next,
+                    }
                 }
+            };
+            let Some(delivery) = next else { break };
+            let delivery = delivery?;
+            pending.received.push(Instant::now());
+            let confirm = publisher
+                .basic_publish("".into(), events.into(), options, &delivery.data, properties.clone())
+                .await?;
+            pending.confirms.push(confirm);
+            pending.last = Some(delivery);
+            if pending.received.len() >= ACK_EVERY {
+                hand_over(&mut pending).await?;
             }
-        };
-        let Some(delivery) = next else { break };
-        let delivery = delivery?;
-        pending.received.push(Instant::now());
-        let confirm = publisher
-            .basic_publish("".into(), events.into(), options, &delivery.data, properties.clone())
-            .await?;
-        pending.confirms.push(confirm);
-        pending.last = Some(delivery);
-        if pending.received.len() >= ACK_EVERY {
-            pending.settle(recorder).await?;
         }
+        hand_over(&mut pending).await
     }
-    pending.settle(recorder).await
+    .await;
+    drop(batches);
+    let acked = acker.await?;
+    consumed.and(acked)
 }
