@@ -157,7 +157,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
     };
     let ctx_expr = ctx_ty.as_ref().map(|ctx_ty| {
         quote_spanned! {ctx_ty.span()=>
-            let __idemq_ctx = <#ctx_ty as ::idemq::__private::__IdemqContext<'_>>::__idemq_context(__idemq_ctx);
+            let __idemq_ctx = <#ctx_ty as ::idemq::__private::__IdemqContext<'_>>::__idemq_context(&mut *__idemq_ctx);
         }
     });
     // The arguments in the fn's own order.
@@ -209,7 +209,7 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
             &StepCall {
                 ident,
                 conn_expr: &conn_expr,
-                ctx_ty: ctx_ty.as_ref(),
+                ctx_expr: ctx_expr.as_ref(),
                 call_args: &call_args,
                 result_expr: &result_expr,
                 output_expr: &output_expr,
@@ -358,7 +358,8 @@ fn expand(options: &Options, handler: &HandlerFn) -> TokenStream {
 struct StepCall<'a> {
     ident: &'a Ident,
     conn_expr: &'a TokenStream,
-    ctx_ty: Option<&'a syn::Type>,
+    /// The context converted to the fn's type, a reborrow (the saga's `__end` takes it after).
+    ctx_expr: Option<&'a TokenStream>,
     call_args: &'a [TokenStream],
     result_expr: &'a TokenStream,
     output_expr: &'a TokenStream,
@@ -370,7 +371,7 @@ struct StepCall<'a> {
 /// (`__end`) once the fn returned `Ok` — on the handler's connection, in its
 /// transaction.
 fn saga_handle(state_ty: &syn::Type, policy: Option<&SagaOptions>, call: &StepCall<'_>) -> TokenStream {
-    let StepCall { ident, conn_expr, ctx_ty, call_args, result_expr, output_expr, error_expr } = *call;
+    let StepCall { ident, conn_expr, ctx_expr, call_args, result_expr, output_expr, error_expr } = *call;
 
     let missing = Ident::new(policy.and_then(|p| p.missing).unwrap_or("Retry"), Span::call_site());
     let finished = Ident::new(policy.and_then(|p| p.finished).unwrap_or("Ignore"), Span::call_site());
@@ -381,11 +382,6 @@ fn saga_handle(state_ty: &syn::Type, policy: Option<&SagaOptions>, call: &StepCa
     } else {
         quote! { ::core::option::Option::None }
     };
-    let ctx_expr = ctx_ty.as_ref().map(|ctx_ty| {
-        quote_spanned! {ctx_ty.span()=>
-            let __idemq_ctx = <#ctx_ty as ::idemq::__private::__IdemqContext<'_>>::__idemq_context(&mut *__idemq_ctx);
-        }
-    });
     quote_spanned! {ident.span()=>
         fn handle<'__idemq_a>(
             &'__idemq_a self,

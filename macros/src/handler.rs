@@ -261,19 +261,7 @@ fn finish(
 /// `None` for any other type.
 fn batch_message(ty: &Type) -> Option<Result<Type, &'static str>> {
     let Type::Reference(reference) = peel(ty) else { return None };
-    let Type::Path(path) = peel(&reference.elem) else { return None };
-    let last = path.path.segments.last().filter(|last| path.qself.is_none() && last.ident == "Batch")?;
-    let mut types = match &last.arguments {
-        PathArguments::AngleBracketed(args) => args
-            .args
-            .iter()
-            .filter_map(|arg| match arg {
-                GenericArgument::Type(ty) => Some(ty.clone()),
-                _ => None,
-            })
-            .collect::<Vec<_>>(),
-        _ => Vec::new(),
-    };
+    let mut types = type_args_of(&reference.elem, "Batch")?;
     match (reference.mutability.is_some(), types.len()) {
         (true, 1) => types.pop().map(Ok),
         (true, _) => Some(Err("a batch handler takes `batch: &mut idemq::Batch<YourMessage>`: \
@@ -290,12 +278,24 @@ fn batch_message(ty: &Type) -> Option<Result<Type, &'static str>> {
 /// `None` for any other type.
 fn saga_state(ty: &Type) -> Option<Result<Type, &'static str>> {
     let (mutable, elem) = match peel(ty) {
-        Type::Reference(reference) => (reference.mutability.is_some(), peel(&reference.elem)),
+        Type::Reference(reference) => (reference.mutability.is_some(), &*reference.elem),
         ty => (false, ty),
     };
-    let Type::Path(path) = elem else { return None };
-    let last = path.path.segments.last().filter(|last| path.qself.is_none() && last.ident == "Saga")?;
-    let mut types = match &last.arguments {
+    let mut types = type_args_of(elem, "Saga")?;
+    match (mutable, types.len()) {
+        (true, 1) => types.pop().map(Ok),
+        (false, 1) => Some(Err("take the saga as `saga: &mut Saga<YourState>`: the step changes its \
+                               state, which is written back with the step's transaction")),
+        _ => None,
+    }
+}
+
+/// The type arguments of a path ending in `name` (`idemq::Batch<M>`: `[M]`; none
+/// written: empty); `None` for any other type.
+fn type_args_of(ty: &Type, name: &str) -> Option<Vec<Type>> {
+    let Type::Path(path) = peel(ty) else { return None };
+    let last = path.path.segments.last().filter(|last| path.qself.is_none() && last.ident == name)?;
+    Some(match &last.arguments {
         PathArguments::AngleBracketed(args) => args
             .args
             .iter()
@@ -303,15 +303,9 @@ fn saga_state(ty: &Type) -> Option<Result<Type, &'static str>> {
                 GenericArgument::Type(ty) => Some(ty.clone()),
                 _ => None,
             })
-            .collect::<Vec<_>>(),
-        _ => return None,
-    };
-    match (mutable, types.len()) {
-        (true, 1) => types.pop().map(Ok),
-        (false, 1) => Some(Err("take the saga as `saga: &mut Saga<YourState>`: the step changes its \
-                               state, which is written back with the step's transaction")),
-        _ => None,
-    }
+            .collect(),
+        _ => Vec::new(),
+    })
 }
 
 /// `&Context` or `&mut Context` (any path ending in `Context`), or any `&mut`

@@ -90,7 +90,7 @@ impl ::idemq::Handler for place {
         >>::__idemq_connection(__idemq_conn);
         let __idemq_ctx = <&mut Context as ::idemq::__private::__IdemqContext<
             '_,
-        >>::__idemq_context(__idemq_ctx);
+        >>::__idemq_context(&mut *__idemq_ctx);
         ::std::boxed::Box::pin(async move {
             let result = place::call(__idemq_conn, __idemq_ctx, &__idemq_message).await;
             match <Result<

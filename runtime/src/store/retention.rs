@@ -185,7 +185,7 @@ async fn sweep_now(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -
     let retention = &retention.retention;
     let mut total = Sweep::default();
     let keep_ms = i64::try_from(retention.keep.as_millis()).unwrap_or(i64::MAX);
-    for table in [Table::Dedup, Table::Copies, Table::Starts] {
+    for table in [Table::Dedup, Table::Copies, Table::Starts, Table::Sagas] {
         loop {
             let batch = retention.batch;
             let deleted = conn
@@ -193,7 +193,7 @@ async fn sweep_now(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -
                     if !crate::store::db::try_gc_lock(conn, GC_LOCK).await? {
                         return Ok(None);
                     }
-                    crate::store::db::delete_older(conn, table.sql(), keep_ms, batch).await.map(Some)
+                    table.delete(conn, keep_ms, batch).await.map(Some)
                 })
                 .await?;
             let Some(deleted) = deleted else {
@@ -206,26 +206,6 @@ async fn sweep_now(conn: &mut AsyncPgConnection, retention: &CheckedRetention) -
             }
         }
     }
-    // Finished sagas: each row carries its own expiry (the saga's `keep_finished`).
-    loop {
-        let batch = retention.batch;
-        let deleted = conn
-            .transaction::<Option<u64>, diesel::result::Error, _>(async |conn| {
-                if !crate::store::db::try_gc_lock(conn, GC_LOCK).await? {
-                    return Ok(None);
-                }
-                crate::store::db::delete_expired_sagas(conn, batch).await.map(Some)
-            })
-            .await?;
-        let Some(deleted) = deleted else {
-            total.yielded = true;
-            return Ok(total);
-        };
-        total.finished_sagas += deleted;
-        if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
-            break;
-        }
-    }
     Ok(total)
 }
 
@@ -234,12 +214,15 @@ enum Table {
     Dedup,
     Copies,
     Starts,
+    /// Finished sagas past their `keep_finished`.
+    Sagas,
 }
 
 impl Table {
-    /// `DELETE` of the oldest rows past the retention, `$1` ms old, at most `$2`.
-    fn sql(self) -> &'static str {
-        match self {
+    /// Deletes at most `batch` of the oldest rows past the retention, `keep_ms` old; a
+    /// finished saga by its own expiry (its saga's `keep_finished`) instead.
+    async fn delete(self, conn: &mut AsyncPgConnection, keep_ms: i64, batch: i64) -> diesel::QueryResult<u64> {
+        let sql = match self {
             Self::Dedup => {
                 "DELETE FROM idemq_dedup WHERE ctid = ANY(ARRAY(SELECT ctid FROM idemq_dedup \
                  WHERE processed_at < now() - $1 * interval '1 millisecond' LIMIT $2))"
@@ -252,7 +235,9 @@ impl Table {
                 "DELETE FROM idemq_started WHERE ctid = ANY(ARRAY(SELECT ctid FROM idemq_started \
                  WHERE last_started_at < now() - $1 * interval '1 millisecond' LIMIT $2))"
             }
-        }
+            Self::Sagas => return crate::store::db::delete_expired_sagas(conn, batch).await,
+        };
+        crate::store::db::delete_older(conn, sql, keep_ms, batch).await
     }
 
     fn counter(self, sweep: &mut Sweep) -> &mut u64 {
@@ -260,6 +245,7 @@ impl Table {
             Self::Dedup => &mut sweep.dedup_rows,
             Self::Copies => &mut sweep.copy_records,
             Self::Starts => &mut sweep.start_marks,
+            Self::Sagas => &mut sweep.finished_sagas,
         }
     }
 }
