@@ -42,6 +42,16 @@ async fn stored(kit: &TestKit, order_id: &str) -> Option<(Order, bool)> {
     row.map(|row| (serde_json::from_str(&row.state).expect("an Order"), row.finished))
 }
 
+/// What the saga sent of the AMQP type `kind`, decoded, oldest first.
+async fn sent<T: serde::de::DeserializeOwned>(kit: &TestKit, kind: &str) -> Vec<T> {
+    let published = kit.published().await;
+    published
+        .iter()
+        .filter(|m| m.kind() == Some(kind))
+        .map(|m| serde_json::from_slice(m.body()).expect(kind))
+        .collect()
+}
+
 fn placed(order_id: &str) -> OrderPlaced {
     OrderPlaced { order_id: order_id.into(), amount_cents: 4_200 }
 }
@@ -65,13 +75,7 @@ async fn an_order_that_ships_captures_its_payment_once_and_its_timeout_never_fir
     let twice = kit.deliver_twice(TestMessage::of(&OrderShipped { order_id: order.into() })).await;
     assert_eq!(twice, [Outcome::Applied, Outcome::Duplicate]);
 
-    let captures: Vec<CapturePayment> = kit
-        .published()
-        .await
-        .iter()
-        .filter(|m| m.kind() == Some("payment.capture"))
-        .map(|m| serde_json::from_slice(m.body()).expect("a CapturePayment"))
-        .collect();
+    let captures: Vec<CapturePayment> = sent(&kit, "payment.capture").await;
     assert_eq!(
         captures,
         vec![CapturePayment {
@@ -104,13 +108,7 @@ async fn an_order_not_shipped_within_the_window_is_released_by_its_timeout_once(
     assert_eq!(kit.deliver_due().await, vec![Outcome::Applied], "due now, once");
     assert!(kit.deliver_due().await.is_empty(), "not again");
 
-    let releases: Vec<ReleasePayment> = kit
-        .published()
-        .await
-        .iter()
-        .filter(|m| m.kind() == Some("payment.release"))
-        .map(|m| serde_json::from_slice(m.body()).expect("a ReleasePayment"))
-        .collect();
+    let releases: Vec<ReleasePayment> = sent(&kit, "payment.release").await;
     assert_eq!(
         releases,
         vec![ReleasePayment { order_id: order.into(), payment_id: Some(format!("pay-{order}")) }]
@@ -119,7 +117,7 @@ async fn an_order_not_shipped_within_the_window_is_released_by_its_timeout_once(
 
     // Late: the saga has finished (`finished = "ignore"`): acked, no step, nothing sent.
     assert_eq!(kit.send(&OrderShipped { order_id: order.into() }).await, Outcome::Applied);
-    assert!(kit.published().await.iter().all(|m| m.kind() != Some("payment.capture")));
+    assert!(sent::<CapturePayment>(&kit, "payment.capture").await.is_empty());
     assert_eq!(stored(&kit, order).await.map(|(s, _)| s.status), Some(Status::Released));
     kit.finish().await;
 }
@@ -133,7 +131,7 @@ async fn a_timeout_delivered_twice_releases_once() {
     assert_eq!(kit.send(&placed(order)).await, Outcome::Applied);
     let timeout = TestMessage::of(&PaymentExpired { order_id: order.into() });
     assert_eq!(kit.deliver_twice(timeout).await, [Outcome::Applied, Outcome::Duplicate]);
-    let releases = kit.published().await.iter().filter(|m| m.kind() == Some("payment.release")).count();
+    let releases = sent::<ReleasePayment>(&kit, "payment.release").await.len();
     assert_eq!(releases, 1);
     kit.finish().await;
 }
