@@ -253,6 +253,11 @@ async fn a_crash_between_commit_and_ack_runs_the_step_once() {
     kit.finish().await;
 }
 
+/// 20 retries 300 ms apart: a step that waits for its saga is tried for six seconds.
+fn retried_every_300_ms(builder: idemq::RuntimeBuilder) -> idemq::RuntimeBuilder {
+    builder.retry(idemq::RetryPolicy::new([Duration::from_millis(300); 20]))
+}
+
 /// `missing = "retry"` (the default): a step that overtook the message starting
 /// its saga is retried until the saga exists, then runs once; `"dead_letter"`
 /// dead-letters at once, the reason in its headers; `"ignore"` acks without a step.
@@ -261,7 +266,7 @@ async fn a_message_for_a_saga_that_does_not_exist_gets_the_steps_policy() {
     let kit = TestKit::builder()
         .handler(tick)
         .handler(close)
-        .tune(|b| b.retry(idemq::RetryPolicy::new([Duration::from_millis(300); 20])))
+        .tune(retried_every_300_ms)
         .start()
         .await
         .expect("PostgreSQL and RabbitMQ are up");
@@ -276,7 +281,7 @@ async fn a_message_for_a_saga_that_does_not_exist_gets_the_steps_policy() {
 
     let kit = TestKit::builder()
         .handler(tick_when_started)
-        .tune(|b| b.retry(idemq::RetryPolicy::new([Duration::from_millis(300); 20])))
+        .tune(retried_every_300_ms)
         .start()
         .await
         .expect("PostgreSQL and RabbitMQ are up");

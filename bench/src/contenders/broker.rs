@@ -11,16 +11,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::{FutureExt, StreamExt};
-use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties, Consumer as Deliveries, PublisherConfirm,
 };
 use tokio_util::sync::CancellationToken;
 
-use super::raw::{ACK_EVERY, PREFETCH};
+use super::raw::{Unacked, ACK_EVERY, PREFETCH};
 use super::Consumer;
-use crate::metrics::{Recorder, Settle};
+use crate::metrics::Recorder;
 use crate::urls::Urls;
 use crate::BenchError;
 
@@ -49,26 +48,17 @@ pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> 
 /// Deliveries whose events are published and not yet confirmed, not yet acked.
 #[derive(Default)]
 struct Pending {
-    last: Option<Delivery>,
-    received: Vec<Instant>,
+    unacked: Unacked,
     confirms: Vec<PublisherConfirm>,
 }
 
 impl Pending {
     /// Waits for every event's confirm, then acks the deliveries (`multiple`).
     async fn settle(&mut self, recorder: &Recorder) -> Result<(), BenchError> {
-        let Some(last) = self.last.take() else { return Ok(()) };
         for confirm in self.confirms.drain(..) {
             crate::workload::confirmed(confirm.await?)?;
         }
-        if !last.ack(BasicAckOptions { multiple: true }).await? {
-            return Err("broker: the ack was not sent (channel gone)".into());
-        }
-        let settled = Instant::now();
-        for received in self.received.drain(..) {
-            recorder.settle(Settle::Acked, received, settled);
-        }
-        Ok(())
+        self.unacked.ack(recorder).await
     }
 }
 
@@ -92,7 +82,7 @@ async fn consume(
         let batch = std::mem::take(pending);
         let batches = batches.clone();
         async move {
-            if batch.last.is_some() && batches.send(batch).await.is_err() {
+            if batch.unacked.last.is_some() && batches.send(batch).await.is_err() {
                 return Err::<(), BenchError>("broker: the acker stopped".into());
             }
             Ok(())
@@ -117,13 +107,13 @@ async fn consume(
             };
             let Some(delivery) = next else { break };
             let delivery = delivery?;
-            pending.received.push(Instant::now());
+            pending.unacked.received.push(Instant::now());
             let confirm = publisher
                 .basic_publish("".into(), events.into(), options, &delivery.data, properties.clone())
                 .await?;
             pending.confirms.push(confirm);
-            pending.last = Some(delivery);
-            if pending.received.len() >= ACK_EVERY {
+            pending.unacked.last = Some(delivery);
+            if pending.unacked.received.len() >= ACK_EVERY {
                 hand_over(&mut pending).await?;
             }
         }

@@ -41,16 +41,16 @@ pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> 
 /// Deliveries received and not yet acked: the last one (whose `multiple` ack covers
 /// them all) and when each was received.
 #[derive(Default)]
-struct Unacked {
-    last: Option<Delivery>,
-    received: Vec<Instant>,
+pub(super) struct Unacked {
+    pub(super) last: Option<Delivery>,
+    pub(super) received: Vec<Instant>,
 }
 
 impl Unacked {
-    async fn ack(&mut self, recorder: &Recorder) -> Result<(), BenchError> {
+    pub(super) async fn ack(&mut self, recorder: &Recorder) -> Result<(), BenchError> {
         let Some(last) = self.last.take() else { return Ok(()) };
         if !last.ack(BasicAckOptions { multiple: true }).await? {
-            return Err("raw: the ack was not sent (channel gone)".into());
+            return Err("the ack was not sent (channel gone)".into());
         }
         let settled = Instant::now();
         for received in self.received.drain(..) {

@@ -221,7 +221,12 @@ enum Table {
 impl Table {
     /// Deletes at most `batch` of the oldest rows past the retention, `keep_ms` old; a
     /// finished saga by its own expiry (its saga's `keep_finished`) instead.
-    async fn delete(self, conn: &mut AsyncPgConnection, keep_ms: i64, batch: i64) -> diesel::QueryResult<u64> {
+    async fn delete(
+        self,
+        conn: &mut AsyncPgConnection,
+        keep_ms: i64,
+        batch: i64,
+    ) -> diesel::QueryResult<u64> {
         let sql = match self {
             Self::Dedup => {
                 "DELETE FROM idemq_dedup WHERE ctid = ANY(ARRAY(SELECT ctid FROM idemq_dedup \
