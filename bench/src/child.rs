@@ -145,8 +145,10 @@ impl Clock {
 
 async fn start(spec: &ChildSpec, urls: &Urls) -> Result<(Arc<Recorder>, Clock, Consumer), BenchError> {
     let recorder = Arc::new(Recorder::new());
+    let prepared = spec.contender.prepare(urls, &spec.queue, spec.expect).await?;
     let clock = Clock::start();
-    let consumer = spec.contender.start(urls, &spec.queue, spec.concurrency, Arc::clone(&recorder)).await?;
+    let consumer =
+        spec.contender.start(urls, &spec.queue, spec.concurrency, prepared, Arc::clone(&recorder)).await?;
     Ok((recorder, clock, consumer))
 }
 
@@ -164,12 +166,11 @@ async fn backlog(spec: &ChildSpec, urls: &Urls) -> Result<ChildReport, BenchErro
         }
         tokio::time::sleep(POLL).await;
     }
+    // A contender that publishes events is done when the last one is out: a
+    // publisher lagging behind its acks must not move work out of the window.
+    let outbox_lag =
+        if spec.contender.publishes_events() { outbox_drained(urls, Instant::now()).await? } else { None };
     let window = clock.stop();
-    let outbox_lag = if spec.contender.publishes_events() {
-        outbox_drained(urls, clock.started + window.elapsed).await?
-    } else {
-        None
-    };
     let mut report = finish(spec, &recorder, consumer, window, first, None).await?;
     report.outbox_lag_s = outbox_lag.map(|lag| lag.as_secs_f64());
     Ok(report)

@@ -17,9 +17,17 @@ usage: bench [flags]
   --rss-check N             after the rounds, one backlog run per contender with N payments, and its
                             peak RSS compared with the rounds' (e.g. 100000)
   --rss-tolerance PCT       how much larger that peak RSS may be and still count as the same (default 25)
+  --curve-backlog N1,N2,..  after the rounds, one backlog run of every backlog contender of a round at each
+                            of these numbers of payments (e.g. 5000,20000,80000): msg/s against backlog size
+                            as a line chart beside --plot's (latest.svg: latest-backlog.svg), with JSON (default off)
+  --curve-concurrency C1,.. after the rounds, one backlog run of each contender that takes a concurrency
+                            (baseline, idemq per-message) at each of these (e.g. 4,16,64) on the rounds' backlog:
+                            msg/s against concurrency, beside --plot's (latest-concurrency.svg) (default off)
+  --only NAME,..            only these rows of a round (e.g. idemq-batch,expert,database; a dups-only
+                            row by its label, \"idemq-lanes dups-only\"); the summary shows the others empty
   --plot PATH               at the end, the medians' msg/s as a bar chart (SVG) at PATH, and the medians,
                             ratios and configuration as JSON beside it (PATH with .json); default
-                            bench/results/latest.svg in this checkout; none: neither
+                            bench/results/latest.svg in this checkout; none: neither (and no curves)
 environment: AMQP_URL, DATABASE_URL (default postgres://postgres@127.0.0.1:5432/idemq_bench), RUST_LOG";
 
 /// What a run's messages look like (see [`crate::workload::Workload`]).
@@ -42,6 +50,12 @@ pub(crate) struct Config {
     pub(crate) rss_tolerance_pct: usize,
     /// Where the chart goes (the JSON beside it); `None`: `--plot none`.
     pub(crate) plot: Option<PathBuf>,
+    /// `--curve-backlog`: the payments of each point, ascending; empty: no curve.
+    pub(crate) curve_backlog: Vec<usize>,
+    /// `--curve-concurrency`: the concurrency of each point, ascending; empty: no curve.
+    pub(crate) curve_concurrency: Vec<usize>,
+    /// `--only`: the labels of the round's rows to run; empty: all.
+    pub(crate) only: Vec<String>,
 }
 
 /// `--plot`'s default: `bench/results/latest.svg` of the checkout the bench was built
@@ -61,6 +75,9 @@ impl Default for Config {
             rss_check: None,
             rss_tolerance_pct: 25,
             plot: Some(default_plot()),
+            curve_backlog: Vec::new(),
+            curve_concurrency: Vec::new(),
+            only: Vec::new(),
         }
     }
 }
@@ -90,7 +107,52 @@ fn positive(flag: &str, value: &str) -> Result<usize, ParseError> {
     }
 }
 
+fn concurrency_value(flag: &str, value: &str) -> Result<usize, ParseError> {
+    concurrency(flag, positive(flag, value)?)
+}
+
+/// A comma-separated list, each item read by `item`.
+fn list(
+    flag: &str,
+    value: &str,
+    item: fn(&str, &str) -> Result<usize, ParseError>,
+) -> Result<Vec<usize>, ParseError> {
+    value.split(',').map(|each| item(flag, each.trim())).collect()
+}
+
+/// A curve's points: a list, ascending, each once.
+fn points(
+    flag: &str,
+    value: &str,
+    item: fn(&str, &str) -> Result<usize, ParseError>,
+) -> Result<Vec<usize>, ParseError> {
+    let mut points = list(flag, value, item)?;
+    points.sort_unstable();
+    points.dedup();
+    Ok(points)
+}
+
+/// `--only`'s labels, each a contender's name, or one followed by ` dups-only`.
+fn only(value: &str) -> Result<Vec<String>, ParseError> {
+    value
+        .split(',')
+        .map(|label| {
+            let label = label.trim();
+            let name = label.strip_suffix(" dups-only").unwrap_or(label);
+            match Contender::from_name(name) {
+                Some(_) => Ok(label.to_owned()),
+                None => Err(ParseError::Bad(format!("--only: no contender '{name}'"))),
+            }
+        })
+        .collect()
+}
+
 impl Config {
+    /// Whether a round runs the row labelled `label` (see `--only`).
+    pub(crate) fn runs(&self, label: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|only| only == label)
+    }
+
     pub(crate) fn parse(args: &[String]) -> Result<Self, ParseError> {
         let mut config = Self::default();
         let mut args = args.iter();
@@ -105,22 +167,27 @@ impl Config {
                 "--accounts" => config.shape.accounts = positive(flag, value)?,
                 "--rounds" => config.rounds = positive(flag, value)?,
                 "--baseline-concurrency" => {
-                    config.baseline_concurrency = Some(concurrency(flag, positive(flag, value)?)?);
+                    config.baseline_concurrency = Some(concurrency_value(flag, value)?);
                 }
-                "--sweep" => {
-                    config.sweep = value
-                        .split(',')
-                        .map(|c| concurrency(flag, positive(flag, c.trim())?))
-                        .collect::<Result<_, _>>()?;
-                }
+                "--sweep" => config.sweep = list(flag, value, concurrency_value)?,
                 "--light" => config.light = number(flag, value)?,
                 "--rss-check" => config.rss_check = Some(positive(flag, value)?),
                 "--rss-tolerance" => config.rss_tolerance_pct = number(flag, value)?,
                 "--plot" if value == "none" => config.plot = None,
                 "--plot" if value.is_empty() => return Err(ParseError::Bad("--plot needs a path".into())),
                 "--plot" => config.plot = Some(PathBuf::from(value)),
+                "--curve-backlog" => config.curve_backlog = points(flag, value, positive)?,
+                "--curve-concurrency" => config.curve_concurrency = points(flag, value, concurrency_value)?,
+                "--only" => config.only = only(value)?,
                 _ => return Err(ParseError::Bad(format!("unknown flag: {flag}"))),
             }
+        }
+        let curves = !config.curve_backlog.is_empty() || !config.curve_concurrency.is_empty();
+        if curves && config.plot.is_none() {
+            return Err(ParseError::Bad(
+                "--curve-backlog and --curve-concurrency draw beside --plot's chart: not with --plot none"
+                    .into(),
+            ));
         }
         Ok(config)
     }
@@ -245,6 +312,10 @@ mod tests {
         assert!(matches!(Config::parse(&strings(&["--rounds", "0"])), Err(ParseError::Bad(_))));
         assert!(matches!(Config::parse(&strings(&["--sweep", "8,x"])), Err(ParseError::Bad(_))));
         assert!(matches!(Config::parse(&strings(&["--bogus", "1"])), Err(ParseError::Bad(_))));
+        let only = Config::parse(&strings(&["--only", "expert, idemq-lanes dups-only"])).unwrap();
+        assert!(only.runs("expert") && only.runs("idemq-lanes dups-only") && !only.runs("idemq-lanes"));
+        assert!(Config::default().runs("raw"));
+        assert!(matches!(Config::parse(&strings(&["--only", "expert,nobody"])), Err(ParseError::Bad(_))));
         assert!(matches!(Config::parse(&strings(&["--help"])), Err(ParseError::Help)));
     }
 
@@ -257,5 +328,34 @@ mod tests {
         assert_eq!(config.plot, Some(PathBuf::from("out/run.svg")));
         assert_eq!(Config::parse(&strings(&["--plot", "none"])).unwrap().plot, None);
         assert!(matches!(Config::parse(&strings(&["--plot"])), Err(ParseError::Bad(_))));
+    }
+
+    #[test]
+    fn curves_are_off_unless_asked_for_and_their_points_ascend() {
+        let default = Config::parse(&[]).unwrap();
+        assert!(default.curve_backlog.is_empty() && default.curve_concurrency.is_empty());
+        let config = Config::parse(&strings(&[
+            "--curve-backlog",
+            "80000, 5000,20000,5000",
+            "--curve-concurrency",
+            "64,4,16",
+        ]))
+        .unwrap();
+        assert_eq!(config.curve_backlog, [5_000, 20_000, 80_000]);
+        assert_eq!(config.curve_concurrency, [4, 16, 64]);
+        for bad in [
+            ["--curve-backlog", "5000,0"],
+            ["--curve-backlog", ""],
+            ["--curve-concurrency", "4,x"],
+            ["--curve-concurrency", "70000"],
+        ] {
+            assert!(matches!(Config::parse(&strings(&bad)), Err(ParseError::Bad(_))), "{bad:?}");
+        }
+        // Their charts go beside --plot's, in either order of the flags.
+        for args in
+            [["--plot", "none", "--curve-backlog", "100"], ["--curve-concurrency", "4", "--plot", "none"]]
+        {
+            assert!(matches!(Config::parse(&strings(&args)), Err(ParseError::Bad(_))), "{args:?}");
+        }
     }
 }

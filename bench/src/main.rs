@@ -22,6 +22,16 @@
 //! 9. *broker-events*: the broker's ceiling for the demo's messaging, no database:
 //!    consume, publish an event per delivery with pipelined confirms, ack once its
 //!    events are confirmed (issue 39).
+//! 10. *database*: the database's ceiling, no broker in the measured window: the
+//!     backlog drained into memory first, then idemq-batch's rows (dedup, ledger,
+//!     balance, outbox row and its removal) written by a batched loop, two
+//!     transactions in flight.
+//! 11. *expert*: the best hand-written loop for this workload with idemq's
+//!     guarantees, batched and pipelined (dedup row in the transaction, ack after
+//!     COMMIT, the event published after COMMIT from an outbox row).
+//!
+//! For a contender that publishes events (7, 8, 11) the clock stops once the last
+//! event is published, not at the last ack.
 //!
 //! Each run also says where the machine's CPU went per delivery: the consumer's own,
 //! the broker's (`beam.smp`) and PostgreSQL's (every `postgres` process).
@@ -29,6 +39,17 @@
 //! plus a *light load* (one message at a time, end-to-end latency) for the baseline
 //! and idemq per-message, group commit and lanes, and `--rss-check N` (peak RSS at a
 //! larger backlog against the rounds').
+//!
+//! **Curves** (off unless asked for): `--curve-backlog N1,N2,..` runs every backlog
+//! contender of a round once more at each of these numbers of payments (the rounds'
+//! duplicates, accounts and concurrency), `--curve-concurrency C1,C2,..` each
+//! contender that takes a concurrency (baseline, idemq per-message) at each of these
+//! on the rounds' backlog; both after the rounds, one run per point. Each curve is
+//! drawn as a line chart of msg/s, a line per contender (`<plot>-backlog.svg`,
+//! `<plot>-concurrency.svg` beside `--plot`'s chart, each with its JSON). The
+//! baseline is measured again at each concurrency rather than taken from the sweep,
+//! so that every point of a curve comes from the same stretch of the invocation
+//! (`curves.rs`).
 //!
 //! **Method**, per run: the tables are truncated and a CHECKPOINT taken; a fresh,
 //! uniquely named quorum queue (idemq's [`idemq::Topology`], the same kind for every
@@ -54,6 +75,7 @@ mod check;
 mod child;
 mod config;
 mod contenders;
+mod curves;
 mod metrics;
 mod parent;
 mod plan;

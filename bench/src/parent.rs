@@ -29,6 +29,9 @@ fn round_runs(concurrency: usize, shape: Shape) -> Vec<Run> {
         run(Contender::IdemqOutbox, Load::Backlog),
         run(Contender::IdemqBatch, Load::Backlog),
         run(Contender::BrokerEvents, Load::Backlog),
+        run(Contender::Database, Load::Backlog),
+        run(Contender::Expert, Load::Backlog),
+        run(Contender::IdemqTuned, Load::Backlog),
         run(Contender::IdemqLanes, Load::DuplicatesOnly),
         run(Contender::Baseline, Load::DuplicatesOnly),
     ]
@@ -62,15 +65,20 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
     let busy_before = machine_busy(report::IDLE_SAMPLE).await;
     let postgres = bench.postgres_version().await?;
     report::header(config, &postgres, busy_before);
+    // The sweep picks the baseline's concurrency, for the rows that take one.
+    let takes_concurrency = ["baseline", "idemq-per-message", "baseline dups-only"];
     let concurrency = match config.baseline_concurrency {
         Some(concurrency) => concurrency,
+        None if !takes_concurrency.iter().any(|label| config.runs(label)) => {
+            idemq::RuntimeBuilder::DEFAULT_CONCURRENCY
+        }
         None => bench.sweep(config).await?,
     };
     report::chosen_concurrency(config, concurrency);
     let light_shape = Shape { messages: config.light, duplicates_every: 0, accounts: config.shape.accounts };
     for round in 1..=config.rounds {
         report::round_header(round, config.rounds);
-        for run in round_runs(concurrency, config.shape) {
+        for run in round_runs(concurrency, config.shape).into_iter().filter(|run| config.runs(&run.label())) {
             bench.measure(Phase::Round(round), run).await?;
         }
         if config.light > 0 {
@@ -86,6 +94,7 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
             bench.measure(Phase::RssCheck, run).await?;
         }
     }
+    bench.curves(&results::Context { config, concurrency, postgres: &postgres, busy_before }).await?;
     let _ = bench.admin.close(200, "bench done".into()).await;
     let ok = report::summary(config, concurrency, &bench.results);
     if let Some(svg) = &config.plot {
@@ -320,6 +329,33 @@ impl Bench<'_> {
 
     async fn checkpoint(&mut self) -> Result<(), BenchError> {
         self.db.batch_execute("CHECKPOINT").await?;
+        Ok(())
+    }
+}
+
+impl Bench<'_> {
+    /// The curves of `--curve-backlog` and `--curve-concurrency` ([`crate::curves`]):
+    /// each one's runs, then its chart and JSON beside `--plot`'s.
+    async fn curves(&mut self, context: &results::Context<'_>) -> Result<(), BenchError> {
+        use crate::curves::{self, CurveResults};
+        for curve in crate::plan::Curve::ALL {
+            let runs = curves::runs(context.config, curve, context.concurrency, round_runs);
+            let Some(plot) = context.config.plot.as_deref().filter(|_| !runs.is_empty()) else { continue };
+            curves::header(curve, context.config);
+            for run in runs {
+                self.measure(Phase::Curve(curve), run).await?;
+            }
+            let svg = curves::path(plot, curve);
+            let json = CurveResults::collect(context, curve, &self.results)
+                .write(&svg)
+                .map_err(|err| format!("writing the {} curve to {}: {err}", curve.name(), svg.display()))?;
+            println!(
+                "\ncurve: {} (msg/s against {}), results: {}",
+                svg.display(),
+                curve.name(),
+                json.display()
+            );
+        }
         Ok(())
     }
 }

@@ -26,6 +26,39 @@ pub(crate) enum Phase {
     Round(usize),
     /// The larger backlog of `--rss-check`.
     RssCheck,
+    /// A point of `--curve-backlog` or `--curve-concurrency` ([`crate::curves`]).
+    Curve(Curve),
+}
+
+/// What a curve's runs vary (`--curve-backlog`, `--curve-concurrency`); in JSON, its
+/// [`Curve::name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Curve {
+    /// The backlog's size: distinct payments, each backlog contender of a round.
+    Backlog,
+    /// The concurrency of each backlog contender that takes one.
+    Concurrency,
+}
+
+impl Curve {
+    pub(crate) const ALL: [Self; 2] = [Self::Backlog, Self::Concurrency];
+
+    /// The name in its files' names (`latest-backlog.svg`) and its JSON.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Backlog => "backlog",
+            Self::Concurrency => "concurrency",
+        }
+    }
+
+    /// Where `run` lies along the curve: its payments, or its concurrency.
+    pub(crate) fn x(self, run: &Run) -> usize {
+        match self {
+            Self::Backlog => run.shape.messages,
+            Self::Concurrency => run.concurrency.unwrap_or(idemq::RuntimeBuilder::DEFAULT_CONCURRENCY),
+        }
+    }
 }
 
 /// One measured run.

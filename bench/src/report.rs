@@ -192,21 +192,24 @@ fn times(ratio: Option<f64>) -> String {
 }
 
 /// The backlog contenders of the summary: number (as in BENCHMARKS.md), label.
-const BACKLOG: [(&str, &str); 10] = [
+const BACKLOG: [(&str, &str); 13] = [
     ("1", "raw"),
     ("9", "broker-events"),
+    ("10", "database"),
+    ("11", "expert"),
     ("2", "baseline"),
     ("3", "idemq-per-message"),
     ("4", "idemq-group"),
     ("5", "idemq-lanes"),
     ("7", "idemq-outbox"),
     ("8", "idemq-batch"),
+    ("12", "idemq-tuned"),
     ("6", "idemq-lanes dups-only"),
     ("", "baseline dups-only"),
 ];
 
 /// The ratios of the summary: numbers, what, the two labels divided.
-const RATIOS: [(&str, &str, &str, &str); 12] = [
+const RATIOS: [(&str, &str, &str, &str); 17] = [
     ("3/2", "idemq per-message / baseline", "idemq-per-message", "baseline"),
     ("4/2", "idemq group commit / baseline", "idemq-group", "baseline"),
     ("5/2", "idemq group commit + lanes / baseline", "idemq-lanes", "baseline"),
@@ -218,6 +221,11 @@ const RATIOS: [(&str, &str, &str, &str); 12] = [
     ("8/7", "batch handler / per-message (lanes, events)", "idemq-batch", "idemq-outbox"),
     ("8/2", "demo's apply_payment / baseline (no event)", "idemq-batch", "baseline"),
     ("8/9", "demo's apply_payment / the broker's ceiling", "idemq-batch", "broker-events"),
+    ("8/10", "demo's apply_payment / the database's ceiling", "idemq-batch", "database"),
+    ("8/11", "demo's apply_payment / the expert loop", "idemq-batch", "expert"),
+    ("12/11", "idemq-batch at the expert's batch shape / expert", "idemq-tuned", "expert"),
+    ("11/9", "the expert loop / the broker's ceiling", "expert", "broker-events"),
+    ("11/10", "the expert loop / the database's ceiling", "expert", "database"),
     ("", "baseline: duplicates only / first deliveries", "baseline dups-only", "baseline"),
 ];
 
@@ -340,13 +348,16 @@ pub(crate) fn summary(config: &Config, concurrency: usize, results: &[RunResult]
     }
     println!("\nratios of the median msg/s:");
     for ratio in ratios(&medians) {
-        println!("  {:>3}  {:<48} {:>6}", ratio.numbers, ratio.what, times(ratio.value));
+        println!("  {:>5}  {:<48} {:>6}", ratio.numbers, ratio.what, times(ratio.value));
     }
-    let lag = median_of(&rounds(results, "idemq-outbox"), |r| r.outbox_lag_s);
     println!(
-        "  outbox: the relay had published every event {} s after the last delivery settled (median)",
-        num(lag, 2)
+        "  events: the clock stops once every event is published too; medians of the time from the last \
+         settled delivery until then:"
     );
+    for label in Contender::ALL.into_iter().filter(|c| c.publishes_events()).map(Contender::name) {
+        let lag = median_of(&rounds(results, label), |r| r.outbox_lag_s);
+        println!("    {label}: {} s", num(lag, 3));
+    }
     if config.light > 0 {
         light_summary(config, results);
     }

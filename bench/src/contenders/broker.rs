@@ -11,34 +11,26 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::{FutureExt, StreamExt};
-use lapin::options::{BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions};
-use lapin::{
-    BasicProperties, Channel, Connection, ConnectionProperties, Consumer as Deliveries, PublisherConfirm,
-};
+use lapin::options::BasicPublishOptions;
+use lapin::{BasicProperties, Channel, Consumer as Deliveries, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
 use super::raw::{Unacked, ACK_EVERY, PREFETCH};
-use super::Consumer;
+use super::{Consumer, Pair};
 use crate::metrics::Recorder;
 use crate::urls::Urls;
 use crate::BenchError;
 
 pub(super) async fn start(urls: &Urls, queue: &str, recorder: Arc<Recorder>) -> Result<Consumer, BenchError> {
-    let connection = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
-    let channel = connection.create_channel().await?;
-    channel.basic_qos(PREFETCH, BasicQosOptions { global: false }).await?;
-    let publishing = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
-    let publisher = publishing.create_channel().await?;
-    publisher.confirm_select(ConfirmSelectOptions::default()).await?;
-    let deliveries = super::subscribe(&channel, queue, "idemq-bench-broker").await?;
+    let pair = Pair::connect(urls, PREFETCH).await?;
+    let deliveries = super::subscribe(&pair.channel, queue, "idemq-bench-broker").await?;
     let events = super::events_queue(queue);
     let stop = CancellationToken::new();
     let task = tokio::spawn({
         let stop = stop.clone();
         async move {
-            let consumed = consume(deliveries, &publisher, &events, recorder, &stop).await;
-            let _ = publishing.close(200, "done".into()).await;
-            let _ = connection.close(200, "done".into()).await;
+            let consumed = consume(deliveries, &pair.publisher, &events, recorder, &stop).await;
+            pair.close().await;
             consumed
         }
     });

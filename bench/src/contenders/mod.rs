@@ -2,7 +2,10 @@
 //! to the same [`Recorder`].
 
 mod baseline;
+mod batched;
 mod broker;
+mod database;
+mod expert;
 mod raw;
 mod runtime;
 
@@ -22,6 +25,35 @@ use crate::BenchError;
 async fn subscribe(channel: &lapin::Channel, queue: &str, tag: &str) -> lapin::Result<lapin::Consumer> {
     let options = lapin::options::BasicConsumeOptions::default();
     channel.basic_consume(queue.into(), tag.into(), options, lapin::types::FieldTable::default()).await
+}
+
+/// Two connections: one consuming (a channel with `prefetch`), one publishing (a
+/// channel with confirms on), for the contenders that publish an event per delivery.
+struct Pair {
+    consuming: lapin::Connection,
+    channel: lapin::Channel,
+    publishing: lapin::Connection,
+    publisher: lapin::Channel,
+}
+
+impl Pair {
+    async fn connect(urls: &Urls, prefetch: u16) -> Result<Self, BenchError> {
+        use lapin::options::{BasicQosOptions, ConfirmSelectOptions};
+        use lapin::{Connection, ConnectionProperties};
+        let consuming = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
+        let channel = consuming.create_channel().await?;
+        channel.basic_qos(prefetch, BasicQosOptions { global: false }).await?;
+        let publishing = Connection::connect(&urls.amqp, ConnectionProperties::default()).await?;
+        let publisher = publishing.create_channel().await?;
+        publisher.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok(Self { consuming, channel, publishing, publisher })
+    }
+
+    /// Closes both connections.
+    async fn close(&self) {
+        let _ = self.publishing.close(200, "done".into()).await;
+        let _ = self.consuming.close(200, "done".into()).await;
+    }
 }
 
 /// A consumer the bench measures.
@@ -46,18 +78,29 @@ pub(crate) enum Contender {
     /// lapin, no database: consume, publish an event per delivery with confirms, ack
     /// — the broker's ceiling for the demo's messaging.
     BrokerEvents,
+    /// No broker: idemq-batch's rows written by a batched, pipelined loop — the
+    /// database's ceiling.
+    Database,
+    /// The best hand-written loop for this workload with idemq's guarantees, batched
+    /// and pipelined: what an expert would write instead of using idemq.
+    Expert,
+    /// idemq-batch with the expert loop's batch size and transactions in flight.
+    IdemqTuned,
 }
 
 impl Contender {
-    pub(crate) const ALL: [Self; 8] = [
+    pub(crate) const ALL: [Self; 11] = [
         Self::Raw,
         Self::BrokerEvents,
+        Self::Database,
+        Self::Expert,
         Self::Baseline,
         Self::IdemqPerMessage,
         Self::IdemqGroup,
         Self::IdemqLanes,
         Self::IdemqOutbox,
         Self::IdemqBatch,
+        Self::IdemqTuned,
     ];
 
     /// The name on the command line (`bench --child <name>`) and in the tables.
@@ -71,6 +114,9 @@ impl Contender {
             Self::IdemqOutbox => "idemq-outbox",
             Self::IdemqBatch => "idemq-batch",
             Self::BrokerEvents => "broker-events",
+            Self::Database => "database",
+            Self::Expert => "expert",
+            Self::IdemqTuned => "idemq-tuned",
         }
     }
 
@@ -111,6 +157,28 @@ impl Contender {
                 raw::ACK_EVERY,
                 raw::PREFETCH
             ),
+            Self::Database => format!(
+                "no broker (the backlog drained into memory before the clock starts): per batch of {} \
+                 payments one transaction — dedup rows, ledger rows, balances, outbox rows, and the \
+                 previous batch's outbox rows deleted — {} in flight",
+                batched::BATCH,
+                batched::IN_FLIGHT
+            ),
+            Self::Expert => format!(
+                "hand-written lapin + diesel-async, batched: prefetch {}, batches of up to {} deliveries, \
+                 one transaction each (dedup rows, ledger, balances, outbox rows), {} in flight, one \
+                 `multiple` ack per batch after COMMIT, events published after COMMIT with pipelined \
+                 confirms, their outbox rows then deleted",
+                expert::PREFETCH,
+                batched::BATCH,
+                batched::IN_FLIGHT
+            ),
+            Self::IdemqTuned => format!(
+                "idemq-batch with .batch_size({}).concurrency({}): the expert loop's batch size and \
+                 transactions in flight (prefetch their product, as the builder derives it)",
+                batched::BATCH,
+                batched::IN_FLIGHT
+            ),
         }
     }
 
@@ -128,13 +196,14 @@ impl Contender {
                 | Self::IdemqLanes
                 | Self::IdemqOutbox
                 | Self::IdemqBatch
+                | Self::IdemqTuned
         )
     }
 
     /// Whether its handler publishes an event per payment through the outbox (the run
     /// declares an events queue and waits for the relay to empty the outbox).
     pub(crate) fn publishes_events(self) -> bool {
-        matches!(self, Self::IdemqOutbox | Self::IdemqBatch)
+        matches!(self, Self::IdemqOutbox | Self::IdemqBatch | Self::IdemqTuned | Self::Expert)
     }
 
     /// Whether its run has an events queue, and how many events it must hold: one per
@@ -142,7 +211,9 @@ impl Contender {
     /// delivery (the broker's ceiling, which has no dedup).
     pub(crate) fn events(self) -> Option<Events> {
         match self {
-            Self::IdemqOutbox | Self::IdemqBatch => Some(Events::PerPayment),
+            Self::IdemqOutbox | Self::IdemqBatch | Self::IdemqTuned | Self::Expert => {
+                Some(Events::PerPayment)
+            }
             Self::BrokerEvents => Some(Events::PerDelivery),
             _ => None,
         }
@@ -153,18 +224,33 @@ impl Contender {
         matches!(self, Self::Baseline | Self::IdemqPerMessage)
     }
 
+    /// What it does before the clock starts: the database's ceiling takes the
+    /// backlog's `expect` messages off `queue` into memory.
+    pub(crate) async fn prepare(self, urls: &Urls, queue: &str, expect: u64) -> Result<Prepared, BenchError> {
+        Ok(match self {
+            Self::Database => Prepared(Some(database::drain(urls, queue, expect).await?)),
+            _ => Prepared(None),
+        })
+    }
+
     /// Starts consuming `queue`; every delivery it settles goes to `recorder`.
     pub(crate) async fn start(
         self,
         urls: &Urls,
         queue: &str,
         concurrency: Option<usize>,
+        prepared: Prepared,
         recorder: Arc<Recorder>,
     ) -> Result<Consumer, BenchError> {
         let concurrency = concurrency.unwrap_or(idemq::RuntimeBuilder::DEFAULT_CONCURRENCY);
         match self {
             Self::Raw => raw::start(urls, queue, recorder).await,
             Self::BrokerEvents => broker::start(urls, queue, recorder).await,
+            Self::Database => {
+                let bodies = prepared.0.ok_or("database: started without its backlog (prepare first)")?;
+                database::start(urls, queue, bodies, recorder).await
+            }
+            Self::Expert => expert::start(urls, queue, recorder).await,
             Self::Baseline => baseline::start(urls, queue, concurrency, recorder).await,
             Self::IdemqPerMessage => {
                 runtime::start(runtime::Flavor::PerMessage(concurrency), urls, queue, recorder)
@@ -173,9 +259,14 @@ impl Contender {
             Self::IdemqLanes => runtime::start(runtime::Flavor::Lanes, urls, queue, recorder),
             Self::IdemqOutbox => runtime::start(runtime::Flavor::Outbox, urls, queue, recorder),
             Self::IdemqBatch => runtime::start(runtime::Flavor::Batch, urls, queue, recorder),
+            Self::IdemqTuned => runtime::start(runtime::Flavor::Tuned, urls, queue, recorder),
         }
     }
 }
+
+/// What [`Contender::prepare`] took before the clock started: the database ceiling's
+/// backlog bodies.
+pub(crate) struct Prepared(Option<Vec<Vec<u8>>>);
 
 /// How many events a run's events queue must hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

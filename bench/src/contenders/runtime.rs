@@ -1,4 +1,4 @@
-//! Contenders 3–5, 7 and 8: idemq's [`Runtime`] on the payments queue, with the default
+//! Contenders 3–5, 7, 8 and 12: idemq's [`Runtime`] on the payments queue, with the default
 //! retry policy (whose wait queues it declares at start-up). Every setting not
 //! named here is the builder's default.
 
@@ -86,6 +86,9 @@ pub(super) enum Flavor {
     Outbox,
     /// Defaults, the laned batch handler.
     Batch,
+    /// The laned batch handler with the expert loop's batch size and transactions
+    /// in flight.
+    Tuned,
 }
 
 pub(super) fn start(
@@ -112,6 +115,13 @@ pub(super) fn start(
         Flavor::Batch => {
             let _ = EVENTS.set(events_queue(queue));
             builder.consume(queue, apply_payment_batched)
+        }
+        Flavor::Tuned => {
+            let _ = EVENTS.set(events_queue(queue));
+            builder
+                .consume(queue, apply_payment_batched)
+                .batch_size(super::batched::BATCH)
+                .concurrency(super::batched::IN_FLIGHT)
         }
     };
     let runtime = builder.build()?;
