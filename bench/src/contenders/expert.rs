@@ -133,6 +133,9 @@ async fn consume(
             }
         }
         let waiting = in_flight.is_empty() && batch.last.is_none();
+        if ended && waiting {
+            break; // The broker cancelled the consumer and everything taken is settled.
+        }
         tokio::select! {
             Some((conn, done, applied)) = in_flight.next() => {
                 idle.push(conn);
@@ -143,9 +146,6 @@ async fn consume(
                 None => ended = true,
             },
             () = stop.cancelled(), if waiting => break,
-        }
-        if ended && waiting {
-            break;
         }
     }
     Ok(())
