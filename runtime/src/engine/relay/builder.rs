@@ -191,11 +191,11 @@ impl Relay {
     }
 }
 
-/// The relay's own small pool: one connection for passes, one spare; custom plans
-/// only (see [`SessionLimits::custom_plans`]).
+/// The relay's own small pool: a connection per pass in flight, one spare; custom
+/// plans only (see [`SessionLimits::custom_plans`]).
 pub(crate) fn relay_pool(database_url: &str) -> Result<db::Pool, Error> {
     let limits = SessionLimits::for_handler_timeout(CONFIRM_TIMEOUT).custom_plans();
-    db::build_pool(database_url, 2, limits).map_err(|err| Error::DatabaseConnect {
+    db::build_pool(database_url, super::worker::DEPTH + 1, limits).map_err(|err| Error::DatabaseConnect {
         url: redact(database_url),
         message: err.to_string(),
         cause: Some(Box::new(err)),

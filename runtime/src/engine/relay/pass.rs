@@ -1,11 +1,12 @@
-//! One relay pass, in one transaction: claim the due rows, publish them pipelined,
-//! await the confirms, then delete, postpone or expire each (the module docs' diagram).
+//! One relay pass, in one transaction, in two halves: claim the due rows and publish
+//! them pipelined ([`start`]); await the confirms, then delete, postpone or expire
+//! each and commit ([`Publishing::finish`]) (the module docs' diagram).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use diesel::QueryResult;
-use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use lapin::options::BasicPublishOptions;
 use lapin::{Confirmation, PublisherConfirm};
 
@@ -21,92 +22,144 @@ pub(super) struct Pass {
     pub(super) claimed: usize,
     pub(super) published: usize,
     pub(super) postponed: usize,
-    /// Replies deleted unpublished, and the first's details (logged once committed).
+    /// Replies deleted unpublished.
     pub(super) expired: usize,
-    first_expired: Option<Expired>,
+    /// The broker nacked a publish: publish on a fresh channel from now on.
+    ///
+    /// A nack is the broker refusing on *this channel*, and on RabbitMQ 3.10 a channel
+    /// that first published to a quorum queue while it was electing a new leader (a
+    /// relay that reconnected right after losing the leader's node) is nacked for good
+    /// — seen on a cluster: the outbox stopped draining until a restart. The nacked
+    /// rows are postponed as usual; the next passes publish on a fresh channel.
+    pub(super) nacked: bool,
     /// The broker connection failed during the pass: reconnect.
     pub(super) lost: Option<RelayError>,
-}
-
-/// An expired reply, as its warning shows it.
-struct Expired {
-    message_id: String,
-    reply_to: String,
-    correlation_id: Option<String>,
-    attempts: i32,
-    last_error: Option<String>,
-}
-
-impl Pass {
-    fn empty() -> Self {
-        Self { claimed: 0, published: 0, postponed: 0, expired: 0, first_expired: None, lost: None }
-    }
 }
 
 /// What the broker said of one row: `Some(Ok)` confirmed (and routed, if mandatory),
 /// `Some(Err)` refused, `None` unknown (the connection went).
 type Published = Option<Result<(), Refusal>>;
 
-/// Claims due rows, publishes them and records what the broker said, in one
-/// transaction. `Err`: the database failed (nothing recorded; the rows stay).
-pub(super) async fn pass(pool: &db::Pool, settings: Settings, link: &mut Link) -> Result<Pass, RelayError> {
-    let mut conn = pool.get().await.map_err(RelayError::Pool)?;
-    let limit = i64::try_from(settings.batch_size).unwrap_or(i64::MAX);
-    let pass = conn
-        .transaction::<Pass, diesel::result::Error, _>(async |conn| {
-            let claimed = db::claim_outbox(conn, limit, settings.reply_ttl).await?;
-            if claimed.is_empty() {
-                return Ok(Pass::empty());
-            }
-            publish_and_record(conn, link, claimed, settings).await
-        })
-        .await
-        .map_err(RelayError::database("run a relay pass"))?;
-    // Once committed: each reply is deleted, and warned of, once.
-    if let Some(first) = &pass.first_expired {
-        crate::base::log::warn!(
-            expired = pass.expired,
-            message_id = %first.message_id,
-            reply_to = %first.reply_to,
-            correlation_id = ?first.correlation_id,
-            attempts = first.attempts,
-            last_error = ?first.last_error,
-            reply_ttl = %crate::base::duration::human(settings.reply_ttl),
-            "outbox relay: replies expired before they could be delivered (older than the reply TTL, or past their request's expiration: the requester stopped waiting); deleted unpublished (the first shown; RUST_LOG=idemq::engine::relay=debug lists each)"
-        );
-    }
-    Ok(pass)
+/// A pass between its halves: its rows claimed in its open transaction and
+/// published; their confirms not yet awaited. [`Publishing::finish`] ends it.
+pub(super) struct Publishing {
+    /// The pass's connection, in its transaction.
+    conn: db::Pooled,
+    claimed: usize,
+    /// Expired replies, deleted unpublished.
+    expired: Vec<OutboxRow>,
+    /// The rows published, or refused before publishing.
+    rows: Vec<OutboxRow>,
+    results: Vec<Published>,
+    confirms: Vec<(usize, PublisherConfirm)>,
+    lost: Option<RelayError>,
 }
 
-/// The pass's work on the claimed rows, inside its transaction.
-async fn publish_and_record(
-    conn: &mut AsyncPgConnection,
-    link: &mut Link,
-    claimed: Vec<OutboxRow>,
+/// The first half of a pass: BEGIN, claim the due rows, publish them (all handed to
+/// lapin at once). `None`: nothing was due (the transaction is over). `Err`: the
+/// database failed (nothing recorded; the rows stay).
+///
+/// Only this half needs the link; the second half awaits the broker, so the next
+/// pass can claim and publish while it does (see the worker).
+pub(super) async fn start(
+    pool: &db::Pool,
     settings: Settings,
-) -> QueryResult<Pass> {
+    link: &mut Link,
+) -> Result<Option<Publishing>, RelayError> {
+    let mut conn = pool.get().await.map_err(RelayError::Pool)?;
+    let limit = i64::try_from(settings.batch_size).unwrap_or(i64::MAX);
+    let pg: &mut AsyncPgConnection = &mut conn;
+    AnsiTransactionManager::begin_transaction(pg)
+        .await
+        .map_err(RelayError::database("begin a relay pass"))?;
+    let claimed = match db::claim_outbox(pg, limit, settings.reply_ttl).await {
+        Ok(claimed) => claimed,
+        Err(error) => {
+            rollback(pg).await;
+            return Err(RelayError::Database { action: "claim outbox rows", source: error });
+        }
+    };
+    if claimed.is_empty() {
+        AnsiTransactionManager::commit_transaction(pg)
+            .await
+            .map_err(RelayError::database("end a relay pass"))?;
+        return Ok(None);
+    }
     let claimed_count = claimed.len();
     // Expired replies go without a publish: their requester stopped waiting.
     let (expired, rows): (Vec<OutboxRow>, Vec<OutboxRow>) = claimed.into_iter().partition(|row| row.expired);
-    let (results, lost) = publish_all(link, &rows).await;
-    let Recorded { mut sent, postponed, first_error } = record(conn, &rows, results, settings).await?;
-    let published = sent.len();
-    for row in &expired {
-        crate::base::log::debug!(message_id = %row.message_id, reply_to = %row.routing_key, correlation_id = ?row.correlation_id, attempts = row.attempts, last_error = ?row.last_error, "outbox relay: a reply expired before it could be delivered; deleted unpublished");
+    let mut results: Vec<Published> = rows.iter().map(|_| None).collect();
+    let (confirms, lost) = publish(link, &rows, &mut results).await;
+    Ok(Some(Publishing { conn, claimed: claimed_count, expired, rows, results, confirms, lost }))
+}
+
+/// Rolls back a pass that failed; a connection left in its transaction is not
+/// recycled by the pool (it is closed, which rolls back as well).
+async fn rollback(conn: &mut AsyncPgConnection) {
+    let _ = AnsiTransactionManager::rollback_transaction(conn).await;
+}
+
+impl Publishing {
+    /// The rows the pass claimed.
+    pub(super) fn claimed(&self) -> usize {
+        self.claimed
     }
-    sent.extend(expired.iter().map(|row| row.id));
-    db::delete_outbox(conn, &sent).await?;
-    if let Some((message_id, error)) = first_error {
-        crate::base::log::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::engine::relay=debug lists each)");
+
+    /// The second half of a pass: awaits the confirms, records what the broker said
+    /// (delete, postpone, expire) and commits. `Err`: the database failed (nothing
+    /// recorded; the rows stay, and those published go out again: at least once).
+    pub(super) async fn finish(self, settings: Settings) -> Result<Pass, RelayError> {
+        let Self { mut conn, claimed, expired, rows, mut results, confirms, mut lost } = self;
+        let nacked = await_confirms(&rows, confirms, &mut results, &mut lost).await;
+        // The connection or channel failed: the first row left unknown is postponed
+        // (it may be what closed the channel — too large, say — and would otherwise
+        // come first in every pass, holding up every row behind it). If the broker
+        // had it, it goes out once more under its id: at least once, as always.
+        if let Some(reason) = &lost {
+            if let Some(first) = results.iter_mut().find(|result| result.is_none()) {
+                *first = Some(Err(Refusal::ChannelFailed { reason: reason.report() }));
+            }
+        }
+        let pg: &mut AsyncPgConnection = &mut conn;
+        let recorded = async {
+            let mut recorded = record(pg, &rows, results, settings).await?;
+            let published = recorded.sent.len();
+            recorded.sent.extend(expired.iter().map(|row| row.id));
+            db::delete_outbox(pg, &recorded.sent).await?;
+            Ok::<_, diesel::result::Error>((published, recorded))
+        }
+        .await;
+        let (published, Recorded { postponed, first_error, .. }) = match recorded {
+            Ok(recorded) => recorded,
+            Err(error) => {
+                rollback(pg).await;
+                return Err(RelayError::Database { action: "run a relay pass", source: error });
+            }
+        };
+        AnsiTransactionManager::commit_transaction(pg)
+            .await
+            .map_err(RelayError::database("commit a relay pass"))?;
+        for row in &expired {
+            crate::base::log::debug!(message_id = %row.message_id, reply_to = %row.routing_key, correlation_id = ?row.correlation_id, attempts = row.attempts, last_error = ?row.last_error, "outbox relay: a reply expired before it could be delivered; deleted unpublished");
+        }
+        if let Some((message_id, error)) = first_error {
+            crate::base::log::warn!(postponed, %message_id, %error, "outbox relay: rows could not be published; they stay in the outbox and are retried with backoff (the first's error shown; RUST_LOG=idemq::engine::relay=debug lists each)");
+        }
+        // Once committed: each reply is deleted, and warned of, once.
+        if let Some(first) = expired.first() {
+            crate::base::log::warn!(
+                expired = expired.len(),
+                message_id = %first.message_id,
+                reply_to = %first.routing_key,
+                correlation_id = ?first.correlation_id,
+                attempts = first.attempts,
+                last_error = ?first.last_error,
+                reply_ttl = %crate::base::duration::human(settings.reply_ttl),
+                "outbox relay: replies expired before they could be delivered (older than the reply TTL, or past their request's expiration: the requester stopped waiting); deleted unpublished (the first shown; RUST_LOG=idemq::engine::relay=debug lists each)"
+            );
+        }
+        Ok(Pass { claimed, published, postponed, expired: expired.len(), nacked, lost })
     }
-    let first_expired = expired.first().map(|row| Expired {
-        message_id: row.message_id.clone(),
-        reply_to: row.routing_key.clone(),
-        correlation_id: row.correlation_id.clone(),
-        attempts: row.attempts,
-        last_error: row.last_error.clone(),
-    });
-    Ok(Pass { claimed: claimed_count, published, postponed, expired: expired.len(), first_expired, lost })
 }
 
 /// What [`record`] did with the published rows.
@@ -149,34 +202,6 @@ async fn record(
         }
     }
     Ok(recorded)
-}
-
-/// Publishes `rows` pipelined and awaits their confirms. Per row, what the broker
-/// said ([`Published`]); and the fault, if the connection or channel failed.
-async fn publish_all(link: &mut Link, rows: &[OutboxRow]) -> (Vec<Published>, Option<RelayError>) {
-    let mut results: Vec<Published> = rows.iter().map(|_| None).collect();
-    let (confirms, mut lost) = publish(link, rows, &mut results).await;
-    let nacked = await_confirms(rows, confirms, &mut results, &mut lost).await;
-    // A nack is the broker refusing on *this channel*, and on RabbitMQ 3.10 a channel
-    // that first published to a quorum queue while it was electing a new leader
-    // (a relay that reconnected right after losing the leader's node) is nacked for
-    // good — seen on a cluster: the outbox stopped draining until a restart. The
-    // nacked rows are postponed as usual; the next pass publishes on a fresh channel.
-    if nacked && lost.is_none() {
-        if let Err(reason) = link.reopen_channel().await {
-            lost = Some(reason);
-        }
-    }
-    // The connection or channel failed: the first row left unknown is postponed (it
-    // may be what closed the channel — too large, say — and would otherwise come
-    // first in every pass, holding up every row behind it). If the broker had it,
-    // it goes out once more under its id: at least once, as always.
-    if let Some(reason) = &lost {
-        if let Some(first) = results.iter_mut().find(|result| result.is_none()) {
-            *first = Some(Err(Refusal::ChannelFailed { reason: reason.report() }));
-        }
-    }
-    (results, lost)
 }
 
 /// The prefix of the addresses RabbitMQ gives direct reply-to requesters

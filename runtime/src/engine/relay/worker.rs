@@ -1,9 +1,10 @@
-//! The relay's loop: connect, pass, wait for a wake-up; faults waited out with
-//! backoff; on stop, a final pass bounded by [`FINAL_PASS`].
+//! The relay's loop: connect, passes (several in flight), wait for a wake-up; faults
+//! waited out with backoff; on stop, a final pass bounded by [`FINAL_PASS`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -15,7 +16,7 @@ use crate::store::db;
 use super::error::RelayError;
 use super::link::Link;
 use super::listen::listen;
-use super::pass::{pass, Pass};
+use super::pass::{self, Pass};
 use super::settings::Settings;
 use super::FINAL_PASS;
 
@@ -28,6 +29,31 @@ pub(crate) struct Worker {
     pub(crate) settings: Settings,
     pub(crate) wake: Arc<Notify>,
     pub(crate) observers: Observers,
+}
+
+/// How many passes may be in flight at once (each holds a connection of the
+/// relay's pool, which has one more).
+pub(crate) const DEPTH: usize = 3;
+
+/// Whether rows may be due, and what must be mended before the next pass.
+struct State {
+    /// The last pass claimed a full batch, or a wake-up came: start another.
+    due: bool,
+    trouble: Trouble,
+}
+
+/// What the passes that ended met, mended once none is in flight.
+#[derive(Default)]
+struct Trouble {
+    fault: Option<Fault>,
+    nacked: bool,
+    lost: Option<RelayError>,
+}
+
+impl Trouble {
+    fn any(&self) -> bool {
+        self.fault.is_some() || self.nacked || self.lost.is_some()
+    }
 }
 
 /// A fault the relay waits out.
@@ -82,22 +108,73 @@ impl Worker {
     }
 
     /// The loop: passes until `stop`, then the final pass; leaves the link it has.
+    ///
+    /// Up to [`DEPTH`] passes are in flight: while one awaits its confirms (the
+    /// broker's confirm latency, tens of ms for a batch on a quorum queue), the next
+    /// claims and publishes on the same channel. A pass is started while the last
+    /// one claimed a full batch, or on a wake-up. After a fault (a lost connection, a
+    /// nack, the database) none starts until those in flight have ended; then the
+    /// link is dropped, the channel reopened, or the fault waited out.
     async fn publish(&self, stop: &CancellationToken, link: &mut Option<Link>) {
         let mut faults = Faults::new();
         let mut final_until: Option<Instant> = None;
+        let mut in_flight = FuturesUnordered::new();
+        let mut state = State { due: true, trouble: Trouble::default() };
         loop {
             if final_until.is_none() && stop.is_cancelled() {
                 final_until = Some(Instant::now() + FINAL_PASS);
+                state.due = true;
             }
             if final_until.is_some_and(|until| Instant::now() >= until) {
+                // Cut off while stopping: the transactions of the passes in flight roll
+                // back as their connections close; their rows stay for the next relay.
                 break;
             }
             let finishing = final_until.is_some();
             // Once stopping, nothing may take longer than what is left of the final pass.
             let left =
                 final_until.map_or(Duration::MAX, |until| until.saturating_duration_since(Instant::now()));
+            let room = !state.trouble.any() && in_flight.len() < DEPTH;
+            let start_another = room && state.due;
+            if !in_flight.is_empty() && !start_another {
+                // Wait for a pass to end (or, with room for another, for a wake-up).
+                tokio::select! {
+                    Some(ended) = in_flight.next() => self.ended(ended, &mut state),
+                    () = self.wake.notified(), if room => state.due = true,
+                    () = stop.cancelled(), if !finishing => {}
+                    // A pass started before the stop is bounded by the final pass too.
+                    () = tokio::time::sleep(left), if finishing => {}
+                }
+                continue;
+            }
+            if in_flight.is_empty() && state.trouble.any() {
+                let trouble = std::mem::take(&mut state.trouble);
+                if !self.settle(trouble, link, &mut faults, stop, finishing).await {
+                    break;
+                }
+                state.due = true;
+                continue;
+            }
+            if !state.due {
+                // Nothing in flight, nothing due.
+                if finishing {
+                    break;
+                }
+                tokio::select! {
+                    () = self.wake.notified() => {}
+                    () = tokio::time::sleep(self.settings.poll_interval) => {}
+                    () = stop.cancelled() => {}
+                }
+                state.due = true;
+                continue;
+            }
             let current = match link {
                 Some(current) => current,
+                None if !in_flight.is_empty() => {
+                    // Reconnect once those in flight have ended.
+                    state.due = false;
+                    continue;
+                }
                 None => match self.connect_until(left, stop, finishing).await {
                     // Stop came first: the final pass begins (and may connect again).
                     None => continue,
@@ -106,62 +183,93 @@ impl Worker {
                         link.insert(connected)
                     }
                     Some(Err(error)) => {
-                        let fault = Fault { what: "cannot reach the broker", error };
-                        if !faults.wait(fault, stop, finishing).await {
-                            break;
-                        }
+                        state.trouble.fault = Some(Fault { what: "cannot reach the broker", error });
                         continue;
                     }
                 },
             };
-            let Ok(pass) = tokio::time::timeout(left, pass(&self.pool, self.settings, current)).await else {
-                // Cut off while stopping: the pass's transaction rolls back when the
-                // relay's pool closes; its rows stay for the next relay.
-                break;
-            };
-            let claimed = match pass {
-                Ok(pass) => match self.passed(pass, link).await {
-                    Some(claimed) => claimed,
-                    None => continue,
-                },
-                Err(error) => {
-                    if !faults.wait(Fault { what: "database fault", error }, stop, finishing).await {
-                        break;
+            // The next pass's first half, while those in flight go on.
+            let mut ended = Vec::new();
+            let started = {
+                let start = tokio::time::timeout(left, pass::start(&self.pool, self.settings, current));
+                tokio::pin!(start);
+                loop {
+                    tokio::select! {
+                        started = &mut start => break started,
+                        Some(pass) = in_flight.next() => ended.push(pass),
                     }
-                    continue;
                 }
             };
-            if claimed >= self.settings.batch_size {
-                continue;
+            for pass in ended {
+                self.ended(pass, &mut state);
             }
-            if finishing {
-                break;
-            }
-            tokio::select! {
-                () = self.wake.notified() => {}
-                () = tokio::time::sleep(self.settings.poll_interval) => {}
-                () = stop.cancelled() => {}
+            match started {
+                // Cut off while stopping.
+                Err(_) => break,
+                Ok(Ok(Some(publishing))) => {
+                    state.due = publishing.claimed() >= self.settings.batch_size;
+                    let settings = self.settings;
+                    in_flight.push(async move {
+                        tokio::time::timeout(left, publishing.finish(settings)).await.ok()
+                    });
+                }
+                Ok(Ok(None)) => state.due = false,
+                Ok(Err(error)) => {
+                    state.trouble.fault.get_or_insert(Fault { what: "database fault", error });
+                }
             }
         }
     }
 
-    /// Tells the observers of a pass that claimed rows; if the broker connection was
-    /// lost during it, drops the link (`None`: reconnect), else the rows claimed.
-    async fn passed(&self, pass: Pass, link: &mut Option<Link>) -> Option<usize> {
-        let Pass { claimed, published, postponed, expired, lost, .. } = pass;
+    /// Takes in a pass that ended (`None`: cut off while stopping): tells the
+    /// observers what it did, and notes what must be mended before the next.
+    fn ended(&self, ended: Option<Result<Pass, RelayError>>, state: &mut State) {
+        let pass = match ended {
+            Some(Ok(pass)) => pass,
+            Some(Err(error)) => {
+                state.trouble.fault.get_or_insert(Fault { what: "database fault", error });
+                return;
+            }
+            None => return,
+        };
+        let Pass { claimed, published, postponed, expired, nacked, lost } = pass;
         if claimed > 0 {
             self.observers.relay(&RelayPass { claimed, published, postponed, expired });
         }
-        let Some(reason) = lost else {
-            return Some(claimed);
-        };
-        crate::base::log::warn!(reason = %reason.report(), "outbox relay: broker connection lost; reconnecting");
-        if let Some(old) = link.take() {
-            // The next connection starts with the next address.
-            self.brokers.lost(old.node);
-            old.drop_connection().await;
+        state.trouble.nacked |= nacked;
+        if let Some(reason) = lost {
+            state.trouble.lost.get_or_insert(reason);
         }
-        None
+    }
+
+    /// Mends what the passes that ended met, once none is in flight: a lost link is
+    /// dropped (the next pass reconnects, to the next address), a nacked channel
+    /// replaced, a fault waited out. `false`: stopping, give up now.
+    async fn settle(
+        &self,
+        trouble: Trouble,
+        link: &mut Option<Link>,
+        faults: &mut Faults,
+        stop: &CancellationToken,
+        finishing: bool,
+    ) -> bool {
+        let Trouble { fault, nacked, mut lost } = trouble;
+        if nacked && lost.is_none() {
+            if let Some(current) = link.as_mut() {
+                lost = current.reopen_channel().await.err();
+            }
+        }
+        if let Some(reason) = lost {
+            crate::base::log::warn!(reason = %reason.report(), "outbox relay: broker connection lost; reconnecting");
+            if let Some(old) = link.take() {
+                self.brokers.lost(old.node);
+                old.drop_connection().await;
+            }
+        }
+        match fault {
+            Some(fault) => faults.wait(fault, stop, finishing).await,
+            None => true,
+        }
     }
 
     /// [`Link::connect`], for at most `left`; before the final pass, also cut short
