@@ -4,12 +4,22 @@
 //! `basic.ack(multiple)` with tag `T` acks *every* unacked delivery of the channel up
 //! to `T`, including ones still in flight elsewhere, and a later ack of one of them
 //! is a 406 that closes the channel. So a multiple ack is sent only below the
-//! *watermark*: the lowest tag of this channel whose frame has not gone out, other
-//! than the ones being acked. A tag is forgotten only once its frame was sent, so
-//! every tag below the watermark is settled and the only unacked tags a multiple ack
-//! covers are the ones it means to ack. Tags above the watermark are acked one by
-//! one, at once: nothing waits for a slow neighbour. No lock is held while a frame
-//! goes out.
+//! *watermark*: the lowest tag of this channel still undecided, or whose frame has
+//! not gone out, other than the ones being acked. A tag is forgotten only once its
+//! frame was sent, so every tag below the watermark is settled and the only unacked
+//! tags a multiple ack covers are the ones it means to ack. No lock is held while a
+//! frame goes out.
+//!
+//! Tags to ack *above* the watermark are **deferred**: the next multiple ack that the
+//! watermark lets past them covers them (sent by whichever settlement moves the
+//! watermark: an ack, a requeue, or a frame of its own going out). Lane pipelines
+//! and concurrent batches settle out of tag order — on the bench's laned backlog 80%
+//! of the acks went one by one before, each a frame through lapin and a message in
+//! the broker's channel — and a deferred ack rides in a neighbour's multiple ack
+//! instead. A slow neighbour holds at most half the prefetch (and [`MAX_DEFERRED`]) in
+//! deferred acks (they take prefetch): past that they go one by one at once, as
+//! every ack did before. The acks deferred when a channel dies are redelivered, as
+//! any unacked delivery is: the dedup row makes that harmless.
 //!
 //! This relies on every delivery of the channel being [`Acks::received`] in delivery
 //! order before any later one is settled: one consumer per channel, whose intake
@@ -20,7 +30,7 @@
 //! not), and a `basic.nack`, not a `basic.reject`, so that on RabbitMQ 4.3+ a requeue
 //! does not count towards a quorum queue's delivery limit.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -29,12 +39,90 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::Acker;
 
+/// The most acks one channel defers (see the module docs), whatever its prefetch;
+/// past it, or past half the prefetch, deferred acks go one by one.
+pub(crate) const MAX_DEFERRED: usize = 512;
+
 /// The settling state of one channel.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Acks {
-    /// Tags received whose ack or nack frame has not gone out yet. A tag leaves only
-    /// after its frame was sent, so the watermark never passes a frame in flight.
-    unsettled: Mutex<BTreeSet<u64>>,
+    state: Mutex<State<Acker>>,
+    /// Half the channel's prefetch, at most [`MAX_DEFERRED`]: deferred acks hold
+    /// prefetch, and a slow neighbour must not take all of it.
+    max_deferred: usize,
+}
+
+/// Which tags are unsettled and which acks are deferred; `A` is what sends a tag's
+/// ack (lapin's [`Acker`]; a unit in the tests).
+#[derive(Debug)]
+struct State<A> {
+    /// Tags received whose ack or nack frame has not gone out yet (deferred ones
+    /// aside). A tag leaves only after its frame was sent, so the watermark never
+    /// passes a frame in flight.
+    unsettled: BTreeSet<u64>,
+    /// Tags to ack that wait for the watermark to pass them, with their ackers.
+    deferred: BTreeMap<u64, A>,
+}
+
+impl<A> Default for State<A> {
+    fn default() -> Self {
+        Self { unsettled: BTreeSet::new(), deferred: BTreeMap::new() }
+    }
+}
+
+/// The frames one [`Acks::ack`] sends: a run below the watermark (one `multiple`
+/// ack, or one ack), and deferred acks past the bound (one by one). Every tag in
+/// either is unsettled until its frame is out.
+struct Plan<A> {
+    run: Vec<(u64, A)>,
+    overflow: Vec<(u64, A)>,
+}
+
+impl<A> State<A> {
+    /// The lowest tag still unsettled, but for `ours`.
+    fn watermark(&self, ours: &BTreeSet<u64>) -> u64 {
+        self.unsettled.iter().find(|tag| !ours.contains(tag)).copied().unwrap_or(u64::MAX)
+    }
+
+    /// Takes the deferred acks below `watermark` to send now: unsettled again until
+    /// their frame is out.
+    fn take_deferred_below(&mut self, watermark: u64) -> Vec<(u64, A)> {
+        let kept = self.deferred.split_off(&watermark);
+        let taken = std::mem::replace(&mut self.deferred, kept);
+        self.unsettled.extend(taken.keys().copied());
+        taken.into_iter().collect()
+    }
+
+    /// What acking `ours` sends: ours below the watermark with the deferred acks
+    /// below it; ours above it deferred, and every deferred ack one by one once more
+    /// than `max_deferred` wait.
+    fn plan_ack(&mut self, ours: Vec<(u64, A)>, max_deferred: usize) -> Plan<A> {
+        let tags: BTreeSet<u64> = ours.iter().map(|(tag, _)| *tag).collect();
+        let watermark = self.watermark(&tags);
+        let mut run = self.take_deferred_below(watermark);
+        for (tag, acker) in ours {
+            if tag < watermark {
+                run.push((tag, acker));
+            } else {
+                self.unsettled.remove(&tag);
+                self.deferred.insert(tag, acker);
+            }
+        }
+        let overflow = if self.deferred.len() > max_deferred {
+            let all = std::mem::take(&mut self.deferred);
+            self.unsettled.extend(all.keys().copied());
+            all.into_iter().collect()
+        } else {
+            Vec::new()
+        };
+        Plan { run, overflow }
+    }
+
+    /// The deferred acks the watermark has passed, to send now.
+    fn due(&mut self) -> Vec<(u64, A)> {
+        let watermark = self.watermark(&BTreeSet::new());
+        self.take_deferred_below(watermark)
+    }
 }
 
 /// How a delivery goes back to its queue: one `basic.nack` of its own tag, with
@@ -76,46 +164,77 @@ async fn bounded(frame: impl Future<Output = Sent>) -> Sent {
 }
 
 impl Acks {
+    /// The state of a channel consuming with `prefetch` (0: no limit).
+    pub(crate) fn new(prefetch: u16) -> Self {
+        let half = match usize::from(prefetch) / 2 {
+            0 if prefetch == 0 => MAX_DEFERRED,
+            half => half,
+        };
+        Self { state: Mutex::default(), max_deferred: half.min(MAX_DEFERRED) }
+    }
+
     /// Registers a delivery as taken from the channel's stream.
     pub(crate) fn received(&self, delivery: &Delivery) {
-        self.lock().insert(delivery.delivery_tag);
+        self.lock().unsettled.insert(delivery.delivery_tag);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<u64>> {
-        self.unsettled.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> std::sync::MutexGuard<'_, State<Acker>> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Forgets tags whose frames went out.
-    fn settled(&self, tags: impl IntoIterator<Item = u64>) {
-        let mut unsettled = self.lock();
-        for tag in tags {
-            unsettled.remove(&tag);
-        }
-    }
-
-    /// Acks `deliveries` (of this channel): one `multiple` ack for those below the
-    /// watermark, single acks for the rest. Returns one result per delivery, in order.
-    pub(crate) async fn ack(&self, deliveries: &[&Delivery]) -> Vec<Sent> {
-        let ours: BTreeSet<u64> = deliveries.iter().map(|d| d.delivery_tag).collect();
-        // The lowest tag of anyone else's still unsettled. Ours stay registered until
-        // their frames are out, so no one else's multiple ack covers them meanwhile.
-        let watermark = self.lock().iter().find(|tag| !ours.contains(tag)).copied().unwrap_or(u64::MAX);
-        let below: Vec<&&Delivery> = deliveries.iter().filter(|d| d.delivery_tag < watermark).collect();
-        let multiple = match below.iter().max_by_key(|d| d.delivery_tag) {
-            Some(highest) if below.len() > 1 => {
-                Some(bounded(highest.acker.ack(BasicAckOptions { multiple: true })).await)
+    /// Forgets tags whose frames went out, then acks what that lets past the
+    /// watermark.
+    async fn settled(&self, tags: impl IntoIterator<Item = u64>) {
+        {
+            let mut state = self.lock();
+            for tag in tags {
+                state.unsettled.remove(&tag);
             }
-            _ => None,
-        };
-        let mut sent = Vec::with_capacity(deliveries.len());
-        for delivery in deliveries {
-            let result = match &multiple {
-                Some(result) if delivery.delivery_tag < watermark => clone_result(result),
-                _ => bounded(delivery.acker.ack(BasicAckOptions::default())).await,
-            };
-            sent.push(result);
         }
-        self.settled(ours);
+        self.flush().await;
+    }
+
+    /// Acks the deferred tags below the watermark, until there are none.
+    async fn flush(&self) {
+        loop {
+            let due = self.lock().due();
+            if due.is_empty() {
+                return;
+            }
+            let _ = send_run(&due).await;
+            let mut state = self.lock();
+            for (tag, _) in &due {
+                state.unsettled.remove(tag);
+            }
+        }
+    }
+
+    /// Acks `deliveries` (of this channel): those below the watermark, with the
+    /// deferred acks below it, in one `multiple` ack; those above it deferred (or,
+    /// past half the prefetch, one by one). Returns one result per delivery, in order:
+    /// a deferred ack counts as sent (if its channel dies first, the broker
+    /// redelivers, as for any unacked delivery).
+    pub(crate) async fn ack(&self, deliveries: &[&Delivery]) -> Vec<Sent> {
+        let ours = deliveries.iter().map(|d| (d.delivery_tag, d.acker.clone())).collect();
+        let Plan { run, overflow } = self.lock().plan_ack(ours, self.max_deferred);
+        let run_sent = send_run(&run).await;
+        let mut singles = BTreeMap::new();
+        for (tag, acker) in &overflow {
+            singles.insert(*tag, bounded(acker.ack(BasicAckOptions::default())).await);
+        }
+        let in_run: BTreeSet<u64> = run.iter().map(|(tag, _)| *tag).collect();
+        let sent = deliveries
+            .iter()
+            .map(|delivery| {
+                let tag = delivery.delivery_tag;
+                if in_run.contains(&tag) {
+                    clone_result(&run_sent)
+                } else {
+                    singles.remove(&tag).unwrap_or(Ok(true))
+                }
+            })
+            .collect();
+        self.settled(run.iter().chain(&overflow).map(|(tag, _)| *tag)).await;
         sent
     }
 
@@ -127,7 +246,7 @@ impl Acks {
     /// Like [`requeue`](Self::requeue), for a delivery known by its tag and acker.
     pub(crate) async fn requeue_tag(&self, tag: u64, acker: &Acker) -> Sent {
         let sent = bounded(acker.nack(REQUEUE)).await;
-        self.settled([tag]);
+        self.settled([tag]).await;
         sent
     }
 
@@ -137,10 +256,107 @@ impl Acks {
     }
 }
 
+/// Acks a run of tags, all below the watermark: one `multiple` ack with the
+/// highest's acker, or the one's own ack.
+async fn send_run(run: &[(u64, Acker)]) -> Sent {
+    match run.iter().max_by_key(|(tag, _)| *tag) {
+        None => Ok(true),
+        Some((_, acker)) => {
+            let multiple = run.len() > 1;
+            bounded(acker.ack(BasicAckOptions { multiple })).await
+        }
+    }
+}
+
 fn clone_result(result: &lapin::Result<bool>) -> lapin::Result<bool> {
     match result {
         Ok(sent) => Ok(*sent),
         // lapin's error is not Clone; the channel is gone either way.
         Err(_) => Ok(false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn received(tags: impl IntoIterator<Item = u64>) -> State<()> {
+        State { unsettled: tags.into_iter().collect(), deferred: BTreeMap::new() }
+    }
+
+    fn ours(tags: impl IntoIterator<Item = u64>) -> Vec<(u64, ())> {
+        tags.into_iter().map(|tag| (tag, ())).collect()
+    }
+
+    fn tags(frames: &[(u64, ())]) -> Vec<u64> {
+        let mut tags: Vec<u64> = frames.iter().map(|(tag, ())| *tag).collect();
+        tags.sort_unstable();
+        tags
+    }
+
+    /// `plan`'s frames went out: their tags leave the unsettled ones.
+    fn sent(state: &mut State<()>, plan: &Plan<()>) {
+        for (tag, ()) in plan.run.iter().chain(&plan.overflow) {
+            state.unsettled.remove(tag);
+        }
+    }
+
+    #[test]
+    fn deliveries_settled_in_order_go_in_one_run_and_nothing_waits() {
+        let mut state = received(1..=6);
+        let plan = state.plan_ack(ours(1..=3), 8);
+        assert_eq!(tags(&plan.run), [1, 2, 3]);
+        assert!(plan.overflow.is_empty() && state.deferred.is_empty());
+    }
+
+    #[test]
+    fn acks_above_an_unsettled_neighbour_wait_and_ride_in_its_run() {
+        let mut state = received(1..=6);
+        // A lane pipeline finishes 4..=6 while 1..=3 still run: nothing goes out.
+        let first = state.plan_ack(ours(4..=6), 8);
+        assert!(first.run.is_empty() && first.overflow.is_empty());
+        assert_eq!(state.deferred.keys().copied().collect::<Vec<_>>(), [4, 5, 6]);
+        // The neighbour's run covers both: one multiple ack up to 6.
+        let second = state.plan_ack(ours(1..=3), 8);
+        assert_eq!(tags(&second.run), [1, 2, 3, 4, 5, 6]);
+        sent(&mut state, &second);
+        assert!(state.unsettled.is_empty() && state.deferred.is_empty());
+    }
+
+    #[test]
+    fn a_deferred_ack_never_passes_a_frame_still_in_flight() {
+        let mut state = received(1..=4);
+        // 1 is being acked (its frame not yet out) when 3 is acked: 3 waits.
+        let first = state.plan_ack(ours([1]), 8);
+        assert_eq!(tags(&first.run), [1]);
+        let second = state.plan_ack(ours([3]), 8);
+        assert!(second.run.is_empty(), "1 is still unsettled");
+        // 1's frame is out and 2 is requeued: the watermark passes 3, which is due.
+        sent(&mut state, &first);
+        state.unsettled.remove(&2);
+        assert_eq!(tags(&state.due()), [3]);
+        assert!(state.unsettled.contains(&3), "unsettled again until its own frame is out");
+        assert_eq!(state.watermark(&BTreeSet::new()), 3);
+    }
+
+    #[test]
+    fn past_the_bound_every_deferred_ack_goes_one_by_one() {
+        let mut state = received(1..=10);
+        let first = state.plan_ack(ours(2..=4), 4);
+        assert!(first.overflow.is_empty());
+        // A slow delivery (1) holds the watermark: past 4 deferred, all go alone.
+        let second = state.plan_ack(ours(5..=6), 4);
+        assert!(second.run.is_empty());
+        assert_eq!(tags(&second.overflow), [2, 3, 4, 5, 6]);
+        assert!(state.deferred.is_empty());
+        assert!((2..=6).all(|tag| state.unsettled.contains(&tag)), "unsettled until their frames are out");
+    }
+
+    #[test]
+    fn a_channel_defers_at_most_half_its_prefetch_and_the_bound() {
+        assert_eq!(Acks::new(0).max_deferred, MAX_DEFERRED, "no prefetch limit");
+        assert_eq!(Acks::new(8).max_deferred, 4);
+        assert_eq!(Acks::new(1).max_deferred, 0);
+        assert_eq!(Acks::new(u16::MAX).max_deferred, MAX_DEFERRED);
     }
 }

@@ -316,7 +316,7 @@ async fn begin(
         let prefetch = specs.iter().fold(0_u16, |sum, spec| sum.saturating_add(spec.prefetch));
         let (channel, stream) = open_consumer(consuming, &specs[0].queue, prefetch, &tag).await?;
         channels.push(channel.clone());
-        let acks = Arc::new(Acks::default());
+        let acks = Arc::new(Acks::new(prefetch));
         if let [spec] = specs[..] {
             crate::base::log::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
             let consumer = on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel, acks);
