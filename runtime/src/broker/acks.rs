@@ -166,10 +166,7 @@ async fn bounded(frame: impl Future<Output = Sent>) -> Sent {
 impl Acks {
     /// The state of a channel consuming with `prefetch` (0: no limit).
     pub(crate) fn new(prefetch: u16) -> Self {
-        let half = match usize::from(prefetch) / 2 {
-            0 if prefetch == 0 => MAX_DEFERRED,
-            half => half,
-        };
+        let half = if prefetch == 0 { MAX_DEFERRED } else { usize::from(prefetch) / 2 };
         Self { state: Mutex::default(), max_deferred: half.min(MAX_DEFERRED) }
     }
 

@@ -170,11 +170,7 @@ impl Worker {
             }
             let current = match link {
                 Some(current) => current,
-                None if !in_flight.is_empty() => {
-                    // Reconnect once those in flight have ended.
-                    state.due = false;
-                    continue;
-                }
+                // (Only with none in flight: a link is dropped once those have ended.)
                 None => match self.connect_until(left, stop, finishing).await {
                     // Stop came first: the final pass begins (and may connect again).
                     None => continue,
