@@ -379,8 +379,12 @@ in_both_modes! {
 async fn an_unroutable_dead_letter_requeues_the_original_instead_of_acking() {
     let bed = Bed::new().await;
     let running = Running::start(bed.runtime().consume(&bed.queue, ledger_payment));
-    // After start-up, which declares the DLQ.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // After start-up, which declares the DLQ before it consumes: a fixed sleep raced a
+    // slow start-up, whose declaration then recreated the queue deleted below.
+    idemq_tests::eventually("the runtime consumes", Duration::from_secs(30), || async {
+        bed.broker.consumer_count(&bed.queue).await == 1
+    })
+    .await;
     bed.broker.delete_queue(&bed.dlq).await;
     let props = BasicProperties::default().with_content_type("application/json".into());
     bed.broker.publish_bytes(&bed.queue, b"not json", props).await;
