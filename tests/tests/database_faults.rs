@@ -124,8 +124,13 @@ async fn the_database_staying_down_past_the_retry_limit_returns_deliveries_to_th
     let payments = publish_stream(&bed, 200).await;
     let total = stream_deliveries(payments.len());
     let limit = Duration::from_secs(2);
-    let running =
-        Running::start(bed.runtime().consume(&bed.queue, slower_payment).database_retry_limit(limit));
+    // Batches of 8 in group commit, as in `stream_through`: with the default batch
+    // size the 240 deliveries settle in one wave, and the stop lands on an idle stream.
+    let builder = match Mode::current() {
+        Mode::GroupCommit => bed.runtime().batch_size(8),
+        Mode::PerMessage => bed.runtime(),
+    };
+    let running = Running::start(builder.consume(&bed.queue, slower_payment).database_retry_limit(limit));
     running.wait_settled(30).await;
 
     server.stop().await.expect("stop the private PostgreSQL server");

@@ -3,7 +3,7 @@
 //! A stream consumer against a queue consumer on the payments workload (issue 23), and
 //! against a stream consumer written by hand (issue 39), side by side in one run, in
 //! this process. The idemq contenders run with idemq's defaults (group commit,
-//! `batch_size` 64, a stream's prefetch twice that; `--batch-size` changes the batch
+//! `batch_size` 256, a stream's prefetch twice that; `--batch-size` changes the batch
 //! size of all five):
 //!
 //! 1. `queue`: a quorum queue, a **dedup row per message**, the demo's lane on the
@@ -37,7 +37,7 @@
 //! payment for 1, 2, 4 and 5; the batch form `record_payments` (one multi-row ledger
 //! insert and one upsert of per-account totals per transaction) for 3 and 6, so
 //! `stream batch` against `raw stream` is like against like but for the batch: idemq's
-//! default 64 per transaction against the hand-written 500 (`--batch-size 500` gives
+//! default 256 per transaction against the hand-written 500 (`--batch-size 500` gives
 //! idemq the same), and idemq takes and decodes the next batch only after the last
 //! one's ack, where the hand-written one overlaps them.
 //!

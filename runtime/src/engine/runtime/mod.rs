@@ -32,7 +32,7 @@ pub use signals::{shutdown_signal, shutdown_signals, ShutdownSignals};
 /// The default [`RuntimeBuilder::concurrency`].
 pub(crate) const DEFAULT_CONCURRENCY: usize = 16;
 /// The default [`RuntimeBuilder::batch_size`].
-pub(crate) const DEFAULT_BATCH_SIZE: usize = 64;
+pub(crate) const DEFAULT_BATCH_SIZE: usize = 256;
 
 /// Consumes queues with idempotent handlers until shut down.
 ///

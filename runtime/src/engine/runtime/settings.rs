@@ -42,7 +42,7 @@ pub const SETTINGS: &[Setting] = &[
     code("consume_with"),
     code("consume_partitions"),
     cli("concurrency", "--concurrency", "IDEMQ_CONCURRENCY", "16"),
-    cli("batch_size", "--batch-size", "IDEMQ_BATCH_SIZE", "64"),
+    cli("batch_size", "--batch-size", "IDEMQ_BATCH_SIZE", "256"),
     cli("prefetch", "--prefetch", "IDEMQ_PREFETCH", "100"),
     cli("linger", "--linger", "IDEMQ_LINGER", "5ms"),
     code("retry"),
