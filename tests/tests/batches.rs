@@ -54,6 +54,40 @@ async fn a_backlog_runs_in_batches_and_a_failing_delivery_does_not_sink_its_neig
     assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
 }
 
+/// The payments handler, waiting 40 ms inside its transaction (an API call, say).
+#[idempotent_handler(key = "payment_id", name = "apply_payment")]
+async fn waits_forty_ms(conn: &mut AsyncPgConnection, msg: PaymentRequested) -> Result<(), HandlerError> {
+    record_payment(conn, &msg).await?;
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    Ok(())
+}
+
+/// A slow handler does not hold a batch-size transaction: the first batch takes at
+/// most 16 deliveries (its pace unknown), and once one run is timed a batch takes
+/// what runs in about 100 ms — two deliveries of 40 ms — though the batch size is
+/// 256 and the whole backlog waits.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_handler_runs_in_batches_its_pace_allows_not_the_batch_size() {
+    let bed = Bed::new().await;
+    let payments: Vec<_> = (1..=30).map(payment).collect();
+    for p in &payments {
+        bed.publish(p).await;
+    }
+    // One transaction at a time: each batch takes what waits, up to its limit.
+    let runtime = bed.runtime().concurrency(1).batch_size(256);
+    let running = Running::start(runtime.consume(&bed.queue, waits_forty_ms));
+    running.wait_settled(payments.len()).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+
+    assert!(events.iter().all(|e| e.outcome == Outcome::Applied), "{events:?}");
+    let first = events[0].batch;
+    assert!(first <= 16, "the first batch, its pace unknown, takes at most 16: {first}");
+    let later: Vec<usize> = events[first..].iter().map(|e| e.batch).collect();
+    assert!(later.iter().all(|&batch| batch <= 2), "then 100 ms of 40 ms handlers, at most 2: {later:?}");
+    assert_eq!(bed.ledger_total().await, payments.len() as i64);
+}
+
 /// What the laned handler saw: per account, the amounts in the order applied, and
 /// whether one account ever had two handlers running at once.
 #[derive(Default)]

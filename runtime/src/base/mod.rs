@@ -9,6 +9,7 @@ pub(crate) mod log;
 pub(crate) mod observe;
 pub(crate) mod outcome;
 pub(crate) mod outgoing;
+pub(crate) mod pace;
 pub(crate) mod redact;
 pub(crate) mod retry;
 pub(crate) mod trace;

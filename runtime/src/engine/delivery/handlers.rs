@@ -121,7 +121,7 @@ impl Consumer {
         let mut ctx = self.context(tx, index, &key);
         let span = handler_span(self.handler.name(), key.as_str(), ctx.trace());
         let mark = conn.mark();
-        let (ran, took) = self.guarded(effect(conn, &mut ctx).instrument(span)).await;
+        let (ran, took) = self.guarded(effect(conn, &mut ctx).instrument(span), 1).await;
         let unfinished = match ran {
             Ok(output) => {
                 let published = ctx.take_published();
@@ -161,7 +161,7 @@ impl Consumer {
         let mark = conn.mark();
         let span = batch_span(self.handler.name(), &contexts);
         let (ran, took) =
-            self.guarded(self.handler.run_batch(conn, messages, contexts).instrument(span)).await;
+            self.guarded(self.handler.run_batch(conn, messages, contexts).instrument(span), count).await;
         let unfinished = match ran {
             Ok((outputs, contexts)) if outputs.len() == count => {
                 let done = heads
@@ -208,16 +208,19 @@ impl Consumer {
         ctx
     }
 
-    /// Runs a handler's future within the handler timeout, a panic caught; returns
-    /// how it ended and how long it ran.
+    /// Runs a handler's future, for `messages` messages, within the handler timeout,
+    /// a panic caught; returns how it ended and how long it ran (which the consumer's
+    /// pace learns from).
     async fn guarded<T>(
         &self,
         run: impl std::future::Future<Output = Result<T, HandlerError>>,
+        messages: usize,
     ) -> (Result<T, Unfinished>, Duration) {
         let run = AssertUnwindSafe(run).catch_unwind();
         let started = Instant::now();
         let ran_for = tokio::time::timeout(self.shared.handler_timeout, run).await;
         let took = started.elapsed();
+        self.pace.record(took, messages);
         let ran = match ran_for {
             Ok(Ok(Ok(value))) => Ok(value),
             Ok(Ok(Err(error))) => Err(Unfinished::Returned(error)),

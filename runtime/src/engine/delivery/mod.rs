@@ -46,6 +46,7 @@ use tokio_util::task::TaskTracker;
 use crate::base::observe::Observers;
 use crate::base::outcome::Outcome;
 use crate::base::outgoing::Outgoing;
+use crate::base::pace::Pace;
 use crate::base::retry::RetryPolicy;
 use crate::base::verdict::OnConflict;
 use crate::base::width::Width;
@@ -89,6 +90,9 @@ pub(crate) struct Consumer {
     /// How many of this consumer's batches may run at once (a handler without a
     /// lane); narrows while its batches collide (see [`Width`]).
     pub(crate) width: Width,
+    /// Its handler's time per message: a batch takes what runs in about 100 ms, up
+    /// to the batch size (see [`Pace`]).
+    pub(crate) pace: Pace,
     /// Its batches that collided since it last said so (see `contention`).
     pub(crate) collisions: contention::Collisions,
     /// Its deliveries whose ack or nack could not be sent: logged as a count, not
@@ -103,6 +107,14 @@ pub(crate) struct Consumer {
     /// Its handler's rate limit, if any: the intake takes a token per delivery.
     pub(crate) rate: Option<Arc<crate::engine::flow::Rate>>,
     pub(crate) shared: Arc<Shared>,
+}
+
+impl Consumer {
+    /// The most deliveries its next batch may take: the batch size, cut to what its
+    /// handler runs in about 100 ms at its pace.
+    pub(crate) fn batch_most(&self) -> usize {
+        self.pace.batch(self.batch.size)
+    }
 }
 
 /// What every consumer of a runtime shares.

@@ -22,6 +22,8 @@ use super::loss::Loss;
 use super::pause::{pause, Ended};
 use super::source::{registered, Next, Source};
 use super::{bounded, closed};
+#[cfg(doc)]
+use crate::base::pace::Pace;
 use crate::engine::delivery::{Consumer, Item};
 
 /// What an intake loop needs from the session's context.
@@ -39,8 +41,8 @@ pub(super) struct Intake {
 ///
 /// A handler without a lane: receive a delivery, wait for a slot (one running
 /// transaction), take whatever else has arrived, and run a batch of it as a task —
-/// its share among the idle slots, up to the batch size (waiting at most the linger
-/// for more) — repeat. Receiving comes first: a consumer waiting on an idle queue
+/// its share among the idle slots, up to the batch size as the handler's pace
+/// allows (`base::pace`; waiting at most the linger for more) — repeat. Receiving comes first: a consumer waiting on an idle queue
 /// holds no permit, so it cannot starve the busy ones. A handler with a lane: see
 /// [`consume_in_lanes`].
 pub(super) async fn consume(
@@ -78,11 +80,11 @@ pub(super) async fn consume(
         // slot, so that waiting for tokens holds none of the runtime's permits.
         let granted = match &consumer.rate {
             Some(rate) => tokio::select! {
-                granted = rate.take(taken.pending.len().min(consumer.batch.size)) => granted,
+                granted = rate.take(taken.pending.len().min(consumer.batch_most())) => granted,
                 () = stop.cancelled() => break None,
                 () = closed(&consumer.channel) => break Some(closing_reason(&consumer, &mut stream).await),
             },
-            None => consumer.batch.size,
+            None => consumer.batch_most(),
         };
         let slot = tokio::select! {
             slot = BatchSlot::take(&consumer, &intake.permits) => slot,
@@ -137,7 +139,7 @@ impl Taken {
     /// batch size and the `granted` tokens; a redelivered message runs in a batch of
     /// its own.
     fn batch(&mut self, consumer: &Consumer, idle: usize, granted: usize) -> Vec<Item> {
-        let share = self.pending.len().div_ceil(idle).clamp(1, consumer.batch.size.min(granted).max(1));
+        let share = self.pending.len().div_ceil(idle).clamp(1, consumer.batch_most().min(granted).max(1));
         let mut batch = Vec::with_capacity(share);
         while batch.len() < share {
             match self.pending.front() {
@@ -165,7 +167,7 @@ impl Taken {
         granted: usize,
     ) {
         let limits = consumer.batch;
-        let most = limits.size.min(granted);
+        let most = consumer.batch_most().min(granted);
         if limits.linger.is_zero()
             || self.ended.is_some()
             || !self.pending.is_empty()
@@ -410,7 +412,8 @@ async fn pipeline(
         let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + limits.linger;
-        while batch.len() < limits.size && !batch[0].runs_alone() {
+        let most = consumer.batch_most();
+        while batch.len() < most && !batch[0].runs_alone() {
             let next = match deliveries.try_recv() {
                 Ok(next) => next,
                 Err(_) if limits.linger.is_zero() => break,

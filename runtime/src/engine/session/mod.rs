@@ -419,6 +419,7 @@ impl On<'_> {
             frame_max: self.frame_max,
             session: self.session,
             width: Width::new(spec.batch.pipelines),
+            pace: Default::default(),
             collisions: Default::default(),
             unsent: Unsent::new(&spec.queue, self.session),
             batch: spec.batch,
