@@ -88,6 +88,55 @@ async fn a_slow_handler_runs_in_batches_its_pace_allows_not_the_batch_size() {
     assert_eq!(bed.ledger_total().await, payments.len() as i64);
 }
 
+/// The consuming connection is lost while a backlog is held (prefetched, waiting in
+/// the process for a transaction): the broker redelivers all of it, flagged
+/// redelivered. What this process held and never started comes back as a first
+/// delivery and runs in batches; only what had started runs alone (it could be what
+/// crashed a consumer) — one transaction at a time, with nothing else running. Each
+/// payment once, nothing left.
+#[tokio::test(flavor = "multi_thread")]
+async fn deliveries_held_unstarted_at_a_lost_connection_come_back_in_batches_not_alone() {
+    let bed = Bed::isolated().await;
+    let payments: Vec<_> = (1..=1500).map(payment).collect();
+    for p in &payments {
+        bed.publish(p).await;
+    }
+    let running = Running::start(
+        bed.runtime()
+            .concurrency(2)
+            .reconnect_max_backoff(Duration::from_millis(200))
+            .consume(&bed.queue, idemq_tests::fixture::slow_payment),
+    );
+    eventually("a few applied", Duration::from_secs(60), || async { bed.ledger_total().await >= 50 }).await;
+    let vhost = bed.vhost.as_ref().expect("an isolated bed");
+    assert_eq!(vhost.close_connections_named("idemq consumer").await, 1, "the consuming connection");
+    eventually("every payment applied", Duration::from_secs(120), || async {
+        bed.ledger_total().await >= payments.len() as i64
+    })
+    .await;
+    vhost.await_drained(&bed.queue, Duration::from_secs(60)).await;
+    let events = running.events();
+    let stats = running.stats.snapshot();
+    running.stop().await.expect("clean shutdown");
+
+    // What had started before the loss committed (its ack was lost with the
+    // channel): it comes back redelivered, runs alone and is a duplicate now. What
+    // the process held unstarted — most of the channel's prefetch of 2 × 256 — comes
+    // back as first deliveries. Only what was still on its way (sent by the broker,
+    // not yet read from the socket) comes back redelivered without having started,
+    // and runs alone, applied.
+    let alone: Vec<_> = events.iter().filter(|e| e.redelivered).collect();
+    assert!(alone.iter().all(|e| e.batch == 1), "a redelivered message runs alone");
+    let applied_alone = alone.iter().filter(|e| e.outcome != Outcome::Duplicate).count();
+    assert!(applied_alone * 4 < 512, "{applied_alone} unstarted deliveries ran alone ({stats:?})");
+    let after: Vec<_> = events.iter().filter(|e| e.session > 1 && e.outcome == Outcome::Applied).collect();
+    assert!(after.len() > 100, "a backlog was left for the new connection: {}", after.len());
+    assert!(after.iter().any(|e| e.batch > 1), "and it ran in batches");
+    assert_eq!(bed.doubled().await, Vec::<String>::new());
+    assert_eq!(bed.ledger_total().await, payments.len() as i64);
+    assert_eq!(bed.broker.message_count(&bed.queue).await, 0);
+}
+
 /// What the laned handler saw: per account, the amounts in the order applied, and
 /// whether one account ever had two handlers running at once.
 #[derive(Default)]

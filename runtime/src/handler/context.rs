@@ -243,7 +243,9 @@ impl Context {
     }
 
     /// Whether the broker redelivered this delivery (a consumer before may have
-    /// started it; its transaction, if any, did not commit).
+    /// started it; its transaction, if any, did not commit). `false` for a
+    /// redelivery of one this process held and never started when its channel
+    /// closed: no handler saw it.
     pub fn redelivered(&self) -> bool {
         self.redelivered
     }

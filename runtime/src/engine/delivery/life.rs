@@ -78,7 +78,9 @@
 //! - Poison is what *started* `delivery_limit` times without an outcome: a redelivered
 //!   message runs alone (a batch of one, nothing else of this process beside it) and
 //!   its start is committed before its handler runs, so a crash is charged to the
-//!   message that caused it, not to the prefetch window around it.
+//!   message that caused it, not to the prefetch window around it. What this process
+//!   held and never started when its channel closed is no suspect: its redelivery
+//!   comes in as a first delivery (`unstarted`).
 //! - Every copy carries a copy id (lineage + attempt); a redelivered original whose
 //!   copy the broker already confirmed is acked without running its handler. A
 //!   recorded copy can only ever settle the message it was made from: the lineage
@@ -211,6 +213,9 @@ impl Consumer {
                 () = cut_off.cancelled() => None,
             }
         } else {
+            for item in &items {
+                self.shared.unstarted.remember(&self.queue, &item.delivery);
+            }
             None
         };
         let decisions = decided

@@ -18,8 +18,8 @@
 //!
 //! Beside them: `tx` (what a run's stages share), `contention` (batches that
 //! collide), `faults` (why a run decided nothing, and idemq's own statements that
-//! bound and diagnose it) and `counts` (what a delivery's properties say about its
-//! past). This file holds the nouns every stage names: the [`Consumer`] and what
+//! bound and diagnose it), `counts` (what a delivery's properties say about its
+//! past) and `unstarted` (what this process held unstarted when a channel closed). This file holds the nouns every stage names: the [`Consumer`] and what
 //! its consumers share, an [`Item`] of a batch and the [`Decision`] made for it.
 
 mod alone;
@@ -33,6 +33,7 @@ mod handlers;
 mod life;
 mod settle;
 mod tx;
+mod unstarted;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,6 +60,7 @@ use counts::Counts;
 pub(crate) use faults::{cancel_statement, panic_message};
 pub(crate) use handlers::{batch_span, handler_span};
 pub(crate) use settle::Unsent;
+pub(crate) use unstarted::Unstarted;
 
 /// The longest idemq waits for its own best-effort bookkeeping (cancelling a
 /// statement, recording a copy, clearing start marks).
@@ -133,6 +135,9 @@ pub(crate) struct Shared {
     /// Taken for writing by a redelivered message (it runs alone), for reading by
     /// every batch: a crash while a redelivered message runs is its own.
     pub(crate) turns: RwLock<()>,
+    /// Deliveries held and never started when their channel closed: their
+    /// redeliveries do not run alone (see [`Unstarted`]).
+    pub(crate) unstarted: Unstarted,
     /// Raised by a delivery that met a fault no retry can fix: the runtime stops.
     pub(crate) fatal: Fatal,
     /// A test's fault hook (`engine/hook.rs`): `None` unless the test kit set one.

@@ -184,6 +184,7 @@ impl Assembly {
             observers,
             outbox: OutboxSignal::new(relay_wake.clone()),
             turns: tokio::sync::RwLock::new(()),
+            unstarted: Default::default(),
             // Consumers stop on the caller's signal, or when a delivery meets a fault no
             // retry can fix (then `run` returns that error after draining).
             fatal: Fatal::new(shutdown.child_token()),

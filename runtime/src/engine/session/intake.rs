@@ -111,6 +111,9 @@ pub(super) async fn consume(
         });
     };
     for delivery in taken.pending {
+        if !consumer.channel.status().connected() {
+            consumer.shared.unstarted.remember(&consumer.queue, &delivery);
+        }
         let _ = consumer.acks.requeue(&delivery).await;
     }
     intake_ended(&consumer, &stream, &tag, loss).await
@@ -329,7 +332,8 @@ async fn closing_reason(consumer: &Consumer, stream: &mut Source) -> Loss {
     let told = async {
         loop {
             match stream.next().await {
-                Some(Ok(_buffered)) => {}
+                // Never started: its redelivery need not run alone.
+                Some(Ok(buffered)) => consumer.shared.unstarted.remember(&consumer.queue, &buffered),
                 Some(Err(err)) => return Some(Loss::of_consumer(&consumer.queue, err)),
                 None => return None,
             }

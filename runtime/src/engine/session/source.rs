@@ -43,8 +43,13 @@ pub(super) enum Next {
 /// why the stream ended.
 pub(super) fn registered(consumer: &Consumer, next: Option<lapin::Result<Delivery>>) -> Next {
     match next {
-        Some(Ok(delivery)) => {
+        Some(Ok(mut delivery)) => {
             consumer.acks.received(&delivery);
+            // Held here and never started when its channel closed: nothing of it ran,
+            // so it is no suspect of a crash and need not run alone.
+            if delivery.redelivered && consumer.shared.unstarted.take(&consumer.queue, &delivery) {
+                delivery.redelivered = false;
+            }
             Next::Delivery(delivery)
         }
         Some(Err(err)) => Next::Ended(Loss::of_consumer(&consumer.queue, err)),
