@@ -19,8 +19,9 @@
 //! Beside them: `tx` (what a run's stages share), `contention` (batches that
 //! collide), `faults` (why a run decided nothing, and idemq's own statements that
 //! bound and diagnose it), `counts` (what a delivery's properties say about its
-//! past) and `unstarted` (what this process held unstarted when a channel closed). This file holds the nouns every stage names: the [`Consumer`] and what
-//! its consumers share, an [`Item`] of a batch and the [`Decision`] made for it.
+//! past) and `unstarted` (what this process held unstarted when a channel closed).
+//! This file holds the nouns every stage names: the [`Consumer`] and what its
+//! consumers share, an [`Item`] of a batch and the [`Decision`] made for it.
 
 mod alone;
 mod claim;

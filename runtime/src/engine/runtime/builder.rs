@@ -248,12 +248,13 @@ impl RuntimeBuilder {
     /// [`linger`](Self::linger). A batch also takes no more than its handler runs in
     /// about 100 ms at its recent pace (a handler waiting 50 ms on an API runs in
     /// batches of 2, side by side; 16 at most until the first run is timed), so a
-    /// slow handler never holds a transaction and its locks for long. `1` is per-message mode: one transaction per
-    /// delivery. Guarantees are the same in both modes: a failing, panicking or
-    /// timed-out handler, a lock wait or deadlock, a refused COMMIT never sink a
-    /// batch's other deliveries (the batch is re-run without it, or split), and only
-    /// a delivery run alone is ever charged an attempt. Default 256 (measured: see the
-    /// guide's *Performance*, "Draining a backlog").
+    /// slow handler never holds a transaction and its locks for long. `1` is
+    /// per-message mode: one transaction per delivery. Guarantees are the same in
+    /// both modes: a failing, panicking or timed-out handler, a lock wait or
+    /// deadlock, a refused COMMIT never sink a batch's other deliveries (the batch is
+    /// re-run without it, or split), and only a delivery run alone is ever charged an
+    /// attempt. Default 256 (measured: see the guide's *Performance*, "Draining a
+    /// backlog").
     pub fn batch_size(mut self, batch_size: usize) -> Self {
         self.batch_size = batch_size;
         self

@@ -22,8 +22,6 @@ use super::loss::Loss;
 use super::pause::{pause, Ended};
 use super::source::{registered, Next, Source};
 use super::{bounded, closed};
-#[cfg(doc)]
-use crate::base::pace::Pace;
 use crate::engine::delivery::{Consumer, Item};
 
 /// What an intake loop needs from the session's context.
@@ -42,9 +40,9 @@ pub(super) struct Intake {
 /// A handler without a lane: receive a delivery, wait for a slot (one running
 /// transaction), take whatever else has arrived, and run a batch of it as a task —
 /// its share among the idle slots, up to the batch size as the handler's pace
-/// allows (`base::pace`; waiting at most the linger for more) — repeat. Receiving comes first: a consumer waiting on an idle queue
-/// holds no permit, so it cannot starve the busy ones. A handler with a lane: see
-/// [`consume_in_lanes`].
+/// allows (`base::pace`; waiting at most the linger for more) — repeat. Receiving
+/// comes first: a consumer waiting on an idle queue holds no permit, so it cannot
+/// starve the busy ones. A handler with a lane: see [`consume_in_lanes`].
 pub(super) async fn consume(
     consumer: Arc<Consumer>,
     mut stream: Source,
