@@ -149,7 +149,10 @@ pub struct Settled {
     /// How it ended.
     pub outcome: Outcome,
     /// Whether the broker was told (ack, nack or reject) and the frame was sent.
-    /// `false` means the channel was gone: the broker will redeliver.
+    /// `false` means the channel was gone: the broker will redeliver. An ack above
+    /// the channel's watermark counts as sent once it waits to ride in a
+    /// neighbour's multiple ack; should the channel die first, the broker
+    /// redelivers that delivery too, and it is settled again as a duplicate.
     pub settled_with_broker: bool,
     /// The broker's delivery count before this delivery (`x-delivery-count`; 0 if
     /// absent or if the broker did not redeliver it: a publisher can set the header).
