@@ -14,8 +14,8 @@ usage: bench [flags]
                             a sweep picks the baseline's best
   --sweep C1,C2,..          the concurrencies that sweep tries, one run each (default 8,16,32,64)
   --light N                 light-load messages per contender and round, one at a time (default 300; 0: skip)
-  --rss-check N             after the rounds, one backlog run per contender with N payments, and its
-                            peak RSS compared with the rounds' (e.g. 100000)
+  --rss-check N             after the rounds, one backlog run per contender of the rounds (--only's) with
+                            N payments, its peak RSS compared with the rounds' (e.g. 100000)
   --rss-tolerance PCT       how much larger that peak RSS may be and still count as the same (default 25)
   --curve-backlog N1,N2,..  after the rounds, one backlog run of every backlog contender of a round at each
                             of these numbers of payments (e.g. 5000,20000,80000): msg/s against backlog size

@@ -90,7 +90,11 @@ pub(crate) async fn run(config: &Config, urls: &Urls) -> Result<bool, BenchError
     if let Some(messages) = config.rss_check {
         report::rss_check_header(messages);
         let shape = Shape { messages, ..config.shape };
-        for run in round_runs(concurrency, shape).into_iter().filter(|run| run.load == Load::Backlog) {
+        // The rounds' contenders only (`--only`): one not in the rounds has nothing to compare.
+        let checked = round_runs(concurrency, shape)
+            .into_iter()
+            .filter(|run| run.load == Load::Backlog && config.runs(&run.label()));
+        for run in checked {
             bench.measure(Phase::RssCheck, run).await?;
         }
     }

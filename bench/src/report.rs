@@ -410,7 +410,7 @@ fn rss_summary(config: &Config, messages: usize, results: &[RunResult]) -> bool 
     );
     println!("  contender                 MiB small  MiB large   ratio  verdict");
     let mut ok = true;
-    for contender in Contender::ALL {
+    for contender in Contender::ALL.into_iter().filter(|contender| config.runs(contender.name())) {
         let small = median_of(&rounds(results, contender.name()), mib);
         let large = results
             .iter()
