@@ -179,30 +179,23 @@ impl Acks {
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Forgets tags whose frames went out, then acks what that lets past the
-    /// watermark.
+    /// Forgets tags whose frames went out, then acks the deferred tags that lets
+    /// past the watermark — whose frames going out may let more past, until none.
     async fn settled(&self, tags: impl IntoIterator<Item = u64>) {
-        {
-            let mut state = self.lock();
-            for tag in tags {
-                state.unsettled.remove(&tag);
-            }
-        }
-        self.flush().await;
-    }
-
-    /// Acks the deferred tags below the watermark, until there are none.
-    async fn flush(&self) {
+        let mut sent: Vec<u64> = tags.into_iter().collect();
         loop {
-            let due = self.lock().due();
+            let due = {
+                let mut state = self.lock();
+                for tag in &sent {
+                    state.unsettled.remove(tag);
+                }
+                state.due()
+            };
             if due.is_empty() {
                 return;
             }
             let _ = send_run(&due).await;
-            let mut state = self.lock();
-            for (tag, _) in &due {
-                state.unsettled.remove(tag);
-            }
+            sent = due.into_iter().map(|(tag, _)| tag).collect();
         }
     }
 

@@ -53,12 +53,9 @@ impl Unstarted {
 
     /// Whether `delivery` of `queue` is one remembered (forgetting it if so).
     pub(crate) fn take(&self, queue: &str, delivery: &Delivery) -> bool {
-        let digest = digest(queue, delivery);
         let mut inner = self.lock();
-        if inner.counts.is_empty() {
-            return false;
-        }
-        inner.forget(digest)
+        // Nothing remembered (no channel closed): no digest of the body to compute.
+        !inner.counts.is_empty() && inner.forget(digest(queue, delivery))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
