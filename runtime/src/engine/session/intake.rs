@@ -208,12 +208,14 @@ async fn consume_in_lanes(
     intake: Intake,
     stop: CancellationToken,
 ) -> Loss {
+    let room = Arc::new(Semaphore::new(ROOM));
     let pipelines: Vec<mpsc::UnboundedSender<Item>> = (0..consumer.batch.pipelines.max(1))
         .map(|_| {
             let (sender, receiver) = mpsc::unbounded_channel();
             intake.tracker.spawn(pipeline(
                 Arc::clone(&consumer),
                 receiver,
+                Arc::clone(&room),
                 Arc::clone(&intake.permits),
                 intake.hard_stop.clone(),
             ));
@@ -395,9 +397,19 @@ fn lane_slot(lane: &str, pipelines: usize) -> usize {
 }
 
 /// One lane pipeline: batches of what it holds, one at a time, in order.
+///
+/// A batch starts when it is full (the batch size, or what the handler's pace
+/// allows), or when there is room: fewer than [`ROOM`] of the consumer's batches
+/// that were not full are running. So a backlog on a busy machine runs in a few
+/// large transactions — each costs the same fixed work (BEGIN, the claim, COMMIT and
+/// its flush, a round trip per statement), and sixteen small ones at once spend the
+/// CPU the broker and PostgreSQL need — while a slow handler, whose pace makes its
+/// batches small, still runs one batch per pipeline at once. A batch waits for room
+/// at most [`ROOM_WAIT`], taking what arrives meanwhile.
 async fn pipeline(
     consumer: Arc<Consumer>,
     mut deliveries: mpsc::UnboundedReceiver<Item>,
+    room: Arc<Semaphore>,
     permits: Arc<Semaphore>,
     hard_stop: CancellationToken,
 ) {
@@ -411,17 +423,25 @@ async fn pipeline(
                 None => return,
             },
         };
-        let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + limits.linger;
         let most = consumer.batch_most();
+        let mut ended = false;
         while batch.len() < most && !batch[0].runs_alone() {
             let next = match deliveries.try_recv() {
                 Ok(next) => next,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    ended = true;
+                    break;
+                }
                 Err(_) if limits.linger.is_zero() => break,
                 Err(_) => match tokio::time::timeout_at(deadline, deliveries.recv()).await {
                     Ok(Some(next)) => next,
-                    Ok(None) | Err(_) => break,
+                    Ok(None) => {
+                        ended = true;
+                        break;
+                    }
+                    Err(_) => break,
                 },
             };
             if next.runs_alone() {
@@ -430,7 +450,53 @@ async fn pipeline(
             }
             batch.push(next);
         }
+        let roomed = if ended || held.is_some() || batch.len() >= most || batch[0].runs_alone() {
+            None
+        } else {
+            wait_for_room(&room, &mut deliveries, &mut batch, most, &mut held).await
+        };
+        let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
         consumer.process(batch, &hard_stop).await;
-        drop(permit);
+        drop((permit, roomed));
     }
+}
+
+/// How many of one laned consumer's batches that are not full may run at once (see
+/// [`pipeline`]): one writing while another commits.
+const ROOM: usize = 2;
+
+/// The longest a batch that is not full waits for room.
+const ROOM_WAIT: Duration = Duration::from_millis(100);
+
+/// Waits for room for `batch` — at most [`ROOM_WAIT`] — taking the pipeline's
+/// deliveries into it meanwhile, until it is full. Returns the room taken, if any
+/// (none when the batch filled, the wait ran out, the intake ended, or a delivery
+/// that must run alone arrived: held for the next batch).
+async fn wait_for_room(
+    room: &Arc<Semaphore>,
+    deliveries: &mut mpsc::UnboundedReceiver<Item>,
+    batch: &mut Vec<Item>,
+    most: usize,
+    held: &mut Option<Item>,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    let acquire = Arc::clone(room).acquire_owned();
+    tokio::pin!(acquire);
+    let give_up = tokio::time::sleep(ROOM_WAIT);
+    tokio::pin!(give_up);
+    while batch.len() < most {
+        tokio::select! {
+            biased;
+            permit = &mut acquire => return Some(permit.expect("the semaphore is never closed")),
+            next = deliveries.recv() => match next {
+                Some(next) if next.runs_alone() => {
+                    *held = Some(next);
+                    return None;
+                }
+                Some(next) => batch.push(next),
+                None => return None,
+            },
+            () = &mut give_up => return None,
+        }
+    }
+    None
 }

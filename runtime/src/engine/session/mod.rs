@@ -317,6 +317,7 @@ async fn begin(
         let (channel, stream) = open_consumer(consuming, &specs[0].queue, prefetch, &tag).await?;
         channels.push(channel.clone());
         let acks = Arc::new(Acks::new(prefetch));
+        Acks::flush_overdue_acks(&acks);
         if let [spec] = specs[..] {
             crate::base::log::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
             let consumer = on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel, acks);
