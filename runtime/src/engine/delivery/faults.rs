@@ -147,4 +147,10 @@ pub(super) enum InfraFault {
     Commit(diesel::result::Error),
     #[error("the connection broke during the handler: {0}")]
     Broken(String),
+    /// The server refused the handler's write as read-only: a standby, or one still
+    /// being promoted (a transaction begun in recovery stays read-only).
+    #[error(
+        "the database refused the handler's write as read-only (a standby, or a failover in progress): {0}"
+    )]
+    ReadOnly(String),
 }

@@ -133,6 +133,7 @@ impl Consumer {
         let failure = self.unfinished(conn, cancel, unfinished).await?;
         // Read before anything else runs on the connection (a cut-off handler's
         // cancelled statement answers 57014, which is no contention).
+        refused_as_read_only(conn, mark, &failure)?;
         let contended = matches!(failure, Failure::Returned(_)) && db::contended_since(conn, mark);
         Ok(Handled::Failed(Failed { index, key, fingerprint, failure, contended, took }))
     }
@@ -180,6 +181,7 @@ impl Consumer {
             Err(unfinished) => unfinished,
         };
         let failure = self.unfinished(conn, &cancel, unfinished).await?;
+        refused_as_read_only(conn, mark, &failure)?;
         let contended = matches!(failure, Failure::Returned(_)) && db::contended_since(conn, mark);
         let indices: Vec<usize> = heads.iter().map(|(index, ..)| *index).collect();
         // Alone, the failure is this message's; in a batch of several, the key is
@@ -429,4 +431,19 @@ pub(crate) fn batch_span(handler: &str, contexts: &[Context]) -> tracing::Span {
         trace.link(&span);
     }
     span
+}
+
+/// A handler that returned after the server refused its write as read-only (25006:
+/// a standby, or one being promoted — a transaction begun in recovery stays
+/// read-only) did not fail: the server could not take writes. Not the message's
+/// attempt: the transaction runs again on a fresh connection, as for any outage.
+fn refused_as_read_only(
+    conn: &Conn,
+    mark: crate::tls::postgres::wire::Mark,
+    failure: &Failure,
+) -> Result<(), Fault> {
+    if matches!(failure, Failure::Returned(_)) && db::read_only_since(conn, mark) {
+        return Err(Fault::Infra(InfraFault::ReadOnly(failure.to_string())));
+    }
+    Ok(())
 }

@@ -16,6 +16,7 @@
 //! was lost, typed, in `loss`.
 
 mod intake;
+mod lanes;
 mod loss;
 mod pause;
 mod route;

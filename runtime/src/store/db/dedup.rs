@@ -78,7 +78,9 @@ macro_rules! probe {
 /// there before — so a duplicate costs no read of its own. (A data-modifying
 /// `WITH` runs to completion once; its rows are not visible to the statement's own
 /// read, which therefore returns only the rows applied before.) The read is
-/// [`PROBE`]: one primary-key lookup per key.
+/// [`PROBE`]'s, one primary-key lookup per key, for the keys not inserted only: it
+/// could not see the others, and their lookups were most of the statement's time
+/// on a backlog (0.95 ms against 0.71 for 130 keys, 13 of them duplicates).
 const CLAIM: &str = concat!(
     "WITH new AS (\
      INSERT INTO idemq_dedup (handler, key, fingerprint) \
@@ -87,7 +89,8 @@ const CLAIM: &str = concat!(
      SELECT key, txid_current() AS xid, NULL::bytea AS fingerprint, NULL::bytea AS result, false AS failed \
      FROM new \
      UNION ALL ",
-    probe!()
+    probe!(),
+    " WHERE NOT EXISTS (SELECT 1 FROM new WHERE new.key = u.k)"
 );
 
 /// [`CLAIM`]'s read alone (see [`probe!`]).

@@ -58,7 +58,7 @@ pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, Sessio
 pub(crate) use sagas::{delete_expired_sagas, lock_saga, write_saga, SagaRow, SagaWrite};
 // The CLI's `status` and `saga show` (`__private::sibling::db`).
 pub use sagas::{count_sagas, show_saga, SagaCount, SagaShown};
-pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only};
+pub(crate) use sqlstate::{contended_since, is_connection_error, is_read_only, read_only_since};
 pub(crate) use streams::{advance_offset, read_offset, try_lock, try_lock_member};
 pub use streams::{
     count_members, lock_holder, owner_lock, share_group, stored_offsets, LockHolder, StoredOffset, NO_OFFSET,

@@ -26,6 +26,8 @@ pub(crate) const IN_FAILED_SQL_TRANSACTION: SqlState = SqlState::new(b"25P02");
 pub(crate) const INVALID_SQL_STATEMENT_NAME: SqlState = SqlState::new(b"26000");
 /// `invalid_text_representation`: a cast of text that does not parse.
 pub(crate) const INVALID_TEXT_REPRESENTATION: SqlState = SqlState::new(b"22P02");
+/// `read_only_sql_transaction`: a write refused by a read-only server.
+pub(crate) const READ_ONLY_SQL_TRANSACTION: SqlState = SqlState::new(b"25006");
 
 /// The connection failed (closed, could not send): the server's answer is unknown.
 pub(crate) fn is_connection_error(error: &DieselError) -> bool {
@@ -56,6 +58,12 @@ pub(crate) fn is_contention(code: SqlState) -> bool {
 /// failure with 25P02).
 pub(crate) fn cause(sent: &Sent) -> Option<SqlState> {
     sent.iter().rev().find(|code| *code != IN_FAILED_SQL_TRANSACTION)
+}
+
+/// Whether what ran on `conn` since `mark` failed on a read-only server (a standby,
+/// or one being promoted): the server's word, as for [`contended_since`].
+pub(crate) fn read_only_since(conn: &Conn, mark: Mark) -> bool {
+    cause(&conn.sent_since(mark)) == Some(READ_ONLY_SQL_TRANSACTION)
 }
 
 /// Whether what ran on `conn` since `mark` failed for contention: the server's own
