@@ -114,10 +114,9 @@
 //!   without it, a batch failing as a whole (refused COMMIT, a lock wait over 200 ms,
 //!   a failed batch handler) in halves. Decisions are pure functions (`base/verdict.rs`), acks have their own
 //!   module (`broker/acks.rs`). Per-message mode is `batch_size(1)`.
-//! - **Lanes:** `#[idempotent_handler(key = "...", lane = "account")]` applies one
-//!   lane value's deliveries in arrival order, never concurrently or out of order
-//!   within a process, and batches stop colliding on its rows; a batch takes the
-//!   oldest deliveries of every lane no running batch holds (`engine/session/lanes.rs`).
+//! - **Lanes:** `#[idempotent_handler(key = "...", lane = "account")]` sends one lane
+//!   value's deliveries to one pipeline, in arrival order: never applied concurrently
+//!   or out of order within a process, and batches stop colliding on its rows.
 //! - **Exactly once across hops:** a handler publishes through its [`Context`] into
 //!   the transactional [`outbox`], in its own transaction; the [`Relay`](outbox::Relay) publishes
 //!   committed rows with confirms and `mandatory`, at least once with one stable,

@@ -58,7 +58,7 @@ pub(crate) struct Options {
     pub(crate) key: Option<KeySpec>,
     /// `name = "..."`, if given.
     pub(crate) name: Option<LitStr>,
-    /// `lane = "..."`, if given: the field whose value picks the lane.
+    /// `lane = "..."`, if given: the field whose value picks the pipeline.
     pub(crate) lane: Option<KeyPath>,
     /// `queue = "..."`: the queue the handler consumes.
     pub(crate) queue: Option<LitStr>,

@@ -36,7 +36,7 @@ impl Holding {
     /// may start just before `database_retry_limit` (counted from its receipt) and
     /// run a handler for `handler_timeout`; before it, it may wait one handler's
     /// time for its turn (a redelivered message runs alone, after the transactions
-    /// running when it arrived; a lane's delivery after the batch running its lane).
+    /// running when it arrived; a lane's delivery after its pipeline's batch).
     pub(crate) fn running(&self) -> Duration {
         self.database_retry_limit
             .saturating_add(self.handler_timeout.saturating_mul(2))

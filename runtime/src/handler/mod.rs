@@ -60,7 +60,7 @@ pub trait Handler: Send + Sync + 'static {
     }
 
     /// The message's lane, if the handler has one: deliveries with the same lane
-    /// value are applied one at a time, in arrival order (see the crate docs, "Lanes").
+    /// value go to the same pipeline, in arrival order (see the crate docs, "Lanes").
     ///
     /// # Errors
     /// Like [`Handler::key`]: a lane value that is missing or unusable dead-letters

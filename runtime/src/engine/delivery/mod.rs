@@ -184,7 +184,7 @@ impl Fatal {
 /// One delivery of a batch, as the intake hands it over.
 pub(crate) struct Item {
     delivered: Delivered,
-    /// Decoded at intake when the handler has a lane (its value picks the slot);
+    /// Decoded at intake when the handler has a lane (its value picks the pipeline);
     /// taken by the first run, decoded again for any later one.
     prepared: Option<Result<Prepared, Rejection>>,
 }

@@ -310,7 +310,7 @@ impl RuntimeBuilder {
 
     /// At most `n` of `handler`'s transactions (batches; single deliveries in
     /// per-message mode) at once, within the runtime's
-    /// [`concurrency`](Self::concurrency), with a lane or without.
+    /// [`concurrency`](Self::concurrency); for a handler with a lane, its pipelines.
     /// [`build`](Self::build) refuses `0`, more than the runtime's concurrency, and a
     /// name no consumed handler has.
     pub fn handler_concurrency(mut self, handler: &str, n: usize) -> Self {
@@ -447,7 +447,7 @@ impl RuntimeBuilder {
     ///   [`handler_timeout`](Self::handler_timeout); before its first run it may
     ///   wait about one handler's time for its turn (a redelivered message runs
     ///   alone, once the transactions running when it came have finished; a lane's
-    ///   delivery waits for the batch running its lane). The minute covers the rest of an
+    ///   delivery waits for its pipeline's batch). The minute covers the rest of an
     ///   attempt (pool checkout, BEGIN, dedup insert, COMMIT, ack).
     /// - **at shutdown**: `shutdown_deadline + 1 min`: a delivery taken just before
     ///   shutdown may run for the whole [`shutdown_deadline`](Self::shutdown_deadline).

@@ -1,6 +1,6 @@
 //! A consumer's intake: its stream of deliveries into batches, each run as a task
-//! ([`consume`]), or, for a handler with a lane, into its lanes' slots
-//! ([`consume_in_lanes`]; batches formed by `lanes`) — until the stream ends ([`Loss`]) or the session stops.
+//! ([`consume`]), or, for a handler with a lane, into the lane pipelines
+//! ([`consume_in_lanes`]) — until the stream ends ([`Loss`]) or the session stops.
 //! A queue consumed by several handlers, one per message type, has one stream and
 //! a router in front of its handlers' intakes ([`consume_routed`]). A handler's rate
 //! limit is taken here, a token per delivery started; its kill switch pauses the
@@ -18,7 +18,6 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::lanes::Lanes;
 use super::loss::Loss;
 use super::pause::{pause, Ended};
 use super::source::{registered, Next, Source};
@@ -197,10 +196,11 @@ impl Taken {
 }
 
 /// The intake of a handler with a lane: each delivery is decoded as it arrives and
-/// put in its lane's slot, from which the scheduler forms batches (see `lanes`): one
+/// sent to the pipeline its lane value hashes to (one per unit of concurrency).
+/// A pipeline runs its deliveries in arrival order, one batch at a time, so one
 /// lane's messages are never applied concurrently or out of order in this process,
-/// and batches running side by side do not lock the same lane's rows. A delivery
-/// that cannot be decoded (it will be dead-lettered) goes to any slot.
+/// and batches on different pipelines do not lock the same hot rows. A delivery that
+/// cannot be decoded (it will be dead-lettered) goes to any pipeline.
 async fn consume_in_lanes(
     consumer: Arc<Consumer>,
     mut stream: Source,
@@ -208,13 +208,20 @@ async fn consume_in_lanes(
     intake: Intake,
     stop: CancellationToken,
 ) -> Loss {
-    let lanes = Arc::new(Lanes::new(consumer.batch.pipelines));
-    intake.tracker.spawn(Arc::clone(&lanes).schedule(
-        Arc::clone(&consumer),
-        Arc::clone(&intake.permits),
-        intake.hard_stop.clone(),
-        intake.tracker.clone(),
-    ));
+    let room = Arc::new(Semaphore::new(ROOM));
+    let pipelines: Vec<mpsc::UnboundedSender<Item>> = (0..consumer.batch.pipelines.max(1))
+        .map(|_| {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            intake.tracker.spawn(pipeline(
+                Arc::clone(&consumer),
+                receiver,
+                Arc::clone(&room),
+                Arc::clone(&intake.permits),
+                intake.hard_stop.clone(),
+            ));
+            sender
+        })
+        .collect();
     let mut spread = 0_usize;
     let loss = loop {
         let delivery = tokio::select! {
@@ -238,7 +245,7 @@ async fn consume_in_lanes(
             match pause(&consumer, &mut stream, &mut held, &tag, &intake.hard_stop, &stop).await {
                 Ok(()) => continue,
                 Err(Ended::Stopped) => {
-                    lanes.end();
+                    drop(pipelines);
                     return Loss::Stopped;
                 }
                 Err(Ended::Lost(loss)) => break Some(loss),
@@ -246,16 +253,17 @@ async fn consume_in_lanes(
         }
         let prepared = consumer.prepare(&delivery);
         let slot = match prepared.as_ref().ok().and_then(|prepared| prepared.lane.as_ref()) {
-            Some(lane) => lanes.slot_of(lane.as_str()),
+            Some(lane) => lane_slot(lane.as_str(), pipelines.len()),
             None => {
                 spread = spread.wrapping_add(1);
-                spread % lanes.slots()
+                spread % pipelines.len()
             }
         };
-        lanes.push(slot, Item::new(delivery, &consumer, Some(prepared)));
+        // A pipeline ends only when its sender is dropped (below).
+        let _ = pipelines[slot].send(Item::new(delivery, &consumer, Some(prepared)));
     };
-    // The scheduler runs what the slots hold (within the shutdown deadline).
-    lanes.end();
+    // The pipelines finish what they hold (in flight, within the shutdown deadline).
+    drop(pipelines);
     intake_ended(&consumer, &stream, &tag, loss).await
 }
 
@@ -376,4 +384,119 @@ impl Drop for BatchSlot {
         drop(self.permit.take());
         self.consumer.width.release();
     }
+}
+
+/// The pipeline a lane value belongs to: a stable hash, so one process always sends
+/// one lane to one pipeline.
+fn lane_slot(lane: &str, pipelines: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same in every run.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    lane.hash(&mut hasher);
+    usize::try_from(hasher.finish() % pipelines as u64).unwrap_or(0)
+}
+
+/// One lane pipeline: batches of what it holds, one at a time, in order.
+///
+/// A batch starts when it is full (the batch size, or what the handler's pace
+/// allows), or when there is room: fewer than [`ROOM`] of the consumer's batches
+/// that were not full are running. So a backlog on a busy machine runs in a few
+/// large transactions — each costs the same fixed work (BEGIN, the claim, COMMIT and
+/// its flush, a round trip per statement), and sixteen small ones at once spend the
+/// CPU the broker and PostgreSQL need — while a slow handler, whose pace makes its
+/// batches small, still runs one batch per pipeline at once. A batch waits for room
+/// at most [`ROOM_WAIT`], taking what arrives meanwhile.
+async fn pipeline(
+    consumer: Arc<Consumer>,
+    mut deliveries: mpsc::UnboundedReceiver<Item>,
+    room: Arc<Semaphore>,
+    permits: Arc<Semaphore>,
+    hard_stop: CancellationToken,
+) {
+    let limits = consumer.batch;
+    let mut held: Option<Item> = None;
+    loop {
+        let first = match held.take() {
+            Some(first) => first,
+            None => match deliveries.recv().await {
+                Some(first) => first,
+                None => return,
+            },
+        };
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + limits.linger;
+        let most = consumer.batch_most();
+        let mut ended = false;
+        while batch.len() < most && !batch[0].runs_alone() {
+            let next = match deliveries.try_recv() {
+                Ok(next) => next,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    ended = true;
+                    break;
+                }
+                Err(_) if limits.linger.is_zero() => break,
+                Err(_) => match tokio::time::timeout_at(deadline, deliveries.recv()).await {
+                    Ok(Some(next)) => next,
+                    Ok(None) => {
+                        ended = true;
+                        break;
+                    }
+                    Err(_) => break,
+                },
+            };
+            if next.runs_alone() {
+                held = Some(next);
+                break;
+            }
+            batch.push(next);
+        }
+        let roomed = if ended || held.is_some() || batch.len() >= most || batch[0].runs_alone() {
+            None
+        } else {
+            wait_for_room(&room, &mut deliveries, &mut batch, most, &mut held).await
+        };
+        let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
+        consumer.process(batch, &hard_stop).await;
+        drop((permit, roomed));
+    }
+}
+
+/// How many of one laned consumer's batches that are not full may run at once (see
+/// [`pipeline`]): one writing while another commits.
+const ROOM: usize = 2;
+
+/// The longest a batch that is not full waits for room.
+const ROOM_WAIT: Duration = Duration::from_millis(100);
+
+/// Waits for room for `batch` — at most [`ROOM_WAIT`] — taking the pipeline's
+/// deliveries into it meanwhile, until it is full. Returns the room taken, if any
+/// (none when the batch filled, the wait ran out, the intake ended, or a delivery
+/// that must run alone arrived: held for the next batch).
+async fn wait_for_room(
+    room: &Arc<Semaphore>,
+    deliveries: &mut mpsc::UnboundedReceiver<Item>,
+    batch: &mut Vec<Item>,
+    most: usize,
+    held: &mut Option<Item>,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    let acquire = Arc::clone(room).acquire_owned();
+    tokio::pin!(acquire);
+    let give_up = tokio::time::sleep(ROOM_WAIT);
+    tokio::pin!(give_up);
+    while batch.len() < most {
+        tokio::select! {
+            biased;
+            permit = &mut acquire => return Some(permit.expect("the semaphore is never closed")),
+            next = deliveries.recv() => match next {
+                Some(next) if next.runs_alone() => {
+                    *held = Some(next);
+                    return None;
+                }
+                Some(next) => batch.push(next),
+                None => return None,
+            },
+            () = &mut give_up => return None,
+        }
+    }
+    None
 }

@@ -16,7 +16,6 @@
 //! was lost, typed, in `loss`.
 
 mod intake;
-mod lanes;
 mod loss;
 mod pause;
 mod route;
