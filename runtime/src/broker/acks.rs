@@ -207,9 +207,7 @@ impl Acks {
                 tick.tick().await;
                 let Some(acks) = acks.upgrade() else { return };
                 let overdue = acks.lock().overdue(acks.max_deferred, Instant::now());
-                for (_, acker) in &overdue {
-                    let _ = bounded(acker.ack(BasicAckOptions::default())).await;
-                }
+                send_alone(&overdue).await;
                 acks.settled(overdue.into_iter().map(|(tag, _)| tag)).await;
             }
         });
@@ -253,10 +251,7 @@ impl Acks {
         let ours = deliveries.iter().map(|d| (d.delivery_tag, d.acker.clone())).collect();
         let Plan { run, overflow } = self.lock().plan_ack(ours, self.max_deferred, Instant::now());
         let run_sent = send_run(&run).await;
-        let mut singles = BTreeMap::new();
-        for (tag, acker) in &overflow {
-            singles.insert(*tag, bounded(acker.ack(BasicAckOptions::default())).await);
-        }
+        let mut singles = send_alone(&overflow).await;
         let in_run: BTreeSet<u64> = run.iter().map(|(tag, _)| *tag).collect();
         let sent = deliveries
             .iter()
@@ -301,6 +296,15 @@ async fn send_run(run: &[(u64, Acker)]) -> Sent {
             bounded(acker.ack(BasicAckOptions { multiple })).await
         }
     }
+}
+
+/// Acks each of `acks` with a frame of its own; each tag's result.
+async fn send_alone(acks: &[(u64, Acker)]) -> BTreeMap<u64, Sent> {
+    let mut sent = BTreeMap::new();
+    for (tag, acker) in acks {
+        sent.insert(*tag, bounded(acker.ack(BasicAckOptions::default())).await);
+    }
+    sent
 }
 
 fn clone_result(result: &lapin::Result<bool>) -> lapin::Result<bool> {
