@@ -4,14 +4,13 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use diesel::pg::Pg;
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{Array, BigInt, Bool, Bytea, Nullable, Text};
 use diesel_async::{
     AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager,
 };
 
+use super::fixed::Fixed;
 use crate::store::schema::idemq_dedup;
 
 diesel::define_sql_function! {
@@ -95,32 +94,6 @@ const CLAIM: &str = concat!(
     " WHERE NOT EXISTS (SELECT 1 FROM new WHERE new.key = u.k)"
 );
 
-/// A statement whose text never changes (one of idemq's constants, with its binds),
-/// prepared once per connection and cached there. diesel caches no `sql_query`, as
-/// it cannot know its text is fixed: [`CLAIM`] was parsed, and prepared in a round
-/// trip of its own, for every batch.
-struct Prepared<Q>(Q);
-
-impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Prepared<Q> {
-    fn walk_ast<'b>(&'b self, pass: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        self.0.walk_ast(pass)
-    }
-
-    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
-        Ok(true)
-    }
-}
-
-impl<Q> QueryId for Prepared<Q> {
-    // One statement per type: `Prepared` wraps [`CLAIM`] only.
-    type QueryId = Prepared<()>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl<Q> Query for Prepared<Q> {
-    type SqlType = diesel::sql_types::Untyped;
-}
-
 /// [`CLAIM`]'s read alone (see [`probe!`]).
 const PROBE: &str = probe!();
 
@@ -185,7 +158,7 @@ pub(crate) async fn begin_and_claim(
                 .bind::<Text, _>(scope)
                 .bind::<Array<Text>, _>(&keys)
                 .bind::<Array<Bytea>, _>(&fingerprints);
-            Prepared(claim).load::<ClaimRow>(&mut second).await
+            Fixed(claim).load::<ClaimRow>(&mut second).await
         }
     };
     let limited = limit_lock_waits(&mut third, sorted.len());

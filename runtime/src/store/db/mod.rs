@@ -6,6 +6,8 @@
 //! (`crate::store::db::X`):
 //! - `dedup`: BEGIN with the dedup claim, stored rows and results, `forget`;
 //! - `commit`: the checked COMMIT and what its failure means;
+//! - `fixed`: [`Fixed`](fixed::Fixed), a statement of idemq's own whose text never
+//!   changes, prepared once per connection;
 //! - `sqlstate`: how a failed statement's error is read — a lost connection by
 //!   diesel's kinds, the rest (contention, an aborted transaction, a missing
 //!   prepared statement) by the SQLSTATE the server sent, never by its message;
@@ -25,6 +27,7 @@ mod commit;
 mod conn;
 mod connect;
 mod dedup;
+mod fixed;
 mod housekeeping;
 mod marks;
 mod outbox;

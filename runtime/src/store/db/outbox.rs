@@ -8,6 +8,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Bool, Bytea, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
+use super::fixed::Fixed;
 use crate::base::outgoing::{Outgoing, When};
 use crate::store::schema::idemq_outbox;
 
@@ -15,7 +16,8 @@ use crate::store::schema::idemq_outbox;
 pub(crate) const CHANNEL: &str = "idemq_outbox";
 
 /// Writes outbox rows (each with its message id set) in the caller's transaction:
-/// one statement for any number (every column an array parameter).
+/// one statement for any number (every column an array parameter), its text fixed,
+/// so it is prepared once per connection.
 pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing]) -> QueryResult<()> {
     if rows.is_empty() {
         return Ok(());
@@ -49,7 +51,7 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
             _ => (None, None),
         })
         .unzip();
-    diesel::sql_query(
+    let insert = diesel::sql_query(
         "INSERT INTO idemq_outbox \
          (message_id, exchange, routing_key, body, content_type, correlation_id, headers, mandatory, reply, \
           expires_at, message_type, due_at, available_at) \
@@ -71,10 +73,8 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     .bind::<Array<Nullable<BigInt>>, _>(windows)
     .bind::<Array<Nullable<Text>>, _>(message_types)
     .bind::<Array<Nullable<BigInt>>, _>(due_at)
-    .bind::<Array<Nullable<BigInt>>, _>(due_after)
-    .execute(conn)
-    .await
-    .map(drop)
+    .bind::<Array<Nullable<BigInt>>, _>(due_after);
+    Fixed(insert).execute(conn).await.map(drop)
 }
 
 /// `at` in milliseconds since the Unix epoch (before it: negative), within what
@@ -158,16 +158,16 @@ pub(crate) async fn claim_outbox(
     limit: i64,
     reply_ttl: Duration,
 ) -> QueryResult<Vec<OutboxRow>> {
-    diesel::sql_query(format!(
+    // The text is the same on every call (the TTL is a bind): cached.
+    let claim = diesel::sql_query(format!(
         "SELECT id, message_id, exchange, routing_key, body, content_type, correlation_id, headers, message_type, \
                 mandatory, attempts, last_error, coalesce({} <= now(), false) AS expired \
          FROM idemq_outbox WHERE available_at <= now() ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
         reply_expiry("$2")
     ))
     .bind::<BigInt, _>(limit)
-    .bind::<BigInt, _>(millis(reply_ttl, MAX_WINDOW))
-    .load(conn)
-    .await
+    .bind::<BigInt, _>(millis(reply_ttl, MAX_WINDOW));
+    Fixed(claim).load(conn).await
 }
 
 /// Deletes rows whose messages were published.
