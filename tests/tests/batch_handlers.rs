@@ -89,6 +89,50 @@ async fn a_batch_handler_applies_each_message_once_in_fewer_calls_than_messages(
 }
 
 /// Refuses 13 (permanently), and 14 on its first attempt (transiently).
+static WAITING_NOW: AtomicUsize = AtomicUsize::new(0);
+static WAITING_MOST: AtomicUsize = AtomicUsize::new(0);
+
+/// The demo's effect, then 80 ms waiting on something else (an API, say), counting
+/// the calls running at once.
+#[idempotent_handler(key = "payment_id", name = "apply_payment", lane = "account")]
+async fn waits_on_an_api(
+    conn: &mut AsyncPgConnection,
+    batch: &mut Batch<PaymentRequested>,
+) -> Result<(), HandlerError> {
+    let now = WAITING_NOW.fetch_add(1, Ordering::SeqCst) + 1;
+    WAITING_MOST.fetch_max(now, Ordering::SeqCst);
+    let recorded = record_payments(conn, batch.messages()).await;
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    WAITING_NOW.fetch_sub(1, Ordering::SeqCst);
+    recorded?;
+    Ok(())
+}
+
+/// A batch handler that waits on something else keeps its lanes side by side: once
+/// its pace is known (80 ms a call, so batches of one), each lane pipeline's batch
+/// starts as it arrives — only a quick batch handler's full batches wait for room.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_handler_waiting_on_an_api_runs_its_lanes_side_by_side() {
+    let bed = Bed::new().await;
+    let running = Running::start(bed.runtime().concurrency(8).consume(&bed.queue, waits_on_an_api));
+    bed.publish(&payment(1)).await;
+    running.wait_settled(1).await;
+    WAITING_MOST.store(0, Ordering::SeqCst);
+    // Each payment its own account: its own lane.
+    let payments: Vec<_> = (2..=25).map(payment).collect();
+    for p in &payments {
+        bed.publish(p).await;
+    }
+    running.wait_settled(payments.len() + 1).await;
+    let events = running.events();
+    running.stop().await.expect("clean shutdown");
+
+    assert!(events.iter().all(|e| e.outcome == Outcome::Applied), "{events:?}");
+    let most = AtomicUsize::load(&WAITING_MOST, Ordering::SeqCst);
+    assert!(most >= 4, "calls at once: {most}, of 8 pipelines (2 means they waited for room)");
+    assert_eq!(bed.ledger_total().await, payments.len() as i64 + 1);
+}
+
 #[idempotent_handler(key = "payment_id", name = "apply_payment")]
 async fn picky(
     conn: &mut AsyncPgConnection,

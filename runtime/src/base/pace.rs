@@ -48,6 +48,15 @@ impl Pace {
         let fits = u64::try_from(TARGET.as_nanos()).unwrap_or(u64::MAX) / per_message;
         usize::try_from(fits).unwrap_or(usize::MAX).clamp(1, size.max(1))
     }
+
+    /// Whether `messages` run within `limit` at the current pace; while the pace is
+    /// unknown, no.
+    pub(crate) fn runs_within(&self, messages: usize, limit: Duration) -> bool {
+        let per_message = self.nanos_per_message.load(Ordering::Relaxed);
+        let messages = u64::try_from(messages).unwrap_or(u64::MAX);
+        per_message != 0
+            && per_message.saturating_mul(messages) <= u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX)
+    }
 }
 
 #[cfg(test)]
@@ -69,6 +78,15 @@ mod tests {
         assert_eq!(slow.batch(256), 2, "100 ms of 50 ms handlers");
         slow.record(Duration::from_secs(60), 1);
         assert_eq!(slow.batch(256), 1, "a timed-out run: batches of one");
+    }
+
+    #[test]
+    fn a_batch_runs_within_a_limit_only_by_a_known_pace() {
+        let pace = Pace::default();
+        assert!(!pace.runs_within(1, Duration::from_secs(1)), "unknown: not known to be quick");
+        pace.record(Duration::from_millis(5), 250);
+        assert!(pace.runs_within(250, Duration::from_millis(5)), "20 µs a message: 250 in 5 ms");
+        assert!(!pace.runs_within(251, Duration::from_millis(5)));
     }
 
     #[test]
