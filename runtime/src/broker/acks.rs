@@ -55,6 +55,10 @@ pub(crate) const DEFER_AT_MOST: Duration = Duration::from_millis(250);
 #[derive(Debug)]
 pub(crate) struct Acks {
     state: Mutex<State<Acker>>,
+    /// Held while deferred acks go out other than by a settlement — the flusher's
+    /// pass, the final [`flush`](Acks::flush) — so that the final flush starts once
+    /// the flusher's frames are out.
+    sending: tokio::sync::Mutex<()>,
     /// The channel's prefetch ([`MAX_DEFERRED`] without one): past it, deferred
     /// acks go one by one.
     max_deferred: usize,
@@ -148,6 +152,15 @@ impl<A> State<A> {
         let watermark = self.watermark(&BTreeSet::new());
         self.take_deferred_below(watermark)
     }
+
+    /// Every deferred ack, to send now: those the watermark has passed as the run
+    /// (one `multiple` ack), the rest as overflow (one by one: a frame below them is
+    /// still out).
+    fn flush(&mut self) -> Plan<A> {
+        let run = self.due();
+        let overflow = self.take_deferred_below(u64::MAX);
+        Plan { run, overflow }
+    }
 }
 
 /// How a delivery goes back to its queue: one `basic.nack` of its own tag, with
@@ -192,7 +205,7 @@ impl Acks {
     /// The state of a channel consuming with `prefetch` (0: no limit).
     pub(crate) fn new(prefetch: u16) -> Self {
         let max_deferred = if prefetch == 0 { MAX_DEFERRED } else { usize::from(prefetch) };
-        Self { state: Mutex::default(), max_deferred }
+        Self { state: Mutex::default(), sending: tokio::sync::Mutex::new(()), max_deferred }
     }
 
     /// Sends, one by one, the acks deferred for [`DEFER_AT_MOST`] when nothing else
@@ -206,11 +219,27 @@ impl Acks {
             loop {
                 tick.tick().await;
                 let Some(acks) = acks.upgrade() else { return };
+                let _sending = acks.sending.lock().await;
                 let overdue = acks.lock().overdue(acks.max_deferred, Instant::now());
                 send_alone(&overdue).await;
                 acks.settled(overdue.into_iter().map(|(tag, _)| tag)).await;
             }
         });
+    }
+
+    /// Sends every ack still deferred, once the flusher's frames are out: those the
+    /// watermark lets past in one `multiple` ack, any above a frame still out one by
+    /// one. Called on a shutdown after the last delivery is settled, before the
+    /// channel closes: a deferred ack the close overtook returned its delivery,
+    /// applied and committed, to the queue — a duplicate for the next consumer, and a
+    /// queue not empty after a drained backlog (a bench run left 362 so, the
+    /// flusher's single acks still going out when the channel closed).
+    pub(crate) async fn flush(&self) {
+        let _sending = self.sending.lock().await;
+        let Plan { run, overflow } = self.lock().flush();
+        let _ = send_run(&run).await;
+        send_alone(&overflow).await;
+        self.settled(run.iter().chain(&overflow).map(|(tag, _)| *tag)).await;
     }
 
     /// Registers a delivery as taken from the channel's stream.
@@ -412,6 +441,27 @@ mod tests {
         assert!(state.overdue(8, later + DEFER_AT_MOST / 2).is_empty());
         assert_eq!(tags(&state.overdue(8, later + DEFER_AT_MOST)), [5]);
         assert!(state.unsettled.contains(&5), "unsettled until its frame is out");
+    }
+
+    #[test]
+    fn a_final_flush_sends_every_deferred_ack_those_above_a_frame_still_out_alone() {
+        let mut state = received(1..=6);
+        let plan = state.plan_ack(ours([3, 5]), 100, now());
+        assert!(plan.run.is_empty(), "1 is unsettled: 3 and 5 wait");
+        state.unsettled.remove(&1); // 1's frame went out
+        let plan = state.plan_ack(ours([6]), 100, now());
+        assert!(plan.run.is_empty(), "2 is unsettled: 6 waits");
+        let plan = state.flush();
+        assert_eq!(tags(&plan.run), Vec::<u64>::new(), "2 is still out: nothing may go as multiple");
+        assert_eq!(tags(&plan.overflow), vec![3, 5, 6]);
+        assert!(state.deferred.is_empty());
+
+        let mut state = received(1..=4);
+        let _ = state.plan_ack(ours([2, 4]), 100, now());
+        state.unsettled.remove(&1); // 1's frame went out; 3's is still out
+        let plan = state.flush();
+        assert_eq!(tags(&plan.run), vec![2], "below 3: one multiple ack");
+        assert_eq!(tags(&plan.overflow), vec![4], "above 3: alone");
     }
 
     #[test]

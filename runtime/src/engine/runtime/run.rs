@@ -503,6 +503,7 @@ impl Running {
             ctx.tracker.wait().await;
         }
         if let Some(connections) = connections {
+            connections.flush_acks().await;
             connections.close("shutdown").await;
         }
         // The sweep and the gauge stopped with the consumers; a sweep cut off loses

@@ -106,11 +106,22 @@ pub(crate) struct Connections {
     consuming: Connection,
     publishing: Connection,
     channels: Vec<Channel>,
+    /// The settling state of each consumer channel.
+    acks: Vec<Arc<Acks>>,
     /// The broker address both are connected to.
     node: usize,
 }
 
 impl Connections {
+    /// Sends the acks still deferred on each consumer channel (see
+    /// [`Acks::flush`]): on a shutdown, once every delivery is settled and before the
+    /// channels close.
+    pub(crate) async fn flush_acks(&self) {
+        for acks in &self.acks {
+            acks.flush().await;
+        }
+    }
+
     /// Closes the channels, then the connections (each handshake bounded). Closing
     /// the channels first keeps lapin's own close from racing channel closes against
     /// the connection close, which it reports as errors.
@@ -266,8 +277,8 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
         }
     };
     match begin(ctx, session, &consuming, &publishing).await {
-        Ok((loops, session_stop, channels)) => Ok(Started {
-            connections: Connections { consuming, publishing, channels, node },
+        Ok((loops, session_stop, channels, acks)) => Ok(Started {
+            connections: Connections { consuming, publishing, channels, acks, node },
             loops,
             session_stop,
         }),
@@ -282,13 +293,14 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
 
 /// On a session's two connections: opens the publisher channel (with confirms),
 /// declares the topology and starts every consumer's intake. The intake loops, what
-/// stops them, and the channels opened (the publisher's first).
+/// stops them, the channels opened (the publisher's first) and the consumer
+/// channels' settling states.
 async fn begin(
     ctx: &SessionContext,
     session: u64,
     consuming: &Connection,
     publishing: &Connection,
-) -> Result<(JoinSet<Loss>, CancellationToken, Vec<Channel>), Error> {
+) -> Result<(JoinSet<Loss>, CancellationToken, Vec<Channel>, Vec<Arc<Acks>>), Error> {
     let publisher = publishing.create_channel().await.map_err(amqp("open the publisher channel"))?;
     publisher
         .confirm_select(ConfirmSelectOptions::default())
@@ -308,6 +320,7 @@ async fn begin(
     let session_stop = CancellationToken::new();
     let mut loops = JoinSet::new();
     let mut channels = vec![publisher.clone()];
+    let mut settling = Vec::new();
     let on = On { ctx, session, publisher: &publisher, frame_max: publishing.configuration().frame_max() };
     for (index, specs) in by_queue(&ctx.consumers).into_iter().enumerate() {
         let tag = format!("idemq-{}-{}-{session}-{index}", specs[0].handler.name(), std::process::id());
@@ -318,6 +331,7 @@ async fn begin(
         channels.push(channel.clone());
         let acks = Arc::new(Acks::new(prefetch));
         Acks::flush_overdue_acks(&acks);
+        settling.push(Arc::clone(&acks));
         if let [spec] = specs[..] {
             crate::base::log::info!(queue = %spec.queue, handler = spec.handler.name(), session, "consuming");
             let consumer = on.consumer(spec, Arc::clone(&spec.handler), &spec.scope, channel, acks);
@@ -349,7 +363,7 @@ async fn begin(
             session_stop.clone(),
         ));
     }
-    Ok((loops, session_stop, channels))
+    Ok((loops, session_stop, channels, settling))
 }
 
 /// The consumers of each consumed queue, in registration order: one, or several
