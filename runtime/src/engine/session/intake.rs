@@ -475,8 +475,8 @@ const ROOM: usize = 2;
 /// one call's few set-based statements for the whole batch — and more of them at
 /// once only contend for the CPU and the index the dedup rows go in, while waiting
 /// for room costs at most one such batch's run: the demo's `apply_payment`, 256
-/// payments in a few ms, reached ×0.90–0.97 of the hand-written expert loop this way,
-/// against ×0.83–0.85 with up to a batch per pipeline at once (BENCHMARKS.md). A
+/// payments in a few ms, went from ×0.85 to ×0.94 of the hand-written expert loop at
+/// 10 accounts this way (BENCHMARKS.md, *Quick batches wait for room*). A
 /// per-message handler's full batch starts at once: its statements run one message
 /// after another, each a round trip, and its throughput is the overlap of its
 /// batches (one at a time halved `idemq-lanes`'s). So does a slow batch handler's,
