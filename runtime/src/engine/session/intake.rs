@@ -7,13 +7,14 @@
 //! intake (`pause`).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::BasicCancelOptions;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -197,11 +198,16 @@ impl Taken {
 }
 
 /// The intake of a handler with a lane: each delivery is decoded as it arrives and
-/// sent to the pipeline its lane value hashes to (one per unit of concurrency).
-/// A pipeline runs its deliveries in arrival order, one batch at a time, so one
-/// lane's messages are never applied concurrently or out of order in this process,
-/// and batches on different pipelines do not lock the same hot rows. A delivery that
-/// cannot be decoded (it will be dead-lettered) goes to any pipeline.
+/// sent to the pipeline its lane value hashes to (one per unit of concurrency, or
+/// [`ROOM`] of them for a quick batch handler: see [`pipelines_wanted`]). A pipeline
+/// runs its deliveries in arrival order, one batch at a time, so one lane's messages
+/// are never applied concurrently or out of order in this process, and batches on
+/// different pipelines do not lock the same hot rows. A delivery that cannot be
+/// decoded (it will be dead-lettered) goes to any pipeline.
+///
+/// The number of pipelines in use changes only once every delivery sent to them has
+/// run (the intake stops taking deliveries until then), so a lane is never in two
+/// pipelines at once.
 async fn consume_in_lanes(
     consumer: Arc<Consumer>,
     mut stream: Source,
@@ -210,6 +216,7 @@ async fn consume_in_lanes(
     stop: CancellationToken,
 ) -> Loss {
     let room = Arc::new(Semaphore::new(ROOM));
+    let in_flight = Arc::new(InFlight::default());
     let pipelines: Vec<mpsc::UnboundedSender<Item>> = (0..consumer.batch.pipelines.max(1))
         .map(|_| {
             let (sender, receiver) = mpsc::unbounded_channel();
@@ -217,12 +224,14 @@ async fn consume_in_lanes(
                 Arc::clone(&consumer),
                 receiver,
                 Arc::clone(&room),
+                Arc::clone(&in_flight),
                 Arc::clone(&intake.permits),
                 intake.hard_stop.clone(),
             ));
             sender
         })
         .collect();
+    let mut in_use = pipelines.len();
     let mut spread = 0_usize;
     let loss = loop {
         let delivery = tokio::select! {
@@ -252,20 +261,88 @@ async fn consume_in_lanes(
                 Err(Ended::Lost(loss)) => break Some(loss),
             }
         }
+        let wanted = pipelines_wanted(
+            consumer.handler.batched(),
+            &consumer.pace,
+            consumer.batch_most(),
+            pipelines.len(),
+            in_use,
+        );
+        if wanted != in_use {
+            tokio::select! {
+                () = in_flight.drained() => in_use = wanted,
+                () = stop.cancelled() => {
+                    let _ = consumer.acks.requeue(&delivery).await;
+                    break None;
+                }
+            }
+        }
         let prepared = consumer.prepare(&delivery);
         let slot = match prepared.as_ref().ok().and_then(|prepared| prepared.lane.as_ref()) {
-            Some(lane) => lane_slot(lane.as_str(), pipelines.len()),
+            Some(lane) => lane_slot(lane.as_str(), in_use),
             None => {
                 spread = spread.wrapping_add(1);
-                spread % pipelines.len()
+                spread % in_use
             }
         };
+        in_flight.sent();
         // A pipeline ends only when its sender is dropped (below).
         let _ = pipelines[slot].send(Item::new(delivery, &consumer, Some(prepared)));
     };
     // The pipelines finish what they hold (in flight, within the shutdown deadline).
     drop(pipelines);
     intake_ended(&consumer, &stream, &tag, loss).await
+}
+
+/// How many of its `all` pipelines a laned consumer sends its deliveries to, using
+/// `in_use` now: [`ROOM`] for a quick batch handler (as [`waits_for_room`] means
+/// it), else all. A quick batch handler's batches run at most [`ROOM`] at once
+/// anyway; spread over all the pipelines, each would be a sixteenth of what the
+/// prefetch holds (at 1,000 accounts the demo's batches averaged 117 payments of
+/// 256), folded into [`ROOM`] they are whole. Once folded, a handler unfolds only
+/// when its pace is past twice [`QUICK`], so that one slow call does not make the
+/// intake drain its pipelines back and forth.
+fn pipelines_wanted(batched: bool, pace: &Pace, most: usize, all: usize, in_use: usize) -> usize {
+    let folded = all.min(ROOM);
+    let quick = if in_use == folded { QUICK * 2 } else { QUICK };
+    if batched && pace.runs_within(most, quick) {
+        folded
+    } else {
+        all
+    }
+}
+
+/// The deliveries a laned intake has sent to its pipelines that have not yet run.
+#[derive(Default)]
+struct InFlight {
+    count: AtomicUsize,
+    drained: Notify,
+}
+
+impl InFlight {
+    fn sent(&self) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn ran(&self, deliveries: usize) {
+        if self.count.fetch_sub(deliveries, Ordering::SeqCst) == deliveries {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Waits until every delivery sent has run.
+    async fn drained(&self) {
+        loop {
+            let notified = self.drained.notified();
+            tokio::pin!(notified);
+            // Registered before the count is read: a `ran` in between still wakes it.
+            notified.as_mut().enable();
+            if self.count.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
 }
 
 /// The intake of a queue several handlers consume, one per message type: one
@@ -412,6 +489,7 @@ async fn pipeline(
     consumer: Arc<Consumer>,
     mut deliveries: mpsc::UnboundedReceiver<Item>,
     room: Arc<Semaphore>,
+    in_flight: Arc<InFlight>,
     permits: Arc<Semaphore>,
     hard_stop: CancellationToken,
 ) {
@@ -459,8 +537,10 @@ async fn pipeline(
             wait_for_room(&room, &mut deliveries, &mut batch, most, &mut held).await
         };
         let permit = Arc::clone(&permits).acquire_owned().await.expect("the semaphore is never closed");
+        let deliveries = batch.len();
         consumer.process(batch, &hard_stop).await;
         drop((permit, roomed));
+        in_flight.ran(deliveries);
     }
 }
 
@@ -528,7 +608,7 @@ async fn wait_for_room(
 mod tests {
     use std::time::Duration;
 
-    use super::{waits_for_room, Pace};
+    use super::{pipelines_wanted, waits_for_room, InFlight, Pace, QUICK, ROOM};
 
     #[test]
     fn a_full_batch_waits_for_room_only_from_a_quick_batch_handler() {
@@ -541,5 +621,40 @@ mod tests {
         assert!(!waits_for_room(false, &quick, 256, 256), "a per-message handler's starts at once");
         assert!(!waits_for_room(true, &slow, 1, 1), "a batch handler waiting on an API: at once");
         assert!(!waits_for_room(true, &Pace::default(), 16, 16), "a pace not yet known: at once");
+    }
+
+    #[test]
+    fn a_quick_batch_handler_folds_its_pipelines_into_room_and_unfolds_only_when_clearly_slower() {
+        let quick = Pace::default();
+        quick.record(Duration::from_millis(4), 256);
+        assert_eq!(pipelines_wanted(true, &quick, 256, 16, 16), ROOM, "quick batch handler: folded");
+        assert_eq!(pipelines_wanted(false, &quick, 256, 16, 16), 16, "per-message handler: never folded");
+        assert_eq!(pipelines_wanted(true, &Pace::default(), 16, 16, 16), 16, "pace unknown: all");
+        assert_eq!(pipelines_wanted(true, &quick, 256, 1, 1), 1, "fewer pipelines than room: as they are");
+
+        let between = Pace::default();
+        between.record(QUICK + QUICK / 2, 1);
+        assert_eq!(pipelines_wanted(true, &between, 1, 16, 16), 16, "past QUICK: not folded");
+        assert_eq!(pipelines_wanted(true, &between, 1, 16, ROOM), ROOM, "within twice QUICK: stays folded");
+        let slow = Pace::default();
+        slow.record(QUICK * 3, 1);
+        assert_eq!(pipelines_wanted(true, &slow, 1, 16, ROOM), 16, "past twice QUICK: unfolded");
+    }
+
+    #[tokio::test]
+    async fn in_flight_is_drained_only_once_every_delivery_sent_has_run() {
+        let in_flight = std::sync::Arc::new(InFlight::default());
+        in_flight.drained().await;
+        in_flight.sent();
+        in_flight.sent();
+        let waiter = tokio::spawn({
+            let in_flight = std::sync::Arc::clone(&in_flight);
+            async move { in_flight.drained().await }
+        });
+        in_flight.ran(1);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "one of two still to run");
+        in_flight.ran(1);
+        tokio::time::timeout(Duration::from_secs(5), waiter).await.expect("drained").expect("no panic");
     }
 }
