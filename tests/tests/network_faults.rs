@@ -279,13 +279,15 @@ async fn a_half_open_database_gives_idemqs_statements_up_and_charges_no_attempt(
 }
 
 /// Sessions of the bed's database holding outbox rows a relay pass claimed (`FOR
-/// UPDATE SKIP LOCKED`, then publishing: idle in its transaction).
+/// UPDATE SKIP LOCKED`), or took as handed over (`DELETE … WHERE id = ANY(…)`), then
+/// publishing: idle in its transaction.
 async fn relay_passes_open(bed: &Bed) -> i64 {
     count(
         bed,
         &format!(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = '{}' \
-             AND state LIKE 'idle in transaction%' AND query LIKE '%idemq_outbox%SKIP LOCKED%'",
+             AND state LIKE 'idle in transaction%' \
+             AND (query LIKE '%idemq_outbox%SKIP LOCKED%' OR query LIKE 'DELETE FROM idemq_outbox WHERE id = ANY%')",
             bed.db.name()
         ),
     )
@@ -295,8 +297,8 @@ async fn relay_passes_open(bed: &Bed) -> i64 {
 in_both_modes! {
 /// Every connection of the runtime — consumers, publisher, outbox relay, database
 /// pool — is reset at once while the relay is in a pass: it has claimed rows and
-/// published them, and waits for the broker's confirms with its claim transaction
-/// open. (To catch it there, a fault hook black-holes the broker once the 100th
+/// published them, and waits for the broker's confirms with its claim (or the
+/// delete of the rows it was handed) open. (To catch it there, a fault hook black-holes the broker once the 100th
 /// payment is applied, until such a pass is seen: it cannot end first.) The
 /// payments handler publishes an event per payment through the outbox. After: every
 /// payment applied once, nothing dead-lettered, the queue and the outbox drained,

@@ -260,6 +260,43 @@ async fn an_unroutable_message_waits_in_the_outbox_until_it_can_be_routed() {
     assert_eq!(bed.broker.message_count(&missing).await, 1);
 }
 
+/// Events committed together, some of them unroutable: the relay takes the rows it
+/// is handed in one pass (deleted at once, published from memory); as not every one
+/// is confirmed, the pass rolls back and records what the broker said. Every
+/// routable event goes out once — none again after the rollback — and each
+/// unroutable one stays in the outbox with the reason. (The relay polls once an hour
+/// here: no claim of due rows runs beside the pass.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_of_handed_over_rows_with_one_refused_publishes_the_rest_once() {
+    let bed = Bed::isolated().await;
+    let routable = idemq_tests::unique("events");
+    let unroutable = idemq_tests::unique("nowhere");
+    bed.broker.declare_queue(&routable).await;
+    let payments: Vec<PaymentRequested> =
+        (1..=12).map(|i| payment_to(if i % 4 == 0 { &unroutable } else { &routable }, i)).collect();
+    for p in &payments {
+        bed.publish(p).await;
+    }
+    let running = Running::start(
+        bed.runtime().relay_poll_interval(Duration::from_secs(3600)).consume(&bed.queue, record_and_notify),
+    );
+    running.wait_settled(payments.len()).await;
+    eventually("the refused rows recorded", Duration::from_secs(20), || async {
+        let rows = outbox_rows(&bed).await;
+        rows.len() == 3 && rows.iter().all(|(_, attempts, _)| *attempts >= 1)
+    })
+    .await;
+    running.stop().await.expect("clean shutdown");
+
+    let (copies, ids) = take_events(&bed.broker, &routable).await;
+    assert_eq!(copies, 9, "each routable event once: {ids:?}");
+    assert_eq!(ids.len(), 9);
+    for (key, error) in outbox_rows(&bed).await.iter().map(|(key, _, error)| (key, error)) {
+        assert_eq!(key, &unroutable);
+        assert!(error.as_deref().is_some_and(|e| e.contains("unroutable")), "{error:?}");
+    }
+}
+
 static FAIL_REQUESTS: AtomicBool = AtomicBool::new(false);
 
 /// The reply: what the handler returned. The `run` is new on every run of the

@@ -34,11 +34,24 @@ const ENDED: &str = "the handler ended idemq's transaction itself (COMMIT or ROL
 const DISCARDED: &str = "the handler discarded idemq's prepared statements (DISCARD ALL or DEALLOCATE); \
                          the transaction was rolled back. Don't reset the session in a handler";
 
+/// The outbox rows a transaction wrote, for the relay once it commits.
+pub(super) struct Written {
+    /// The rows due at once, as written (handed to the runtime's own relay).
+    fed: Vec<db::OutboxRow>,
+    /// Whether `fed` is every row written (else the relay is woken to scan for the rest).
+    whole: bool,
+}
+
 impl Consumer {
     /// The outbox rows (what the handlers published, a request's reply) and the
-    /// stored results of the whole batch: one statement each. Returns whether it
-    /// wrote outbox rows (the relay is woken after COMMIT).
-    pub(super) async fn write(&self, conn: &mut Conn, tx: &Tx<'_>, done: &[Done]) -> Result<bool, Fault> {
+    /// stored results of the whole batch: one statement each. Returns the outbox
+    /// rows it wrote, if any, for the relay after COMMIT.
+    pub(super) async fn write(
+        &self,
+        conn: &mut Conn,
+        tx: &Tx<'_>,
+        done: &[Done],
+    ) -> Result<Option<Written>, Fault> {
         let mut rows: Vec<Outgoing> = Vec::new();
         let mut results: Vec<(&str, &[u8])> = Vec::new();
         for done in done {
@@ -55,13 +68,20 @@ impl Consumer {
             }
         }
         let written = async {
-            self.bounded(db::insert_outbox(conn, &rows)).await?;
-            self.bounded(db::store_results(conn, &self.scope, &results)).await
+            let ids = self.bounded(db::insert_outbox(conn, &rows)).await?;
+            self.bounded(db::store_results(conn, &self.scope, &results)).await?;
+            Ok(ids)
         };
-        if let Err(err) = written.await {
-            return Err(rollback(conn, infra(err)).await);
+        let ids = match written.await {
+            Ok(ids) => ids,
+            Err(err) => return Err(rollback(conn, infra(err)).await),
+        };
+        if rows.is_empty() {
+            return Ok(None);
         }
-        Ok(!rows.is_empty())
+        let count = rows.len();
+        let fed = db::written(rows, &ids);
+        Ok(Some(Written { whole: fed.len() == count, fed }))
     }
 
     /// The checked COMMIT, bounded like idemq's other statements. Its fate unknown
@@ -73,7 +93,7 @@ impl Consumer {
         tx: &mut Tx<'_>,
         xid: i64,
         done: Vec<Done>,
-        wrote_outbox: bool,
+        outbox: Option<Written>,
     ) -> Result<(), Fault> {
         let committing = Instant::now();
         let commit = tokio::time::timeout(self.shared.statement_deadline, db::commit_checked(conn, xid));
@@ -85,8 +105,13 @@ impl Consumer {
                 let commit =
                     Commit { queue: &self.queue, deliveries: done.len(), took: committing.elapsed() };
                 self.shared.observers.committed(&commit);
-                if wrote_outbox {
-                    self.shared.outbox.committed();
+                if let Some(Written { fed, whole }) = outbox {
+                    if !whole {
+                        self.shared.outbox.committed();
+                    }
+                    if !fed.is_empty() {
+                        self.shared.outbox.committed_rows(fed);
+                    }
                 }
                 self.applied(tx, done);
                 Ok(())

@@ -173,7 +173,7 @@ enum Stage {
     /// What the handlers published and returned, into the transaction (`commit`).
     Write { xid: i64, done: Vec<Done> },
     /// The checked COMMIT (`commit`).
-    Commit { xid: i64, done: Vec<Done>, wrote_outbox: bool },
+    Commit { xid: i64, done: Vec<Done>, outbox: Option<super::commit::Written> },
     /// The run decided what it could.
     Ended,
 }
@@ -456,11 +456,11 @@ impl Consumer {
                     self.handle(conn, tx, new).await?.then(|done| Stage::Write { xid, done })
                 }
                 Stage::Write { xid, done } => {
-                    let wrote_outbox = self.write(conn, tx, &done).await?;
-                    Stage::Commit { xid, done, wrote_outbox }
+                    let outbox = self.write(conn, tx, &done).await?;
+                    Stage::Commit { xid, done, outbox }
                 }
-                Stage::Commit { xid, done, wrote_outbox } => {
-                    self.commit(conn, tx, xid, done, wrote_outbox).await?;
+                Stage::Commit { xid, done, outbox } => {
+                    self.commit(conn, tx, xid, done, outbox).await?;
                     Stage::Ended
                 }
                 Stage::Ended => break,

@@ -208,8 +208,9 @@ impl Consumer {
         reply: Outgoing,
         cut_off: &CancellationToken,
     ) -> bool {
-        let written =
-            self.pooled(async |conn| db::insert_outbox(conn, std::slice::from_ref(&reply)).await).await;
+        let written = self
+            .pooled(async |conn| db::insert_outbox(conn, std::slice::from_ref(&reply)).await.map(drop))
+            .await;
         if let Err(err) = written {
             let error = crate::error::report(&err);
             crate::base::log::error!(queue = %self.queue, key = ?decision.key, %error, "could not queue the stored reply of a duplicated request; the delivery is requeued");

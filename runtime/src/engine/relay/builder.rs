@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::observe::{Observe, Observers};
@@ -68,7 +67,7 @@ impl RelayBuilder {
         self
     }
 
-    /// The most rows one pass claims and publishes (default 256; at least 1:
+    /// The most rows one pass claims and publishes (default 512; at least 1:
     /// [`Relay::run`] refuses 0).
     pub fn batch_size(mut self, size: usize) -> Self {
         self.settings.batch_size = size;
@@ -184,8 +183,14 @@ impl Relay {
         }
         drop(conn);
         let brokers = crate::broker::brokers::Brokers::parse(&amqp_url)?;
-        let worker =
-            Worker { pool, brokers, database_url, settings, wake: Arc::new(Notify::new()), observers };
+        let worker = Worker {
+            pool,
+            brokers,
+            database_url,
+            settings,
+            wake: Arc::new(super::listen::Wake::default()),
+            observers,
+        };
         worker.run(shutdown).await;
         Ok(())
     }

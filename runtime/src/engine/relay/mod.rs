@@ -2,8 +2,10 @@
 //! stable `message_id`.
 //!
 //! ```text
-//! wake (in-process signal | NOTIFY idemq_outbox | poll interval)
-//!   └─ BEGIN ─ SELECT … FOR UPDATE SKIP LOCKED (due rows, oldest first, ≤ batch)
+//! wake (rows handed over in-process | in-process signal | NOTIFY idemq_outbox | poll interval)
+//!   └─ BEGIN ─ rows handed over?  → SELECT id … WHERE id = ANY(…) FOR UPDATE SKIP LOCKED
+//!        │                          (those still there and due; published from memory)
+//!        │     else              → SELECT … FOR UPDATE SKIP LOCKED (due rows, oldest first, ≤ batch)
 //!        ├─ an expired reply?  → DELETE, never published (counted, one warning per pass)
 //!        ├─ exchange missing?  → postponed with backoff (never published: a publish to a
 //!        │                        missing exchange would close the channel)
@@ -41,9 +43,12 @@
 //! commit; a postponed row goes out after later ones.
 //!
 //! Wake-ups never cost the handlers' transactions a `NOTIFY`: the runtime's own relay
-//! is woken in-process after each COMMIT that wrote rows; a runtime whose relay is
-//! off sends `NOTIFY idemq_outbox` at most once per [`NOTIFY_INTERVAL`], outside any
-//! transaction. A relay listens on a dedicated connection; a silently dead socket
+//! is handed the rows each COMMIT wrote, as written ([`Wake`]: a pass locks them by
+//! id and reads nothing back — a claim of due rows walks every entry the relay's
+//! deletes left in the index, 14 ms for 256 rows through 200,000, and every row
+//! the other passes hold locked), and scans the table on a `NOTIFY`, every poll
+//! interval, and after a fault; a runtime whose relay is off sends `NOTIFY
+//! idemq_outbox` at most once per [`NOTIFY_INTERVAL`], outside any transaction. A relay listens on a dedicated connection; a silently dead socket
 //! would leave it waiting forever, so it polls as well.
 
 mod builder;
@@ -58,7 +63,7 @@ use std::time::Duration;
 
 pub(crate) use builder::relay_pool;
 pub use builder::{Relay, RelayBuilder};
-pub(crate) use listen::OutboxSignal;
+pub(crate) use listen::{OutboxSignal, Wake};
 pub(crate) use settings::Settings;
 pub(crate) use worker::Worker;
 

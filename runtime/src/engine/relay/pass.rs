@@ -46,6 +46,8 @@ pub(super) struct Publishing {
     /// The pass's connection, in its transaction.
     conn: db::Pooled,
     claimed: usize,
+    /// Its rows are deleted already (handed over: see [`Rows`]).
+    taken: bool,
     /// Expired replies, deleted unpublished.
     expired: Vec<OutboxRow>,
     /// The rows published, or refused before publishing.
@@ -55,9 +57,20 @@ pub(super) struct Publishing {
     lost: Option<RelayError>,
 }
 
-/// The first half of a pass: BEGIN, claim the due rows, publish them (all handed to
-/// lapin at once). `None`: nothing was due (the transaction is over). `Err`: the
-/// database failed (nothing recorded; the rows stay).
+/// What a pass publishes: the due rows it claims from the table, or rows committed
+/// in this process and handed over ([`Wake`](super::listen::Wake)), which it deletes
+/// at once by id — those still there and due (one gone was published by a scan) —
+/// and publishes from memory: confirmed, its COMMIT is the pass's only other
+/// statement; else it rolls back, and the pass records what the broker said in a
+/// transaction of its own.
+pub(super) enum Rows {
+    Scan,
+    Fed(Vec<OutboxRow>),
+}
+
+/// The first half of a pass: BEGIN, claim the rows (`rows`), publish them (all
+/// handed to lapin at once). `None`: nothing was due (the transaction is over).
+/// `Err`: the database failed (nothing recorded; the rows stay).
 ///
 /// Only this half needs the link; the second half awaits the broker, so the next
 /// pass can claim and publish while it does (see the worker).
@@ -65,6 +78,7 @@ pub(super) async fn start(
     pool: &db::Pool,
     settings: Settings,
     link: &mut Link,
+    rows: Rows,
 ) -> Result<Option<Publishing>, RelayError> {
     let mut conn = pool.get().await.map_err(RelayError::Pool)?;
     let limit = i64::try_from(settings.batch_size).unwrap_or(i64::MAX);
@@ -72,7 +86,12 @@ pub(super) async fn start(
     AnsiTransactionManager::begin_transaction(pg)
         .await
         .map_err(RelayError::database("begin a relay pass"))?;
-    let claimed = match db::claim_outbox(pg, limit, settings.reply_ttl).await {
+    let taken = matches!(rows, Rows::Fed(_));
+    let claimed = match rows {
+        Rows::Scan => db::claim_outbox(pg, limit, settings.reply_ttl).await,
+        Rows::Fed(rows) => take_fed(pg, rows).await,
+    };
+    let claimed = match claimed {
         Ok(claimed) => claimed,
         Err(error) => {
             rollback(pg).await;
@@ -90,7 +109,15 @@ pub(super) async fn start(
     let (expired, rows): (Vec<OutboxRow>, Vec<OutboxRow>) = claimed.into_iter().partition(|row| row.expired);
     let mut results: Vec<Published> = rows.iter().map(|_| None).collect();
     let (confirms, lost) = publish(link, &rows, &mut results).await;
-    Ok(Some(Publishing { conn, claimed: claimed_count, expired, rows, results, confirms, lost }))
+    Ok(Some(Publishing { conn, claimed: claimed_count, taken, expired, rows, results, confirms, lost }))
+}
+
+/// Of rows handed over, those this pass deletes (in its transaction): still in the
+/// outbox and due.
+async fn take_fed(conn: &mut AsyncPgConnection, rows: Vec<OutboxRow>) -> QueryResult<Vec<OutboxRow>> {
+    let ids: Vec<i64> = rows.iter().map(|row| row.id).collect();
+    let taken: std::collections::HashSet<i64> = db::take_outbox(conn, &ids).await?.into_iter().collect();
+    Ok(rows.into_iter().filter(|row| taken.contains(&row.id)).collect())
 }
 
 /// Rolls back a pass that failed; a connection left in its transaction is not
@@ -109,7 +136,7 @@ impl Publishing {
     /// (delete, postpone, expire) and commits. `Err`: the database failed (nothing
     /// recorded; the rows stay, and those published go out again: at least once).
     pub(super) async fn finish(self, settings: Settings) -> Result<Pass, RelayError> {
-        let Self { mut conn, claimed, expired, rows, mut results, confirms, mut lost } = self;
+        let Self { mut conn, claimed, taken, expired, rows, mut results, confirms, mut lost } = self;
         let nacked = await_confirms(&rows, confirms, &mut results, &mut lost).await;
         // The connection or channel failed: the first row left unknown is postponed
         // (it may be what closed the channel — too large, say — and would otherwise
@@ -121,6 +148,22 @@ impl Publishing {
             }
         }
         let pg: &mut AsyncPgConnection = &mut conn;
+        if taken {
+            let published = results.iter().filter(|result| matches!(result, Some(Ok(())))).count();
+            if published == rows.len() {
+                AnsiTransactionManager::commit_transaction(pg)
+                    .await
+                    .map_err(RelayError::database("commit a relay pass"))?;
+                return Ok(Pass { claimed, published, postponed: 0, expired: 0, nacked, lost });
+            }
+            // Not every row was confirmed: the rows come back, and what the broker
+            // said is recorded as a claimed pass records it. (Another relay may claim
+            // them in between and publish those confirmed again: at least once.)
+            rollback(pg).await;
+            AnsiTransactionManager::begin_transaction(pg)
+                .await
+                .map_err(RelayError::database("begin a relay pass's record"))?;
+        }
         let recorded = async {
             let mut recorded = record(pg, &rows, results, settings).await?;
             let published = recorded.sent.len();

@@ -22,7 +22,7 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             poll_interval: Duration::from_secs(1),
-            batch_size: 256,
+            batch_size: 512,
             max_backoff: Duration::from_secs(60),
             reply_ttl: DEFAULT_REPLY_TTL,
         }
@@ -34,7 +34,7 @@ impl Settings {
     pub(super) fn check(&self) -> Result<(), Error> {
         if self.batch_size == 0 {
             return Err(Error::Config(
-                "the relay's batch_size must be at least 1, not 0: give `.batch_size(1)` or more (default 256)"
+                "the relay's batch_size must be at least 1, not 0: give `.batch_size(1)` or more (default 512)"
                     .into(),
             ));
         }

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::base::backoff::Backoff;
@@ -15,8 +14,8 @@ use crate::store::db;
 
 use super::error::RelayError;
 use super::link::Link;
-use super::listen::listen;
-use super::pass::{self, Pass};
+use super::listen::{listen, Wake};
+use super::pass::{self, Pass, Rows};
 use super::settings::Settings;
 use super::FINAL_PASS;
 
@@ -27,7 +26,7 @@ pub(crate) struct Worker {
     pub(crate) brokers: Brokers,
     pub(crate) database_url: String,
     pub(crate) settings: Settings,
-    pub(crate) wake: Arc<Notify>,
+    pub(crate) wake: Arc<Wake>,
     pub(crate) observers: Observers,
 }
 
@@ -37,7 +36,7 @@ pub(crate) const DEPTH: usize = 3;
 
 /// Whether rows may be due, and what must be mended before the next pass.
 struct State {
-    /// The last pass claimed a full batch, or a wake-up came: start another.
+    /// The last scan claimed a full batch, or a wake-up to scan came: scan again.
     due: bool,
     trouble: Trouble,
 }
@@ -111,10 +110,13 @@ impl Worker {
     ///
     /// Up to [`DEPTH`] passes are in flight: while one awaits its confirms (the
     /// broker's confirm latency, tens of ms for a batch on a quorum queue), the next
-    /// claims and publishes on the same channel. A pass is started while the last
-    /// one claimed a full batch, or on a wake-up. After a fault (a lost connection, a
-    /// nack, the database) none starts until those in flight have ended; then the
-    /// link is dropped, the channel reopened, or the fault waited out.
+    /// claims and publishes on the same channel. A pass takes the rows handed over
+    /// while there are any ([`Wake`]); else it scans, while the last scan claimed a
+    /// full batch or on a wake-up to scan (a `NOTIFY`, the poll interval, rows left
+    /// to a scan). After a fault (a lost connection, a nack, the database) none
+    /// starts until those in flight have ended; then the link is dropped, the
+    /// channel reopened, or the fault waited out — and the next pass scans, as rows
+    /// handed over to a pass that failed are in the table still.
     async fn publish(&self, stop: &CancellationToken, link: &mut Option<Link>) {
         let mut faults = Faults::new();
         let mut final_until: Option<Instant> = None;
@@ -135,12 +137,14 @@ impl Worker {
             let left =
                 final_until.map_or(Duration::MAX, |until| until.saturating_duration_since(Instant::now()));
             let room = !state.trouble.any() && in_flight.len() < DEPTH;
-            let start_another = room && state.due;
+            let fed = self.wake.has_fed();
+            let start_another = room && (state.due || fed);
             if !in_flight.is_empty() && !start_another {
                 // Wait for a pass to end (or, with room for another, for a wake-up).
                 tokio::select! {
                     Some(ended) = in_flight.next() => self.ended(ended, &mut state),
-                    () = self.wake.notified(), if room => state.due = true,
+                    () = self.wake.scan.notified(), if room => state.due = true,
+                    () = self.wake.fed_arrived.notified(), if room => {}
                     () = stop.cancelled(), if !finishing => {}
                     // A pass started before the stop is bounded by the final pass too.
                     () = tokio::time::sleep(left), if finishing => {}
@@ -155,17 +159,17 @@ impl Worker {
                 state.due = true;
                 continue;
             }
-            if !state.due {
+            if !state.due && !fed {
                 // Nothing in flight, nothing due.
                 if finishing {
                     break;
                 }
                 tokio::select! {
-                    () = self.wake.notified() => {}
-                    () = tokio::time::sleep(self.settings.poll_interval) => {}
+                    () = self.wake.scan.notified() => state.due = true,
+                    () = self.wake.fed_arrived.notified() => {}
+                    () = tokio::time::sleep(self.settings.poll_interval) => state.due = true,
                     () = stop.cancelled() => {}
                 }
-                state.due = true;
                 continue;
             }
             let current = match link {
@@ -185,9 +189,14 @@ impl Worker {
                 },
             };
             // The next pass's first half, while those in flight go on.
+            let rows = match self.wake.take_fed(self.settings.batch_size) {
+                taken if !taken.is_empty() => Rows::Fed(taken),
+                _ => Rows::Scan,
+            };
+            let scan = matches!(rows, Rows::Scan);
             let mut ended = Vec::new();
             let started = {
-                let start = tokio::time::timeout(left, pass::start(&self.pool, self.settings, current));
+                let start = tokio::time::timeout(left, pass::start(&self.pool, self.settings, current, rows));
                 tokio::pin!(start);
                 loop {
                     tokio::select! {
@@ -203,13 +212,15 @@ impl Worker {
                 // Cut off while stopping.
                 Err(_) => break,
                 Ok(Ok(Some(publishing))) => {
-                    state.due = publishing.claimed() >= self.settings.batch_size;
+                    if scan {
+                        state.due = publishing.claimed() >= self.settings.batch_size;
+                    }
                     let settings = self.settings;
                     in_flight.push(async move {
                         tokio::time::timeout(left, publishing.finish(settings)).await.ok()
                     });
                 }
-                Ok(Ok(None)) => state.due = false,
+                Ok(Ok(None)) => state.due &= !scan,
                 Ok(Err(error)) => {
                     state.trouble.fault.get_or_insert(Fault { what: "database fault", error });
                 }

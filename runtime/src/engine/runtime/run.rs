@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -121,7 +121,7 @@ struct Assembly {
     startup: Startup,
     retention: Option<CheckedRetention>,
     /// The runtime's own relay's wake-up; `None` with the relay off.
-    relay_wake: Option<Arc<Notify>>,
+    relay_wake: Option<Arc<crate::engine::relay::Wake>>,
     #[cfg(feature = "metrics")]
     metrics: Option<Arc<crate::engine::metrics::Metrics>>,
     /// Serves `/metrics` and health from the start: `/healthz` answers while start-up
@@ -174,7 +174,7 @@ impl Assembly {
             return Ok(None);
         }
         crate::engine::startup::replication(&pool, b.replication_check).await?;
-        let relay_wake = b.relay.map(|_| Arc::new(Notify::new()));
+        let relay_wake = b.relay.map(|_| Arc::new(crate::engine::relay::Wake::default()));
         let shared = Arc::new(Shared {
             pool,
             limits: InputLimits { max_body_bytes: b.max_body_bytes },

@@ -55,7 +55,7 @@ pub(crate) use marks::{clear_starts, copy_recorded, mark_start, record_copy};
 pub use outbox::outbox_lag;
 pub(crate) use outbox::{
     cancel_outbox, claim_outbox, delete_outbox, insert_outbox, notify_relays, outbox_backlog,
-    postpone_outbox, OutboxRow, CHANNEL,
+    postpone_outbox, take_outbox, written, OutboxRow, CHANNEL,
 };
 pub(crate) use pool::{build_pool, NewConnection, Pool, PoolError, Pooled, SessionLimits};
 pub(crate) use sagas::{delete_expired_sagas, lock_saga, write_saga, SagaRow, SagaWrite};

@@ -17,10 +17,20 @@ pub(crate) const CHANNEL: &str = "idemq_outbox";
 
 /// Writes outbox rows (each with its message id set) in the caller's transaction:
 /// one statement for any number (every column an array parameter), its text fixed,
-/// so it is prepared once per connection.
-pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing]) -> QueryResult<()> {
+/// so it is prepared once per connection. Returns the rows' ids, in their order —
+/// none if the server returned them in another order (PostgreSQL returns an
+/// `INSERT … SELECT`'s rows as it inserts them; checked by message id all the same,
+/// as [`written`] relies on it).
+pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing]) -> QueryResult<Vec<i64>> {
+    #[derive(QueryableByName)]
+    struct Inserted {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = Text)]
+        message_id: String,
+    }
     if rows.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let ids: Vec<&str> = rows.iter().map(|row| row.message_id.as_deref().unwrap_or_default()).collect();
     let exchanges: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).collect();
@@ -29,10 +39,7 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     let content_types: Vec<Option<&str>> = rows.iter().map(|row| row.content_type.as_deref()).collect();
     let correlation_ids: Vec<Option<&str>> = rows.iter().map(|row| row.correlation_id.as_deref()).collect();
     let message_types: Vec<Option<&str>> = rows.iter().map(|row| row.message_type.as_deref()).collect();
-    let headers: Vec<Option<String>> = rows
-        .iter()
-        .map(|row| (!row.headers.is_empty()).then(|| serde_json::to_string(&row.headers).unwrap_or_default()))
-        .collect();
+    let headers: Vec<Option<String>> = rows.iter().map(headers_text).collect();
     let mandatory: Vec<bool> = rows.iter().map(|row| row.mandatory).collect();
     let replies: Vec<bool> = rows.iter().map(|row| row.reply.is_some()).collect();
     // A reply's own window, from now (the transaction's start: about when its request
@@ -59,7 +66,8 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
          FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], $7::text[], \
                      $8::bool[], $9::bool[], $10::bigint[], $11::text[], $12::bigint[], $13::bigint[]) \
               AS u(m, e, r, b, c, k, h, y, p, w, t, da, df), \
-              LATERAL (SELECT coalesce(to_timestamp(da / 1000.0), now() + df * interval '1 millisecond') AS d) AS due",
+              LATERAL (SELECT coalesce(to_timestamp(da / 1000.0), now() + df * interval '1 millisecond') AS d) AS due \
+         RETURNING id, message_id",
     )
     .bind::<Array<Text>, _>(ids)
     .bind::<Array<Text>, _>(exchanges)
@@ -74,7 +82,46 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     .bind::<Array<Nullable<Text>>, _>(message_types)
     .bind::<Array<Nullable<BigInt>>, _>(due_at)
     .bind::<Array<Nullable<BigInt>>, _>(due_after);
-    Fixed(insert).execute(conn).await.map(drop)
+    let inserted: Vec<Inserted> = Fixed(insert).load(conn).await?;
+    let in_order = inserted.len() == rows.len()
+        && inserted
+            .iter()
+            .zip(rows)
+            .all(|(written, row)| Some(written.message_id.as_str()) == row.message_id.as_deref());
+    Ok(if in_order { inserted.into_iter().map(|row| row.id).collect() } else { Vec::new() })
+}
+
+/// An outgoing message's headers as the outbox keeps them: JSON text, `NULL` for none.
+fn headers_text(row: &Outgoing) -> Option<String> {
+    (!row.headers.is_empty()).then(|| serde_json::to_string(&row.headers).unwrap_or_default())
+}
+
+/// The rows [`insert_outbox`] wrote, as a relay publishes them, given the `ids` it
+/// returned — those due at once; a scheduled row is left to the relay's scan. None
+/// when the ids are not those of `rows`.
+pub(crate) fn written(rows: Vec<Outgoing>, ids: &[i64]) -> Vec<OutboxRow> {
+    if ids.len() != rows.len() {
+        return Vec::new();
+    }
+    rows.into_iter()
+        .zip(ids)
+        .filter(|(row, _)| row.due.is_none())
+        .map(|(row, &id)| OutboxRow {
+            id,
+            headers: headers_text(&row),
+            message_id: row.message_id.unwrap_or_default(),
+            exchange: row.exchange,
+            routing_key: row.routing_key,
+            body: row.body,
+            content_type: row.content_type,
+            correlation_id: row.correlation_id,
+            message_type: row.message_type,
+            mandatory: row.mandatory,
+            attempts: 0,
+            last_error: None,
+            expired: false,
+        })
+        .collect()
 }
 
 /// `at` in milliseconds since the Unix epoch (before it: negative), within what
@@ -170,6 +217,23 @@ pub(crate) async fn claim_outbox(
     Fixed(claim).load(conn).await
 }
 
+/// Deletes the rows of `ids` still in the outbox and due, in the caller's
+/// transaction: the ids deleted. Until it ends they are held: a relay's claim skips
+/// them, a delete of them waits. A lookup by primary key, its text fixed.
+pub(crate) async fn take_outbox(conn: &mut AsyncPgConnection, ids: &[i64]) -> QueryResult<Vec<i64>> {
+    #[derive(QueryableByName)]
+    struct Taken {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+    }
+    let take = diesel::sql_query(
+        "DELETE FROM idemq_outbox WHERE id = ANY($1) AND available_at <= now() RETURNING id",
+    )
+    .bind::<Array<BigInt>, _>(ids);
+    let taken: Vec<Taken> = Fixed(take).load(conn).await?;
+    Ok(taken.into_iter().map(|row| row.id).collect())
+}
+
 /// Deletes rows whose messages were published.
 pub(crate) async fn delete_outbox(conn: &mut AsyncPgConnection, ids: &[i64]) -> QueryResult<()> {
     if ids.is_empty() {
@@ -246,4 +310,23 @@ pub async fn outbox_lag(conn: &mut AsyncPgConnection) -> QueryResult<(i64, i64)>
 /// Wakes the relays listening on [`CHANNEL`] (outside any transaction).
 pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<()> {
     conn.batch_execute(&format!("NOTIFY {CHANNEL}")).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::written;
+    use crate::base::outgoing::{Outgoing, When};
+
+    fn event(id: &str) -> Outgoing {
+        Outgoing::bytes("", "events", b"{}".to_vec()).expect("short names").message_id(id)
+    }
+
+    #[test]
+    fn the_rows_written_are_handed_over_with_their_ids_but_a_scheduled_one_is_left_to_a_scan() {
+        let scheduled = event("b").deliver(When::After(std::time::Duration::from_secs(60)));
+        let rows = written(vec![event("a"), scheduled, event("c")], &[7, 8, 9]);
+        let handed: Vec<(i64, &str)> = rows.iter().map(|row| (row.id, row.message_id.as_str())).collect();
+        assert_eq!(handed, vec![(7, "a"), (9, "c")]);
+        assert!(written(vec![event("a")], &[]).is_empty(), "ids not those of the rows: none");
+    }
 }
