@@ -42,8 +42,10 @@ struct Fed {
 }
 
 /// The most rows a relay holds handed over, and the most bytes of their bodies;
-/// past either, rows are left to a scan.
-pub(crate) const MOST_FED: usize = 16_384;
+/// past either, rows are left to a scan. 4,096 rows are almost three passes' worth
+/// beyond the three in flight; 16,384 held 3–4 MiB more at the same rate on the
+/// bench's backlog (BENCHMARKS.md, *Rows handed to the relay*).
+pub(crate) const MOST_FED: usize = 4_096;
 pub(crate) const MOST_FED_BYTES: usize = 16 << 20;
 
 impl Wake {
