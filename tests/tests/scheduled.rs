@@ -136,6 +136,48 @@ async fn reserve(
     Ok(())
 }
 
+/// Publishes an event per payment, to the queue its account names.
+#[idempotent_handler(key = "payment_id", name = "announce")]
+async fn announce(
+    _conn: &mut AsyncPgConnection,
+    msg: PaymentRequested,
+    ctx: &mut Context,
+) -> Result<(), HandlerError> {
+    ctx.publish("", &msg.account, &msg.payment_id)?;
+    Ok(())
+}
+
+/// A message falls due while the relay is kept busy with the rows a steady stream of
+/// handlers commits (each handed to it in-process, none of them waking a scan): it
+/// is published while the stream goes on — the relay scans every poll interval
+/// however busy — not only once the stream stops.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_falls_due_and_is_published_while_a_steady_stream_keeps_the_relay_busy() {
+    let bed = Bed::isolated().await;
+    let (events, target) = (idemq_tests::unique("events"), idemq_tests::unique("later"));
+    bed.broker.declare_queue(&events).await;
+    bed.broker.declare_queue(&target).await;
+    let running = Running::start(
+        bed.runtime().relay_poll_interval(Duration::from_millis(200)).consume(&bed.queue, announce),
+    );
+    let mut conn = bed.db.connect().await;
+    enqueue(&mut conn, Outgoing::json("", &target, &"later").unwrap().deliver(Duration::from_secs(1))).await;
+    // A payment every 20 ms, each committing an event, until the message arrives
+    // (at most 20 s: far past its due time and many poll intervals).
+    let stream_until = Instant::now() + Duration::from_secs(20);
+    let mut sent = 0;
+    while bed.broker.message_count(&target).await == 0 && Instant::now() < stream_until {
+        bed.publish(&PaymentRequested { account: events.clone(), ..payment(sent) }).await;
+        sent += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let published_during_the_stream = bed.broker.message_count(&target).await == 1;
+    running.wait_settled(usize::try_from(sent).expect("a count")).await;
+    running.stop().await.expect("clean shutdown");
+    assert!(published_during_the_stream, "the due message waited for the stream to stop ({sent} payments)");
+    assert!(sent > 10, "the stream ran: {sent} payments");
+}
+
 /// A handler's scheduled timeout commits with its dedup row: a duplicate of the
 /// message schedules nothing more, the process stopping before it is due loses
 /// nothing, and a relay started after publishes it once.

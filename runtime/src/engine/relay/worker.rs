@@ -36,9 +36,26 @@ pub(crate) const DEPTH: usize = 3;
 
 /// Whether rows may be due, and what must be mended before the next pass.
 struct State {
-    /// The last scan claimed a full batch, or a wake-up to scan came: scan again.
+    /// A wake-up to scan came, or the last scan claimed a full batch while no rows
+    /// were handed over: scan (see [`scans`]).
     due: bool,
+    /// The last pass started was a scan.
+    scanned: bool,
+    /// When the last scan started: one is due a poll interval later, however busy
+    /// the relay is with rows handed over.
+    last_scan: tokio::time::Instant,
     trouble: Trouble,
+}
+
+/// Whether the next pass scans — claims due rows from the table — rather than takes
+/// rows handed over (`fed`): when a scan is `due`, unless the last pass was one and
+/// rows handed over wait. So a scan that is due never waits for the rows handed over
+/// to run out — under a steady load they may never — and scans and passes of rows
+/// handed over take turns: a scheduled or postponed row is published within a poll
+/// interval or so, as before. (While rows handed over wait, a full scan does not ask
+/// for another: the rows it found may be theirs.)
+fn scans(due: bool, fed: bool, scanned: bool) -> bool {
+    due && (!fed || !scanned)
 }
 
 /// What the passes that ended met, mended once none is in flight.
@@ -110,10 +127,10 @@ impl Worker {
     ///
     /// Up to [`DEPTH`] passes are in flight: while one awaits its confirms (the
     /// broker's confirm latency, tens of ms for a batch on a quorum queue), the next
-    /// claims and publishes on the same channel. A pass takes the rows handed over
-    /// while there are any ([`Wake`]); else it scans, while the last scan claimed a
-    /// full batch or on a wake-up to scan (a `NOTIFY`, the poll interval, rows left
-    /// to a scan). After a fault (a lost connection, a nack, the database) none
+    /// claims and publishes on the same channel. A pass takes rows handed over
+    /// ([`Wake`]) or scans, while the last scan claimed a full batch or on a
+    /// wake-up to scan (a `NOTIFY`, the poll interval, rows left to a scan): see
+    /// [`scans`]. After a fault (a lost connection, a nack, the database) none
     /// starts until those in flight have ended; then the link is dropped, the
     /// channel reopened, or the fault waited out — and the next pass scans, as rows
     /// handed over to a pass that failed are in the table still.
@@ -121,7 +138,12 @@ impl Worker {
         let mut faults = Faults::new();
         let mut final_until: Option<Instant> = None;
         let mut in_flight = FuturesUnordered::new();
-        let mut state = State { due: true, trouble: Trouble::default() };
+        let mut state = State {
+            due: true,
+            scanned: false,
+            last_scan: tokio::time::Instant::now(),
+            trouble: Trouble::default(),
+        };
         loop {
             if final_until.is_none() && stop.is_cancelled() {
                 final_until = Some(Instant::now() + FINAL_PASS);
@@ -136,6 +158,12 @@ impl Worker {
             // Once stopping, nothing may take longer than what is left of the final pass.
             let left =
                 final_until.map_or(Duration::MAX, |until| until.saturating_duration_since(Instant::now()));
+            // (A poll interval past what an instant holds: a year, as good as never.)
+            let next_scan = state
+                .last_scan
+                .checked_add(self.settings.poll_interval)
+                .unwrap_or_else(|| state.last_scan + Duration::from_secs(365 * 86_400));
+            state.due |= tokio::time::Instant::now() >= next_scan;
             let room = !state.trouble.any() && in_flight.len() < DEPTH;
             let fed = self.wake.has_fed();
             let start_another = room && (state.due || fed);
@@ -145,6 +173,7 @@ impl Worker {
                     Some(ended) = in_flight.next() => self.ended(ended, &mut state),
                     () = self.wake.scan.notified(), if room => state.due = true,
                     () = self.wake.fed_arrived.notified(), if room => {}
+                    () = tokio::time::sleep_until(next_scan), if room => state.due = true,
                     () = stop.cancelled(), if !finishing => {}
                     // A pass started before the stop is bounded by the final pass too.
                     () = tokio::time::sleep(left), if finishing => {}
@@ -167,7 +196,7 @@ impl Worker {
                 tokio::select! {
                     () = self.wake.scan.notified() => state.due = true,
                     () = self.wake.fed_arrived.notified() => {}
-                    () = tokio::time::sleep(self.settings.poll_interval) => state.due = true,
+                    () = tokio::time::sleep_until(next_scan) => state.due = true,
                     () = stop.cancelled() => {}
                 }
                 continue;
@@ -189,11 +218,19 @@ impl Worker {
                 },
             };
             // The next pass's first half, while those in flight go on.
-            let rows = match self.wake.take_fed(self.settings.batch_size) {
-                taken if !taken.is_empty() => Rows::Fed(taken),
-                _ => Rows::Scan,
+            let rows = if scans(state.due, fed, state.scanned) {
+                Rows::Scan
+            } else {
+                match self.wake.take_fed(self.settings.batch_size) {
+                    taken if !taken.is_empty() => Rows::Fed(taken),
+                    _ => Rows::Scan,
+                }
             };
             let scan = matches!(rows, Rows::Scan);
+            state.scanned = scan;
+            if scan {
+                state.last_scan = tokio::time::Instant::now();
+            }
             let mut ended = Vec::new();
             let started = {
                 let start = tokio::time::timeout(left, pass::start(&self.pool, self.settings, current, rows));
@@ -213,7 +250,7 @@ impl Worker {
                 Err(_) => break,
                 Ok(Ok(Some(publishing))) => {
                     if scan {
-                        state.due = publishing.claimed() >= self.settings.batch_size;
+                        state.due = publishing.claimed() >= self.settings.batch_size && !self.wake.has_fed();
                     }
                     let settings = self.settings;
                     in_flight.push(async move {
@@ -301,5 +338,18 @@ impl Worker {
             connected = connect => Some(connected),
             () = stop.cancelled() => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scans;
+
+    #[test]
+    fn a_due_scan_takes_its_turn_beside_rows_handed_over() {
+        assert!(scans(true, false, true), "due, nothing handed over: scan");
+        assert!(scans(true, true, false), "due, rows handed over, last was theirs: scan now");
+        assert!(!scans(true, true, true), "due, rows handed over, last was a scan: their turn");
+        assert!(!scans(false, true, false), "not due: the rows handed over");
     }
 }
