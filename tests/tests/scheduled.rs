@@ -200,12 +200,18 @@ async fn a_timeout_scheduled_by_a_handler_fires_once_after_a_restart_and_a_dupli
         bed.broker.message_count("payment-timeouts").await == 1
     })
     .await;
+    // The broker has the message before the relay's pass commits the row's delete.
+    eventually("the timeout's row deleted", Duration::from_secs(30), || async {
+        outbox::backlog(&mut bed.db.connect().await).await.expect("backlog") == 0
+    })
+    .await;
+    shutdown.cancel();
+    relay.await.expect("relay task").expect("relay run");
     let fired = bed.broker.drain("payment-timeouts").await;
+    assert_eq!(fired.len(), 1, "published once");
     let body: serde_json::Value = serde_json::from_slice(&fired[0].delivery.data).expect("JSON");
     assert_eq!(body["payment_id"], placed.payment_id.as_str());
     assert_eq!(outbox::backlog(&mut conn).await.expect("backlog"), 0);
-    shutdown.cancel();
-    relay.await.expect("relay task").expect("relay run");
 }
 
 /// The test kit drives a handler's 15-minute timeout forward without waiting: not
