@@ -299,9 +299,12 @@ async fn consume_in_lanes(
 /// it), else all. A quick batch handler's batches run at most [`ROOM`] at once
 /// anyway; spread over all the pipelines, each would be a sixteenth of what the
 /// prefetch holds (at 1,000 accounts the demo's batches averaged 117 payments of
-/// 256), folded into [`ROOM`] they are whole. Once folded, a handler unfolds only
-/// when its pace is past twice [`QUICK`], so that one slow call does not make the
-/// intake drain its pipelines back and forth.
+/// 256), folded into [`ROOM`] a half (146–157: the intake is fed at the broker's
+/// rate). Once folded, a handler unfolds only when its pace is past twice
+/// [`QUICK`], so that one slow call does not make the intake drain its pipelines
+/// back and forth. The cost of the fold: a handler that turns slow runs what the
+/// two pipelines already hold (up to the prefetch) two batches at a time before it
+/// unfolds.
 fn pipelines_wanted(batched: bool, pace: &Pace, most: usize, all: usize, in_use: usize) -> usize {
     let folded = all.min(ROOM);
     let quick = if in_use == folded { QUICK * 2 } else { QUICK };
