@@ -68,19 +68,19 @@ impl Consumer {
             }
         }
         let written = async {
-            let ids = self.bounded(db::insert_outbox(conn, &rows)).await?;
+            let inserted = self.bounded(db::insert_outbox(conn, &rows)).await?;
             self.bounded(db::store_results(conn, &self.scope, &results)).await?;
-            Ok(ids)
+            Ok(inserted)
         };
-        let ids = match written.await {
-            Ok(ids) => ids,
+        let inserted = match written.await {
+            Ok(inserted) => inserted,
             Err(err) => return Err(rollback(conn, infra(err)).await),
         };
         if rows.is_empty() {
             return Ok(None);
         }
         let count = rows.len();
-        let fed = db::written(rows, &ids);
+        let fed = db::written(rows, inserted);
         Ok(Some(Written { whole: fed.len() == count, fed }))
     }
 

@@ -20,7 +20,7 @@ use super::NOTIFY_INTERVAL;
 /// What wakes a runtime's own relay: rows may be due anywhere in the outbox (`scan`:
 /// its next pass claims what is due, walking the table), or rows were committed in
 /// this process and handed over as they were written ([`Wake::feed`]: the next pass
-/// locks them by id and publishes them from memory). A pass of handed-over rows
+/// deletes them by id in its transaction and publishes them from memory). A pass of handed-over rows
 /// walks none of the entries the relay's deletes leave behind in the table's index
 /// (a churned outbox: 14 ms for a claim of 256 rows through 200,000 of them,
 /// BENCHMARKS.md), nor the rows other passes hold locked, and reads no body back.

@@ -17,20 +17,20 @@ pub(crate) const CHANNEL: &str = "idemq_outbox";
 
 /// Writes outbox rows (each with its message id set) in the caller's transaction:
 /// one statement for any number (every column an array parameter), its text fixed,
-/// so it is prepared once per connection. Returns the rows' ids, in their order —
-/// none if the server returned them in another order (PostgreSQL returns an
-/// `INSERT … SELECT`'s rows as it inserts them; checked by message id all the same,
-/// as [`written`] relies on it).
-pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing]) -> QueryResult<Vec<i64>> {
+/// so it is prepared once per connection. Returns what [`written`] needs: the rows'
+/// ids, in their order — none if the server returned them in another order
+/// (PostgreSQL returns an `INSERT … SELECT`'s rows as it inserts them; checked by
+/// message id all the same) — and their headers as written.
+pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing]) -> QueryResult<Inserted> {
     #[derive(QueryableByName)]
-    struct Inserted {
+    struct Returned {
         #[diesel(sql_type = BigInt)]
         id: i64,
         #[diesel(sql_type = Text)]
         message_id: String,
     }
     if rows.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Inserted::default());
     }
     let ids: Vec<&str> = rows.iter().map(|row| row.message_id.as_deref().unwrap_or_default()).collect();
     let exchanges: Vec<&str> = rows.iter().map(|row| row.exchange.as_str()).collect();
@@ -75,20 +75,28 @@ pub(crate) async fn insert_outbox(conn: &mut AsyncPgConnection, rows: &[Outgoing
     .bind::<Array<Bytea>, _>(bodies)
     .bind::<Array<Nullable<Text>>, _>(content_types)
     .bind::<Array<Nullable<Text>>, _>(correlation_ids)
-    .bind::<Array<Nullable<Text>>, _>(headers)
+    .bind::<Array<Nullable<Text>>, _>(&headers)
     .bind::<Array<Bool>, _>(mandatory)
     .bind::<Array<Bool>, _>(replies)
     .bind::<Array<Nullable<BigInt>>, _>(windows)
     .bind::<Array<Nullable<Text>>, _>(message_types)
     .bind::<Array<Nullable<BigInt>>, _>(due_at)
     .bind::<Array<Nullable<BigInt>>, _>(due_after);
-    let inserted: Vec<Inserted> = Fixed(insert).load(conn).await?;
-    let in_order = inserted.len() == rows.len()
-        && inserted
+    let returned: Vec<Returned> = Fixed(insert).load(conn).await?;
+    let in_order = returned.len() == rows.len()
+        && returned
             .iter()
             .zip(rows)
             .all(|(written, row)| Some(written.message_id.as_str()) == row.message_id.as_deref());
-    Ok(if in_order { inserted.into_iter().map(|row| row.id).collect() } else { Vec::new() })
+    let ids = if in_order { returned.into_iter().map(|row| row.id).collect() } else { Vec::new() };
+    Ok(Inserted { ids, headers })
+}
+
+/// What [`insert_outbox`] wrote, beside the rows themselves: their ids and headers.
+#[derive(Debug, Default)]
+pub(crate) struct Inserted {
+    ids: Vec<i64>,
+    headers: Vec<Option<String>>,
 }
 
 /// An outgoing message's headers as the outbox keeps them: JSON text, `NULL` for none.
@@ -96,19 +104,20 @@ fn headers_text(row: &Outgoing) -> Option<String> {
     (!row.headers.is_empty()).then(|| serde_json::to_string(&row.headers).unwrap_or_default())
 }
 
-/// The rows [`insert_outbox`] wrote, as a relay publishes them, given the `ids` it
+/// The rows [`insert_outbox`] wrote, as a relay publishes them, given what it
 /// returned — those due at once; a scheduled row is left to the relay's scan. None
-/// when the ids are not those of `rows`.
-pub(crate) fn written(rows: Vec<Outgoing>, ids: &[i64]) -> Vec<OutboxRow> {
-    if ids.len() != rows.len() {
+/// when its ids are not those of `rows`.
+pub(crate) fn written(rows: Vec<Outgoing>, inserted: Inserted) -> Vec<OutboxRow> {
+    let Inserted { ids, headers } = inserted;
+    if ids.len() != rows.len() || headers.len() != rows.len() {
         return Vec::new();
     }
     rows.into_iter()
-        .zip(ids)
+        .zip(ids.into_iter().zip(headers))
         .filter(|(row, _)| row.due.is_none())
-        .map(|(row, &id)| OutboxRow {
+        .map(|(row, (id, headers))| OutboxRow {
             id,
-            headers: headers_text(&row),
+            headers,
             message_id: row.message_id.unwrap_or_default(),
             exchange: row.exchange,
             routing_key: row.routing_key,
@@ -314,7 +323,7 @@ pub(crate) async fn notify_relays(conn: &mut AsyncPgConnection) -> QueryResult<(
 
 #[cfg(test)]
 mod tests {
-    use super::written;
+    use super::{headers_text, written, Inserted};
     use crate::base::outgoing::{Outgoing, When};
 
     fn event(id: &str) -> Outgoing {
@@ -324,9 +333,13 @@ mod tests {
     #[test]
     fn the_rows_written_are_handed_over_with_their_ids_but_a_scheduled_one_is_left_to_a_scan() {
         let scheduled = event("b").deliver(When::After(std::time::Duration::from_secs(60)));
-        let rows = written(vec![event("a"), scheduled, event("c")], &[7, 8, 9]);
+        let rows = vec![event("a"), scheduled, event("c").header("x-a", "1")];
+        let inserted = Inserted { ids: vec![7, 8, 9], headers: rows.iter().map(headers_text).collect() };
+        let rows = written(rows, inserted);
         let handed: Vec<(i64, &str)> = rows.iter().map(|row| (row.id, row.message_id.as_str())).collect();
         assert_eq!(handed, vec![(7, "a"), (9, "c")]);
-        assert!(written(vec![event("a")], &[]).is_empty(), "ids not those of the rows: none");
+        assert_eq!(rows[1].headers.as_deref(), Some(r#"{"x-a":"1"}"#), "the headers as written");
+        let none = Inserted { ids: Vec::new(), headers: vec![None] };
+        assert!(written(vec![event("a")], none).is_empty(), "ids not those of the rows: none");
     }
 }
