@@ -110,6 +110,7 @@ impl Consumer {
                         self.shared.outbox.committed();
                     }
                     if !fed.is_empty() {
+                        self.sends.store(true, std::sync::atomic::Ordering::Relaxed);
                         self.shared.outbox.committed_rows(fed);
                     }
                 }

@@ -73,6 +73,9 @@
 //! - A handler's kill switch ([`crate::engine::flow`]) is told each decision as it is
 //!   made; once open, what is not yet decided goes back to the queue unprocessed
 //!   (`Paused`, never an attempt) and the intake pauses the consumer.
+//! - A batch of a consumer whose batches hand the runtime's relay outbox rows waits,
+//!   before BEGIN and at most 100 ms, while that relay is behind
+//!   ([`Wake::keep_pace`](crate::engine::relay::Wake::keep_pace)).
 //! - No path leaves a delivery unsettled: a guard nacks a batch (requeue) if its
 //!   task ends without settling it.
 //! - Poison is what *started* `delivery_limit` times without an outcome: a redelivered
@@ -208,8 +211,15 @@ impl Consumer {
             Some(items.iter().map(|_| Decision::new(Outcome::Paused)).collect())
         } else if self.channel.status().connected() {
             let span = crate::base::log::debug_span!("batch", queue = %self.queue, deliveries = items.len());
+            let decide = async {
+                // A batch that will write outbox rows waits while the relay is behind.
+                if self.sends.load(std::sync::atomic::Ordering::Relaxed) {
+                    self.shared.outbox.keep_pace().await;
+                }
+                self.decide(&items, prepared).await
+            };
             tokio::select! {
-                decisions = tracing::Instrument::instrument(self.decide(&items, prepared), span) => Some(decisions),
+                decisions = tracing::Instrument::instrument(decide, span) => Some(decisions),
                 () = cut_off.cancelled() => None,
             }
         } else {

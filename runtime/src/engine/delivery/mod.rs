@@ -98,6 +98,9 @@ pub(crate) struct Consumer {
     pub(crate) pace: Pace,
     /// Its batches that collided since it last said so (see `contention`).
     pub(crate) collisions: contention::Collisions,
+    /// Its batches hand the runtime's relay outbox rows: they keep pace with it
+    /// (see [`Wake::keep_pace`](crate::engine::relay::Wake::keep_pace)).
+    pub(crate) sends: std::sync::atomic::AtomicBool,
     /// Its deliveries whose ack or nack could not be sent: logged as a count, not
     /// one line each (see [`Unsent`]).
     pub(crate) unsent: Unsent,

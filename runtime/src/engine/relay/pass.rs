@@ -132,6 +132,11 @@ impl Publishing {
         self.claimed
     }
 
+    /// The ids of the rows the pass holds.
+    pub(super) fn ids(&self) -> std::collections::HashSet<i64> {
+        self.rows.iter().chain(&self.expired).map(|row| row.id).collect()
+    }
+
     /// The second half of a pass: awaits the confirms, records what the broker said
     /// (delete, postpone, expire) and commits. `Err`: the database failed (nothing
     /// recorded; the rows stay, and those published go out again: at least once).

@@ -250,6 +250,8 @@ impl Worker {
                 Err(_) => break,
                 Ok(Ok(Some(publishing))) => {
                     if scan {
+                        // Before any other pass is started: none can take them meanwhile.
+                        self.wake.forget(&publishing.ids());
                         state.due = publishing.claimed() >= self.settings.batch_size && !self.wake.has_fed();
                     }
                     let settings = self.settings;

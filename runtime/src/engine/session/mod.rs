@@ -436,6 +436,7 @@ impl On<'_> {
             width: Width::new(spec.batch.pipelines),
             pace: Default::default(),
             collisions: Default::default(),
+            sends: Default::default(),
             unsent: Unsent::new(&spec.queue, self.session),
             batch: spec.batch,
             on_conflict: spec.on_conflict,
