@@ -268,7 +268,20 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     };
     // One node that answers for both connections.
     let (consuming, node) = ctx.brokers.connect("consumer").await.map_err(fail)?;
-    let publishing = match ctx.brokers.connect_to(node, "publisher").await {
+    // The publishing connection opens while the topology is declared on the other.
+    let (publishing, declared) =
+        tokio::join!(ctx.brokers.connect_to(node, "publisher"), declare(ctx, &consuming));
+    // The declaration's error first: a mismatch is fatal.
+    let publishing = match declared {
+        Ok(()) => publishing,
+        Err(err) => {
+            if let Ok(publishing) = &publishing {
+                bounded(publishing.close(200, "start-up failed".into())).await;
+            }
+            Err(err)
+        }
+    };
+    let publishing = match publishing {
         Ok(publishing) => publishing,
         Err(err) => {
             bounded(consuming.close(200, "start-up failed".into())).await;
@@ -291,9 +304,23 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     }
 }
 
-/// On a session's two connections: opens the publisher channel (with confirms),
-/// declares the topology and starts every consumer's intake. The intake loops, what
-/// stops them, the channels opened (the publisher's first) and the consumer
+/// Declares the topology, with the wait queues of every consumer's retry policy, on
+/// the session's consuming connection.
+async fn declare(ctx: &SessionContext, consuming: &Connection) -> Result<(), Error> {
+    let waits: Vec<_> = ctx
+        .consumers
+        .iter()
+        .flat_map(|spec| {
+            spec.retry.wait_queues(&spec.queue).into_iter().map(|(name, delay)| (&spec.declared, name, delay))
+        })
+        .collect();
+    let consumed = |queue: &str| ctx.consumers.iter().any(|spec| spec.queue == queue);
+    ctx.topology.declare_available(consuming, &waits, consumed).await
+}
+
+/// On a session's two connections, its topology declared: opens the publisher
+/// channel (with confirms) and starts every consumer's intake. The intake loops,
+/// what stops them, the channels opened (the publisher's first) and the consumer
 /// channels' settling states.
 async fn begin(
     ctx: &SessionContext,
@@ -306,16 +333,6 @@ async fn begin(
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .map_err(amqp("enable publisher confirms"))?;
-
-    let waits: Vec<_> = ctx
-        .consumers
-        .iter()
-        .flat_map(|spec| {
-            spec.retry.wait_queues(&spec.queue).into_iter().map(|(name, delay)| (&spec.declared, name, delay))
-        })
-        .collect();
-    let consumed = |queue: &str| ctx.consumers.iter().any(|spec| spec.queue == queue);
-    ctx.topology.declare_available(consuming, &waits, consumed).await?;
 
     let session_stop = CancellationToken::new();
     let mut loops = JoinSet::new();
