@@ -259,8 +259,7 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     let first = session == 1;
     let fail = |err: Error| {
         // A topology mismatch cannot be fixed by reconnecting, ever.
-        let mismatch = matches!(err, Error::QueueMismatch { .. } | Error::ExchangeMismatch { .. });
-        if mismatch || (first && !crate::broker::brokers::unreachable(&err)) {
+        if is_mismatch(&err) || (first && !crate::broker::brokers::unreachable(&err)) {
             SessionEnd::Fatal(err)
         } else {
             SessionEnd::Lost { loss: Loss::Start(err), connected: false }
@@ -271,15 +270,16 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
     // The publishing connection opens while the topology is declared on the other.
     let (publishing, declared) =
         tokio::join!(ctx.brokers.connect_to(node, "publisher"), declare(ctx, &consuming));
-    // The declaration's error first: a mismatch is fatal.
-    let publishing = match declared {
-        Ok(()) => publishing,
-        Err(err) => {
-            if let Ok(publishing) = &publishing {
-                bounded(publishing.close(200, "start-up failed".into())).await;
-            }
+    let publishing = match (publishing, declared) {
+        (Ok(publishing), Ok(())) => Ok(publishing),
+        (Ok(publishing), Err(err)) => {
+            bounded(publishing.close(200, "start-up failed".into())).await;
             Err(err)
         }
+        (Err(err), Ok(())) => Err(err),
+        // Both failed: a mismatch is fatal whatever else failed; otherwise the
+        // connection's error says best whether the broker is out of reach (waited for).
+        (Err(connect), Err(declare)) => Err(if is_mismatch(&declare) { declare } else { connect }),
     };
     let publishing = match publishing {
         Ok(publishing) => publishing,
@@ -302,6 +302,11 @@ async fn start(ctx: &SessionContext, session: u64) -> Result<Started, SessionEnd
             Err(fail(err))
         }
     }
+}
+
+/// Whether `err` says the broker holds a queue or exchange with other arguments.
+fn is_mismatch(err: &Error) -> bool {
+    matches!(err, Error::QueueMismatch { .. } | Error::ExchangeMismatch { .. })
 }
 
 /// Declares the topology, with the wait queues of every consumer's retry policy, on
