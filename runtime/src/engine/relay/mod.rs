@@ -3,9 +3,11 @@
 //!
 //! ```text
 //! wake (rows handed over in-process | in-process signal | NOTIFY idemq_outbox | poll interval)
-//!   └─ BEGIN ─ rows handed over?  → SELECT id … WHERE id = ANY(…) FOR UPDATE SKIP LOCKED
-//!        │                          (those still there and due; published from memory)
-//!        │     else              → SELECT … FOR UPDATE SKIP LOCKED (due rows, oldest first, ≤ batch)
+//!   └─ BEGIN ─ rows handed over?  → DELETE … WHERE id = ANY(…) AND due RETURNING id
+//!        │                          (those still there; published from memory; all
+//!        │                          confirmed → COMMIT, else ROLLBACK and recorded below)
+//!        │     else              → SELECT … FOR UPDATE SKIP LOCKED (due rows, oldest first, ≤ batch;
+//!        │                          the rows it claims leave those handed over)
 //!        ├─ an expired reply?  → DELETE, never published (counted, one warning per pass)
 //!        ├─ exchange missing?  → postponed with backoff (never published: a publish to a
 //!        │                        missing exchange would close the channel)
@@ -43,13 +45,15 @@
 //! commit; a postponed row goes out after later ones.
 //!
 //! Wake-ups never cost the handlers' transactions a `NOTIFY`: the runtime's own relay
-//! is handed the rows each COMMIT wrote, as written ([`Wake`]: a pass locks them by
+//! is handed the rows each COMMIT wrote, as written ([`Wake`]: a pass deletes them by
 //! id and reads nothing back — a claim of due rows walks every entry the relay's
 //! deletes left in the index, 14 ms for 256 rows through 200,000, and every row
 //! the other passes hold locked), and scans the table on a `NOTIFY`, every poll
-//! interval, and after a fault; a runtime whose relay is off sends `NOTIFY
-//! idemq_outbox` at most once per [`NOTIFY_INTERVAL`], outside any transaction. A relay listens on a dedicated connection; a silently dead socket
-//! would leave it waiting forever, so it polls as well.
+//! interval, and after a fault. While it is behind, the batches that hand it rows
+//! wait for it ([`Wake::keep_pace`]). A runtime whose relay is off sends `NOTIFY
+//! idemq_outbox` at most once per [`NOTIFY_INTERVAL`], outside any transaction. A
+//! relay listens on a dedicated connection; a silently dead socket would leave it
+//! waiting forever, so it polls as well.
 
 mod builder;
 mod error;
