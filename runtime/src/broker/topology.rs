@@ -184,10 +184,7 @@ impl Topology {
         needed: impl Fn(&str) -> bool,
     ) -> Result<(), Error> {
         // The exchanges first: the queues' bindings name them.
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
+        let channel = open_channel(connection).await?;
         for exchange in &self.exchanges {
             exchange.declare(&channel).await?;
         }
@@ -588,10 +585,7 @@ impl Queue {
                      (each `dlq list` returns every letter once) is dropped. Lift it with a policy \
                      (`delivery-limit`), or move its letters and delete it so that idemq declares it again"
                 );
-                *channel = connection
-                    .create_channel()
-                    .await
-                    .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
+                *channel = open_channel(connection).await?;
                 declare_queue(channel, &self.dead_letter, self.dead_letter_queue_arguments(false)).await?;
             }
             other => other?,
@@ -607,10 +601,7 @@ impl Queue {
         connection: &lapin::Connection,
         wait: Option<(&str, Duration)>,
     ) -> Result<(), Error> {
-        let mut channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| Error::Amqp { action: "open a channel".into(), source })?;
+        let mut channel = open_channel(connection).await?;
         let declared = match wait {
             None => self.declare_keeping_old_dead_letter_queue(connection, &mut channel).await,
             Some((name, delay)) => self.declare_wait_queue(&channel, name, delay).await,
@@ -688,6 +679,14 @@ async fn declare_queue(channel: &Channel, name: &str, args: FieldTable) -> Resul
             None => Error::Amqp { action: format!("declare queue '{name}'"), source },
         }
     })
+}
+
+/// A channel on `connection`, for declarations.
+async fn open_channel(connection: &lapin::Connection) -> Result<Channel, Error> {
+    connection
+        .create_channel()
+        .await
+        .map_err(|source| Error::Amqp { action: "open a channel".into(), source })
 }
 
 /// Whether a 406's words say the queue exists without the `x-delivery-limit` declared.
